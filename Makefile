@@ -1,0 +1,43 @@
+# The two front-door commands (see README): `make demo` and `make test`.
+# Each bootstraps a local virtual environment on first use.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+OUT    ?= out/plan
+
+.PHONY: demo test lint typecheck unit bench bench-large clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
+demo: $(STAMP)
+	$(BIN)/perseus plan --microbatches 24 --out $(OUT)
+
+## Whole test suite: lint, strict typing, unit + reproduction tests.
+test: lint typecheck unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest
+
+## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches).
+bench: $(STAMP)
+	$(BIN)/python benchmarks/planner_vs_lowtime.py
+
+## The large case: A40, 96 microbatches, 0.1 ms (~65,000 frontier points).
+bench-large: $(STAMP)
+	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
+
+clean:
+	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache

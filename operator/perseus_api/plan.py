@@ -1,0 +1,101 @@
+"""Frequency plan: the wire format between planner, operator and node agents.
+
+One ``PipelinePlan`` describes one pipeline (all data-parallel replicas of a job
+share it unless they are re-targeted). The node agent applies, per GPU of stage
+``s``, either ``stages[s].frequency_mhz`` (``Stage`` granularity: one locked
+clock) or ``stages[s].instructions`` in schedule order (``Instruction``
+granularity: the clock switches at every forward/backward).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+API_VERSION: Final = "perseus.energy/v1alpha1"
+
+
+class Granularity(StrEnum):
+    """How finely clocks are controlled."""
+
+    STAGE = "Stage"
+    INSTRUCTION = "Instruction"
+
+
+class PlanObjective(StrEnum):
+    """Why this point of the frontier was chosen."""
+
+    MIN_TIME = "MinTime"  # T_min: no slowdown, intrinsic bloat removed
+    STRAGGLER = "Straggler"  # slowest replica runs at T': min energy with T <= T'
+    MAX_SLOWDOWN = "MaxSlowdown"  # min energy within a slowdown budget
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstructionClock(_Model):
+    """Clock of one computation, in the stage's execution order."""
+
+    instruction: Literal["forward", "backward"]
+    microbatch: int = Field(ge=0)
+    frequency_mhz: int = Field(gt=0)
+
+
+class StagePlan(_Model):
+    """Clocks for every GPU of one pipeline stage."""
+
+    stage: int = Field(ge=0)
+    frequency_mhz: int = Field(gt=0, description="Stage granularity: one locked SM clock.")
+    instructions: list[InstructionClock] = Field(
+        description="Instruction granularity: clock per computation, in schedule order."
+    )
+
+
+class PlanEstimate(_Model):
+    """Predicted iteration time and energy of one pipeline under a plan."""
+
+    iteration_time_s: float = Field(gt=0, description="The pipeline's own iteration time.")
+    energy_j: float = Field(
+        gt=0, description="Per iteration, incl. blocking power while waiting for a straggler."
+    )
+    savings_ratio: float = Field(
+        description="Energy saved vs. every GPU at its highest clock, at the same iteration time."
+    )
+
+
+class PipelinePlan(_Model):
+    """Per-GPU frequency plan of one pipeline."""
+
+    api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
+    kind: Literal["PipelinePlan"] = "PipelinePlan"
+    schedule: Literal["1f1b", "gpipe"]
+    num_stages: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    granularity: Granularity = Field(description="Which part of each StagePlan to apply.")
+    objective: PlanObjective
+    target_iteration_time_s: float | None = Field(
+        default=None, gt=0, description="T' of a straggler or the slowdown deadline, if any."
+    )
+    unit_time_s: float = Field(gt=0)
+    blocking_power_w: float = Field(ge=0)
+    t_min_s: float = Field(gt=0, description="Fastest iteration time on the frontier.")
+    t_star_s: float = Field(gt=0, description="Iteration time of the minimum-energy point.")
+    baseline_iteration_time_s: float = Field(gt=0, description="All GPUs at max clock.")
+    instruction_estimate: PlanEstimate
+    stage_estimate: PlanEstimate
+    stages: list[StagePlan]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelinePlan:
+        if [s.stage for s in self.stages] != list(range(self.num_stages)):
+            raise ValueError(f"stages must list stages 0..{self.num_stages - 1} in order")
+        for s in self.stages:
+            if len(s.instructions) != 2 * self.num_microbatches:
+                raise ValueError(
+                    f"stage {s.stage} lists {len(s.instructions)} computations, expected "
+                    f"{2 * self.num_microbatches} (a forward and a backward per microbatch)"
+                )
+        return self

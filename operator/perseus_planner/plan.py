@@ -1,0 +1,240 @@
+"""Choosing a point of the frontier and turning it into per-GPU clocks.
+
+- ``T_min`` (intrinsic bloat only): the fastest point; no slowdown.
+- Straggler at ``T'``: the replicas that wait for it anyway run the point with
+  ``T <= T'`` that uses the least energy *including* blocking power while they
+  wait from ``T`` until ``T'``.
+- Slowdown budget ``x``: the least-energy point with ``T <= (1 + x) * T_min``.
+
+``Instruction`` granularity applies the point as is. ``Stage`` granularity can
+lock only one clock per GPU, so it gets its own search: per-stage clocks that
+keep the iteration within the chosen point's time at the least energy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from perseus_api.plan import (
+    Granularity,
+    InstructionClock,
+    PipelinePlan,
+    PlanEstimate,
+    PlanObjective,
+    StagePlan,
+)
+from perseus_planner.errors import PlannerError
+from perseus_planner.frontier import Baseline, Frontier
+from perseus_planner.solver import FrontierProblem
+
+IntArray = npt.NDArray[np.int64]
+
+_MAX_COORDINATE_PASSES = 20
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A chosen frontier point and why."""
+
+    index: int
+    objective: PlanObjective
+    target_s: float | None
+
+
+def choose_point(
+    frontier: Frontier, *, target_s: float | None = None, max_slowdown: float | None = None
+) -> Choice:
+    """Pick the frontier point for a straggler target or a slowdown budget (else ``T_min``).
+
+    Raises:
+        PlannerError: Both or invalid targets.
+    """
+    if target_s is not None and max_slowdown is not None:
+        raise PlannerError("give either a straggler target or a max slowdown, not both")
+    times = frontier.times_s
+    if target_s is not None:
+        if not target_s > 0:
+            raise PlannerError(f"target iteration time must be > 0 s, got {target_s}")
+        feasible = times <= target_s
+        if not feasible.any():  # the straggler is faster than we can be: run flat out
+            return Choice(frontier.t_min_index, PlanObjective.STRAGGLER, target_s)
+        p = frontier.problem
+        waiting_j = p.num_stages * p.blocking_power_w * (target_s - times)
+        total = np.where(feasible, frontier.energies_j + waiting_j, np.inf)
+        return Choice(int(np.argmin(total)), PlanObjective.STRAGGLER, target_s)
+    if max_slowdown is not None:
+        if not 0 <= max_slowdown <= 10:
+            raise PlannerError(f"max slowdown must be between 0 and 10, got {max_slowdown}")
+        deadline = times[frontier.t_min_index] * (1 + max_slowdown)
+        candidates = np.where(times <= deadline, frontier.energies_j, np.inf)
+        return Choice(int(np.argmin(candidates)), PlanObjective.MAX_SLOWDOWN, deadline)
+    return Choice(frontier.t_min_index, PlanObjective.MIN_TIME, None)
+
+
+@dataclass(frozen=True)
+class StageClocks:
+    """Result of the stage-granularity search."""
+
+    frequencies_mhz: IntArray  # per stage
+    time_s: float  # quantized iteration time
+    energy_j: float
+
+
+class _StageModel:
+    """Measured time and energy of every computation for one clock per stage."""
+
+    def __init__(self, problem: FrontierProblem) -> None:
+        self.problem = problem
+        dag = problem.dag
+        unit = problem.unit_time_s
+        self.choices: list[IntArray] = []
+        self.quant: list[IntArray] = []  # per stage: (num_choices, nodes_in_stage)
+        self.times: list[npt.NDArray[np.float64]] = []
+        self.energies: list[npt.NDArray[np.float64]] = []
+        self.nodes: list[IntArray] = []
+        for stage, order in enumerate(dag.stage_order):
+            fwd = problem.profile.get(stage, "forward")
+            bwd = problem.profile.get(stage, "backward")
+            common = sorted(
+                set(fwd.frequencies_mhz.tolist()) & set(bwd.frequencies_mhz.tolist()),
+                reverse=True,
+            )
+            if not common:
+                raise PlannerError(f"stage {stage}: forward and backward share no profiled clock")
+            freqs = np.asarray(common, dtype=np.int64)
+            nodes = np.asarray(order, dtype=np.int64)
+            is_fwd = np.array([dag.computations[i].instruction == "forward" for i in order])
+            t = np.empty((len(freqs), len(nodes)))
+            e = np.empty((len(freqs), len(nodes)))
+            for k, f in enumerate(freqs.tolist()):
+                jf = int(np.nonzero(fwd.frequencies_mhz == f)[0][0])
+                jb = int(np.nonzero(bwd.frequencies_mhz == f)[0][0])
+                t[k] = np.where(is_fwd, fwd.times_s[jf], bwd.times_s[jb])
+                e[k] = np.where(is_fwd, fwd.energies_j[jf], bwd.energies_j[jb])
+            self.choices.append(freqs)
+            self.nodes.append(nodes)
+            self.times.append(t)
+            self.energies.append(e)
+            self.quant.append(np.floor_divide(t, unit).astype(np.int64))
+
+    def evaluate(self, picks: list[int]) -> tuple[int, float]:
+        """Quantized makespan and energy (blocking included) for clock index per stage."""
+        p = self.problem
+        dur = np.empty(p.dag.num_nodes, dtype=np.int64)
+        busy_j = 0.0
+        busy_s = 0.0
+        for s, k in enumerate(picks):
+            dur[self.nodes[s]] = self.quant[s][k]
+            busy_j += float(self.energies[s][k].sum())
+            busy_s += float(self.times[s][k].sum())
+        makespan = p.makespan(dur)
+        time_s = makespan * p.unit_time_s
+        return makespan, busy_j + p.blocking_power_w * (p.num_stages * time_s - busy_s)
+
+
+def stage_clocks(
+    problem: FrontierProblem, deadline_quant: int, start_mhz: IntArray | None = None
+) -> StageClocks:
+    """Per-stage clocks with the least energy whose iteration fits in ``deadline_quant``.
+
+    Coordinate descent over stages from the highest clocks (and from ``start_mhz``
+    if given, keeping the better result): each stage in turn takes its
+    least-energy clock that keeps the iteration within the deadline.
+    """
+    model = _StageModel(problem)
+    starts = [[0] * problem.num_stages]
+    if start_mhz is not None:
+        starts.append(
+            [int(np.argmin(np.abs(c - f))) for c, f in zip(model.choices, start_mhz, strict=True)]
+        )
+    best: tuple[float, int, list[int]] | None = None
+    for picks in starts:
+        makespan, energy = model.evaluate(picks)
+        if makespan > deadline_quant:
+            picks = [0] * problem.num_stages
+            makespan, energy = model.evaluate(picks)
+        for _ in range(_MAX_COORDINATE_PASSES):
+            improved = False
+            for s in range(problem.num_stages):
+                for k in range(len(model.choices[s])):
+                    if k == picks[s]:
+                        continue
+                    trial = [*picks[:s], k, *picks[s + 1 :]]
+                    m, e = model.evaluate(trial)
+                    if m <= max(deadline_quant, makespan) and e < energy - 1e-9:
+                        picks, makespan, energy, improved = trial, m, e, True
+            if not improved:
+                break
+        if best is None or energy < best[0]:
+            best = (energy, makespan, picks)
+    assert best is not None
+    energy, makespan, picks = best
+    freqs = np.array([model.choices[s][k] for s, k in enumerate(picks)], dtype=np.int64)
+    return StageClocks(freqs, makespan * problem.unit_time_s, energy)
+
+
+def build_plan(
+    frontier: Frontier, baseline: Baseline, choice: Choice, granularity: Granularity
+) -> PipelinePlan:
+    """Per-GPU plan for the chosen point, with estimates for both granularities."""
+    problem = frontier.problem
+    dag = problem.dag
+    index = choice.index
+    freqs = frontier.frequencies_at(index)
+    per_stage_max = np.array([freqs[list(order)].max() for order in dag.stage_order])
+    clocks = stage_clocks(problem, int(frontier.quant_times[index]), per_stage_max)
+    time_s = float(frontier.times_s[index])
+    energy_j = float(frontier.energies_j[index])
+    stages = [
+        StagePlan(
+            stage=s,
+            frequency_mhz=int(clocks.frequencies_mhz[s]),
+            instructions=[
+                InstructionClock(
+                    instruction=dag.computations[i].instruction,
+                    microbatch=dag.computations[i].microbatch,
+                    frequency_mhz=int(freqs[i]),
+                )
+                for i in order
+            ],
+        )
+        for s, order in enumerate(dag.stage_order)
+    ]
+    return PipelinePlan(
+        schedule=dag.schedule.value,
+        num_stages=dag.num_stages,
+        num_microbatches=dag.num_microbatches,
+        granularity=granularity,
+        objective=choice.objective,
+        target_iteration_time_s=choice.target_s,
+        unit_time_s=problem.unit_time_s,
+        blocking_power_w=problem.blocking_power_w,
+        t_min_s=float(frontier.times_s[frontier.t_min_index]),
+        t_star_s=float(frontier.times_s[frontier.t_star_index]),
+        baseline_iteration_time_s=baseline.time_s,
+        instruction_estimate=_estimate(problem, baseline, choice, time_s, energy_j),
+        stage_estimate=_estimate(problem, baseline, choice, clocks.time_s, clocks.energy_j),
+        stages=stages,
+    )
+
+
+def _estimate(
+    problem: FrontierProblem, baseline: Baseline, choice: Choice, time_s: float, energy_j: float
+) -> PlanEstimate:
+    """Energy per iteration and savings, compared at the iteration time the job really has.
+
+    Behind a straggler every replica's iteration lasts ``T'``: a plan that finishes
+    earlier waits at blocking power, and so would the all-max baseline.
+    """
+    effective_s = time_s
+    if choice.objective is PlanObjective.STRAGGLER and choice.target_s is not None:
+        effective_s = max(time_s, choice.target_s)
+    total_j = energy_j + problem.num_stages * problem.blocking_power_w * (effective_s - time_s)
+    return PlanEstimate(
+        iteration_time_s=time_s,
+        energy_j=total_j,
+        savings_ratio=baseline.savings_ratio(total_j, effective_s),
+    )
