@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
 demo: $(STAMP)
-	$(BIN)/perseus plan --microbatches 24 --out $(OUT)
+	$(BIN)/perseus plan --microbatches 24 --out $(OUT) --force
 
 ## Whole test suite: lint, strict typing, unit + reproduction tests.
 test: lint typecheck unit

@@ -66,8 +66,8 @@ def choose_point(
         total = np.where(feasible, frontier.energies_j + waiting_j, np.inf)
         return Choice(int(np.argmin(total)), PlanObjective.STRAGGLER, target_s)
     if max_slowdown is not None:
-        if not 0 <= max_slowdown <= 10:
-            raise PlannerError(f"max slowdown must be between 0 and 10, got {max_slowdown}")
+        if not (np.isfinite(max_slowdown) and max_slowdown >= 0):
+            raise PlannerError(f"max slowdown must be a fraction >= 0, got {max_slowdown}")
         deadline = times[frontier.t_min_index] * (1 + max_slowdown)
         candidates = np.where(times <= deadline, frontier.energies_j, np.inf)
         return Choice(int(np.argmin(candidates)), PlanObjective.MAX_SLOWDOWN, deadline)

@@ -1,0 +1,393 @@
+"""``perseus plan``: solve the time–energy frontier of one pipeline and write a plan.
+
+Outputs, in the ``--out`` directory:
+
+- ``frontier.csv``: ``time,energy`` per frontier point, slowest (``T_max``) first, floats
+  written with ``repr`` like the Perseus artifact's CSVs so that they read back exactly;
+- ``plan.json``: the ``PipelinePlan`` the operator and node agents apply;
+- ``frontier.png``: the frontier with ``T_min``, ``T*``, the chosen point and the
+  all-max-clock baseline (unless ``--no-plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from perseus_cli import CliError
+from perseus_cli.progress import Progress
+
+# The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
+# ``run`` so that building the parser, and so ``perseus --help``, stays instant.
+if TYPE_CHECKING:
+    from perseus_api import PipelinePlan, PlanEstimate
+    from perseus_planner import Baseline, Choice, Frontier, Profile
+
+log = logging.getLogger(__name__)
+
+FRONTIER_CSV = "frontier.csv"
+PLAN_JSON = "plan.json"
+FRONTIER_PNG = "frontier.png"
+
+DEFAULT_UNIT_TIME_S = 0.001
+"""For user profiles: the unit the artifact used for A100 profiles (~1000 steps per second)."""
+
+PROGRESS_ALWAYS_STEPS = 2000
+"""Above this many solver steps a run takes long enough that logs should show progress too."""
+
+_GRANULARITIES = ("instruction", "stage")
+
+_BLOCKING_POWER_HELP = (
+    "--blocking-power is required with --profile: measure the power draw (W) of one GPU "
+    "while it is blocked on communication (e.g. waiting in a NCCL send/recv) and pass it "
+    "here; bundled profiles carry their own value"
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``plan`` and its options."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="solve the iteration time–energy frontier and write a frequency plan",
+        description=(
+            "Solve the iteration time–energy frontier of one pipeline-parallel training job "
+            "from a GPU frequency profile, choose a point on it and write frontier.csv, "
+            "plan.json and frontier.png to --out."
+        ),
+    )
+    parser.set_defaults(handler=run)
+
+    source = parser.add_argument_group("profile (one of)").add_mutually_exclusive_group()
+    source.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE.csv",
+        help="measured profile (stage,instruction,frequency,time,energy or the per-rank form)",
+    )
+    source.add_argument(
+        "--bundled",
+        metavar="NAME",
+        help=(
+            "profile shipped with perseus (default when --profile is not given: the package's "
+            "default profile; an unknown name lists the shipped ones)"
+        ),
+    )
+
+    pipeline = parser.add_argument_group("pipeline")
+    pipeline.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        required=True,
+        metavar="M",
+        help="microbatches per iteration (>= 1)",
+    )
+    pipeline.add_argument(
+        "--stages",
+        type=_positive_int,
+        metavar="N",
+        help="pipeline stages (default: the profile's; must match it)",
+    )
+    pipeline.add_argument(
+        "--schedule",
+        default="1f1b",
+        metavar="{1f1b,gpipe}",
+        help="pipeline schedule, case-insensitive (default: %(default)s)",
+    )
+
+    solver = parser.add_argument_group("solver")
+    solver.add_argument(
+        "--unit-time",
+        type=_positive_float,
+        metavar="SECONDS",
+        help=(
+            "time step between frontier points (default: the bundled profile's, "
+            f"else {DEFAULT_UNIT_TIME_S})"
+        ),
+    )
+    solver.add_argument(
+        "--blocking-power",
+        type=_non_negative_float,
+        metavar="WATTS",
+        help="power of one GPU blocked on communication (default: the bundled profile's; "
+        "required with --profile)",
+    )
+
+    objective = parser.add_argument_group("objective (one of; default: T_min, no slowdown)")
+    exclusive = objective.add_mutually_exclusive_group()
+    exclusive.add_argument(
+        "--target",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="iteration time T' of the straggler this pipeline waits for",
+    )
+    exclusive.add_argument(
+        "--max-slowdown",
+        type=_non_negative_float,
+        metavar="FRACTION",
+        help="least energy within (1 + FRACTION) * T_min, e.g. 0.05",
+    )
+    objective.add_argument(
+        "--granularity",
+        type=str.lower,
+        choices=_GRANULARITIES,
+        default="instruction",
+        help="clock per forward/backward or one clock per stage (default: %(default)s)",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="directory to write into"
+    )
+    output.add_argument(
+        "--force", action="store_true", help="write into DIR even if it is not empty"
+    )
+    output.add_argument("--no-plot", action="store_true", help="do not draw frontier.png")
+    output.add_argument(
+        "--quiet", action="store_true", help="print nothing on success, show no progress"
+    )
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The profile to plan for and the solver settings that go with it."""
+
+    name: str
+    profile: Profile
+    unit_time_s: float
+    blocking_power_w: float
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``perseus plan``; errors propagate to ``main`` as CliError/PlannerError."""
+    from perseus_api import Granularity
+    from perseus_planner import (
+        Schedule,
+        build_pipeline_dag,
+        build_plan,
+        build_problem,
+        choose_point,
+        compute_frontier,
+        max_frequency_baseline,
+    )
+
+    schedule = Schedule.parse(args.schedule)
+    source = _resolve_source(args)
+    profile = source.profile
+    num_stages = profile.num_stages if args.stages is None else args.stages
+    if num_stages != profile.num_stages:
+        raise CliError(
+            f"--stages {num_stages} does not match the profile {profile.source}, which has "
+            f"{profile.num_stages} stages; profile every stage of the pipeline"
+        )
+    dag = build_pipeline_dag(schedule, num_stages, args.microbatches)
+    out_dir: Path = args.out
+    # Checked before the solve so that a long run cannot end in a refusal to write.
+    _prepare_out_dir(out_dir, force=args.force)
+
+    start_s = time.perf_counter()
+    problem = build_problem(profile, dag, source.unit_time_s, source.blocking_power_w)
+    expected_steps = (
+        problem.makespan(problem.slowest_durations)
+        - problem.makespan(problem.fastest_durations)
+        + 1
+    )
+    log.info(
+        "solving %s: %d computations, ~%d frontier points",
+        source.name,
+        dag.num_nodes,
+        expected_steps,
+    )
+    if not args.quiet and (sys.stderr.isatty() or expected_steps > PROGRESS_ALWAYS_STEPS):
+        with Progress(expected_steps, sys.stderr, "frontier") as progress:
+            frontier = compute_frontier(
+                problem, on_point=lambda point: progress.update(point.iteration + 1)
+            )
+    else:
+        frontier = compute_frontier(problem)
+    solve_s = time.perf_counter() - start_s
+    log.info("frontier: %d points in %.2f s", len(frontier), solve_s)
+
+    baseline = max_frequency_baseline(problem)
+    choice = choose_point(frontier, target_s=args.target, max_slowdown=args.max_slowdown)
+    granularity = Granularity.STAGE if args.granularity == "stage" else Granularity.INSTRUCTION
+    plan = build_plan(frontier, baseline, choice, granularity)
+
+    title = f"{source.name}: {schedule.value}, {num_stages} stages, M={args.microbatches}"
+    written = _write_outputs(out_dir, frontier, baseline, choice, plan, title, args.no_plot)
+    if not args.quiet:
+        print(_summary(source, frontier, baseline, choice, plan, solve_s, written))
+    return 0
+
+
+def _resolve_source(args: argparse.Namespace) -> _Source:
+    from perseus_planner import DEFAULT_PROFILE, bundled_profile, load_profile
+
+    if args.profile is not None:
+        if args.blocking_power is None:
+            raise CliError(_BLOCKING_POWER_HELP)
+        path: Path = args.profile
+        unit_time_s = DEFAULT_UNIT_TIME_S if args.unit_time is None else args.unit_time
+        return _Source(path.name, load_profile(path), unit_time_s, args.blocking_power)
+    bundled = bundled_profile(args.bundled or DEFAULT_PROFILE)
+    return _Source(
+        bundled.name,
+        bundled.load(),
+        bundled.unit_time_s if args.unit_time is None else args.unit_time,
+        bundled.blocking_power_w if args.blocking_power is None else args.blocking_power,
+    )
+
+
+def _prepare_out_dir(out_dir: Path, *, force: bool) -> None:
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise CliError(f"--out {out_dir} exists and is not a directory")
+        if out_dir.is_dir() and not force and any(out_dir.iterdir()):
+            raise CliError(
+                f"output directory {out_dir} is not empty; pass --force to write into it "
+                "(existing frontier.csv, plan.json and frontier.png are replaced)"
+            )
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot use output directory {out_dir}: {exc.strerror or exc}") from exc
+
+
+def _write_outputs(
+    out_dir: Path,
+    frontier: Frontier,
+    baseline: Baseline,
+    choice: Choice,
+    plan: PipelinePlan,
+    title: str,
+    no_plot: bool,
+) -> list[Path]:
+    written = [out_dir / FRONTIER_CSV, out_dir / PLAN_JSON]
+    write_atomically(written[0], lambda tmp: tmp.write_text(frontier_csv(frontier)))
+    write_atomically(written[1], lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n"))
+    png = out_dir / FRONTIER_PNG
+    if no_plot:
+        # With --force a picture from an earlier run would otherwise sit next to the new plan.
+        png.unlink(missing_ok=True)
+    else:
+        from perseus_cli.plotting import plot_frontier
+
+        write_atomically(png, lambda tmp: plot_frontier(tmp, frontier, baseline, choice, title))
+        written.append(png)
+    for path in written:
+        log.info("wrote %s", path)
+    return written
+
+
+def frontier_csv(frontier: Frontier) -> str:
+    """``time,energy`` rows, slowest first, each float as ``repr`` (exact round trip)."""
+    rows = zip(frontier.times_s.tolist(), frontier.energies_j.tolist(), strict=True)
+    return "time,energy\n" + "".join(f"{t!r},{e!r}\n" for t, e in rows)
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Have ``write`` create a temporary sibling of ``path``, then rename it over ``path``.
+
+    Readers (the operator, a watching dashboard) never see a half-written file, and an
+    interrupted run leaves the previous file intact.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _summary(
+    source: _Source,
+    frontier: Frontier,
+    baseline: Baseline,
+    choice: Choice,
+    plan: PipelinePlan,
+    solve_s: float,
+    written: list[Path],
+) -> str:
+    digits = _time_digits(source.unit_time_s)
+
+    def point(time_s: float, energy_j: float) -> str:
+        return f"{time_s:.{digits}f} s  {energy_j:12,.1f} J"
+
+    def at(index: int) -> str:
+        return point(float(frontier.times_s[index]), float(frontier.energies_j[index]))
+
+    def saved(est: PlanEstimate) -> str:
+        # The baseline energy is recovered from the plan's own ratio rather than recomputed, so
+        # the numbers shown are exactly those in plan.json (a straggler target moves the
+        # comparison to T', which the planner accounts for).
+        saved_j = est.energy_j * est.savings_ratio / (1.0 - est.savings_ratio)
+        # Adding 0.0 turns the "-0.0" of rounding noise (no saving at all) into "0.0".
+        saved_j = round(saved_j, 1) + 0.0
+        percent = round(100.0 * est.savings_ratio, 2) + 0.0
+        shown = point(est.iteration_time_s, est.energy_j)
+        return f"{shown}  saved {saved_j:,.1f} J ({percent:.2f} %)"
+
+    objective = plan.objective.value
+    if plan.target_iteration_time_s is not None:
+        what = "T'" if objective == "Straggler" else "deadline"
+        objective += f", {what} {plan.target_iteration_time_s:.{digits}f} s"
+    stages = frontier.problem.num_stages
+    dag = frontier.problem.dag
+    lines = [
+        f"Profile        {source.name}: {stages} stages, {dag.schedule.value}, "
+        f"{dag.num_microbatches} microbatches, unit {source.unit_time_s:g} s, "
+        f"blocking {source.blocking_power_w:g} W",
+        f"Frontier       {len(frontier)} points, solved in {solve_s:.2f} s",
+        f"  T_max        {at(0)}",
+        f"  T*           {at(frontier.t_star_index)}",
+        f"  T_min        {at(frontier.t_min_index)}",
+        f"All max clock  {point(baseline.time_s, baseline.energy_j())}",
+        f"Chosen         {at(choice.index)}  ({objective})",
+        "Saved vs all max clock at the same iteration time:",
+        f"  instruction  {saved(plan.instruction_estimate)}",
+        f"  stage        {saved(plan.stage_estimate)}",
+        f"Plan applies   {plan.granularity.value} granularity",
+        "Wrote",
+        *(f"  {path}" for path in written),
+    ]
+    return "\n".join(lines)
+
+
+def _time_digits(unit_time_s: float) -> int:
+    """Decimals that show one unit time (at least milliseconds)."""
+    return max(3, math.ceil(-math.log10(unit_time_s) - 1e-9))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _finite_float(text: str, ok: Callable[[float], bool], requirement: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be a number {requirement}, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _finite_float(text, lambda v: v > 0, "> 0")
+
+
+def _non_negative_float(text: str) -> float:
+    return _finite_float(text, lambda v: v >= 0, ">= 0")
