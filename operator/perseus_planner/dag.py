@@ -16,6 +16,7 @@ never be shortened and would stop the frontier solver early.
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -35,9 +36,11 @@ class Schedule(StrEnum):
     GPIPE = "gpipe"
 
     @classmethod
-    def parse(cls, value: str) -> Schedule:
+    def parse(cls, value: object) -> Schedule:
         """Accept the user-facing spellings (``1F1B``, ``1f1b``, ``GPipe``, ``gpipe``)."""
         try:
+            if not isinstance(value, str):
+                raise ValueError(value)
             return cls(value.strip().lower())
         except ValueError:
             choices = ", ".join(s.value for s in cls)
@@ -106,8 +109,9 @@ def build_pipeline_dag(
     """
     sched = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    num_stages, num_microbatches = int(num_stages), int(num_microbatches)
 
     computations: list[Computation] = []
     index: dict[tuple[int, str, int], int] = {}

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from perseus_planner import _kernel
-from perseus_planner.cost_model import ExponentialCostModel, fit_exponential
+from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
 from perseus_planner.options import ExecutionOptions, build_options
@@ -39,7 +39,7 @@ class ComputationModel:
     stage: int
     instruction: str
     options: ExecutionOptions
-    cost_model: ExponentialCostModel
+    cost_model: CostModel
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,9 @@ def build_problem(
         key = (comp.stage, comp.instruction)
         if key not in models:
             options = build_options(profile.get(*key), unit_time_s, blocking_power_w)
-            model = fit_exponential(options.quant_times, options.costs_j, unit_time_s)
+            model = fit_cost_model(
+                options.quant_times, options.costs_j, unit_time_s, f"stage {key[0]} {key[1]}"
+            )
             models[key] = ComputationModel(comp.stage, comp.instruction, options, model)
     tables = _build_tables(dag, models)
     return FrontierProblem(profile, dag, models, unit_time_s, blocking_power_w, tables)

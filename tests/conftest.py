@@ -1,0 +1,59 @@
+"""Shared fixtures: frontiers of the shipped Perseus profiles, each solved once per session."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from perseus_planner.dag import build_pipeline_dag
+from perseus_planner.frontier import Frontier, compute_frontier
+from perseus_planner.profile import Profile, load_profile
+from perseus_planner.solver import build_problem
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROFILES_DIR = REPO_ROOT / "operator" / "perseus_planner" / "profiles"
+PUBLISHED_FRONTIERS_DIR = REPO_ROOT / "tests" / "data" / "perseus-sosp24" / "frontiers"
+
+NUM_STAGES = 8
+MODELS = ("gpt3-175b", "bloom")
+GPUS = ("a100_sxm", "a40")
+# Solver settings of the Perseus artifact per GPU: (unit time in s, blocking power in W).
+GPU_SETTINGS: dict[str, tuple[float, float]] = {
+    "a100_sxm": (0.001, 83.64),
+    "a40": (0.0001, 70.38),
+}
+
+SolveFrontier = Callable[[str, str, int], Frontier]
+
+
+def profile_path(model: str, gpu: str) -> Path:
+    return PROFILES_DIR / f"{model}+{gpu}_bf16.csv"
+
+
+@pytest.fixture(scope="session")
+def shipped_profile() -> Callable[[str, str], Profile]:
+    """``shipped_profile(model, gpu)``: a bundled profile, loaded once per session."""
+
+    @functools.cache
+    def load(model: str, gpu: str) -> Profile:
+        return load_profile(profile_path(model, gpu))
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def solved_frontier(shipped_profile: Callable[[str, str], Profile]) -> SolveFrontier:
+    """``solved_frontier(model, gpu, microbatches)``: 8-stage 1F1B frontier with the artifact's
+    settings for ``gpu``, solved at most once per session however many tests use it."""
+
+    @functools.cache
+    def solve(model: str, gpu: str, microbatches: int) -> Frontier:
+        unit_time_s, blocking_power_w = GPU_SETTINGS[gpu]
+        dag = build_pipeline_dag("1f1b", NUM_STAGES, microbatches)
+        problem = build_problem(shipped_profile(model, gpu), dag, unit_time_s, blocking_power_w)
+        return compute_frontier(problem)
+
+    return solve
