@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from perseus_api.profile import Profile, load_profile
 from perseus_planner.dag import build_pipeline_dag
 from perseus_planner.frontier import Frontier, compute_frontier
-from perseus_planner.profile import Profile, load_profile
 from perseus_planner.solver import build_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

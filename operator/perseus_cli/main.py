@@ -66,10 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     except ValueError as exc:
         # Imported only here because loading the planner is what makes startup slow; any
-        # command that can raise a PlannerError has loaded it already.
+        # command that can raise one of these has loaded them already.
+        from perseus_api.errors import ApiError
         from perseus_planner.errors import PlannerError
 
-        if isinstance(exc, PlannerError):
+        if isinstance(exc, PlannerError | ApiError):
             return _fail(str(exc))
         raise
 

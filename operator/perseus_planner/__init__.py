@@ -11,6 +11,7 @@ the frontier, choose a point and turn it into a plan::
                       Granularity.INSTRUCTION)
 """
 
+from perseus_api.profile import Measurements, Profile, load_profile, parse_profile
 from perseus_planner.bundled import BUNDLED_PROFILES, DEFAULT_PROFILE, bundled_profile
 from perseus_planner.dag import PipelineDAG, Schedule, build_pipeline_dag
 from perseus_planner.errors import (
@@ -22,7 +23,6 @@ from perseus_planner.errors import (
 )
 from perseus_planner.frontier import Baseline, Frontier, compute_frontier, max_frequency_baseline
 from perseus_planner.plan import Choice, build_plan, choose_point, stage_clocks
-from perseus_planner.profile import Measurements, Profile, load_profile, parse_profile
 from perseus_planner.solver import FrontierPoint, FrontierProblem, build_problem, iterate_frontier
 
 __all__ = [

@@ -157,13 +157,10 @@ def pd_step(
     source = 2 * (n - 2)  # left(SRC)
     sink = 2 * (n - 1) + 1  # right(SNK)
 
+    cap[sp_base:] = 0  # lower-bound arcs and t -> s, set below where needed
     sum_lb = 0
     for i in range(n):
         a = 2 * i
-        cap[sp_base + a] = 0
-        cap[sp_base + a + 1] = 0
-        cap[tp_base + a] = 0
-        cap[tp_base + a + 1] = 0
         cap[a + 1] = 0
         if ef[i] != ls[i] + dur[i]:
             cap[a] = 0
@@ -182,7 +179,6 @@ def pd_step(
         cap[a + 1] = 0
         cap[a] = INF_UNITS if ef[edge_u[e]] == ls[edge_v[e]] else 0
     cap[ts_arc] = INF_UNITS
-    cap[ts_arc + 1] = 0
 
     # 1. A flow meeting every lower bound (circulation through t -> s).
     feasible = max_flow(s_prime, t_prime, adj_ptr, adj_arc, head, cap, level, queue,
@@ -190,14 +186,7 @@ def pd_step(
     if feasible != sum_lb:
         out_i[0] = STATUS_INFEASIBLE_FLOW
         return
-    for i in range(n):
-        a = 2 * i
-        cap[sp_base + a] = 0
-        cap[sp_base + a + 1] = 0
-        cap[tp_base + a] = 0
-        cap[tp_base + a + 1] = 0
-    cap[ts_arc] = 0
-    cap[ts_arc + 1] = 0
+    cap[sp_base:] = 0  # back to the plain network: its residual is the feasible flow's
     # 2. Maximize it from s to t; the residual then shows the minimal min cut.
     flow = max_flow(source, sink, adj_ptr, adj_arc, head, cap, level, queue, cursor, stack)
     if flow >= INF_UNITS:

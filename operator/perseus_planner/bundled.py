@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from perseus_api.profile import Profile, load_profile
 from perseus_planner.errors import PlannerError
-from perseus_planner.profile import Profile, load_profile
 
 
 @dataclass(frozen=True)

@@ -2,38 +2,25 @@
 
 Every error derives from ``ValueError`` because each one means that the caller handed the
 planner input it cannot use; callers that do not care which stage failed catch
-``PlannerError``.
+``PlannerError``. Malformed profiles raise ``ProfileError`` from :mod:`perseus_api`
+(the format is shared with the node agent), re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from perseus_api.errors import ProfileError
+
+__all__ = [
+    "CostModelError",
+    "PlannerError",
+    "ProfileError",
+    "ScheduleError",
+    "SolverError",
+]
 
 
 class PlannerError(ValueError):
     """Base for every planner input/solve error."""
-
-
-class ProfileError(PlannerError):
-    """A profile file is malformed.
-
-    The message names the file, the row (1-based line number in the file, the header is
-    line 1) and the problem, so that a user can go straight to the offending line.
-    """
-
-    def __init__(self, source: str, problem: str, row: int | None = None) -> None:
-        self.source = source
-        self.row = row
-        self.problem = problem
-        super().__init__(
-            f"{source}: {problem}" if row is None else f"{source}: line {row}: {problem}"
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # The default exception pickling replays ``self.args`` (the formatted message) into
-        # ``__init__``, which takes different arguments, so an error raised in a worker process
-        # could not be sent back to the parent.
-        return (type(self), (self.source, self.problem, self.row))
 
 
 class ScheduleError(PlannerError):

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from perseus_api.profile import Measurements
 from perseus_planner.errors import SolverError
-from perseus_planner.profile import Measurements
 
 SOFT_FILTER_TOLERANCE = 0.95
 """Noise factor of the second, softer Pareto filter."""

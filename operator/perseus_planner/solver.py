@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from perseus_api.profile import Profile
 from perseus_planner import _kernel
 from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
 from perseus_planner.options import ExecutionOptions, build_options
-from perseus_planner.profile import Profile
 
 CAPACITY_QUANTUM_J = 1e-6
 """Capacities are rounded down to this, as in the artifact (the kernel works in these units)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from perseus_api.profile import Measurements
 from perseus_planner.cost_model import (
     ExponentialCostModel,
     LinearCostModel,
@@ -13,7 +14,6 @@ from perseus_planner.cost_model import (
 )
 from perseus_planner.errors import CostModelError, PlannerError, SolverError
 from perseus_planner.options import SOFT_FILTER_TOLERANCE, ExecutionOptions, build_options
-from perseus_planner.profile import Measurements
 
 UNIT_S = 0.001
 

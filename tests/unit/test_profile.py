@@ -1,4 +1,4 @@
-"""Tests for perseus_planner.profile: the shipped profiles, both CSV forms, and bad input."""
+"""Tests for perseus_api.profile: the shipped profiles, both CSV forms, and bad input."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perseus_planner.errors import PlannerError, ProfileError
-from perseus_planner.profile import (
+from perseus_api.errors import ApiError, ProfileError
+from perseus_api.profile import (
     INSTRUCTIONS,
     Measurements,
     Profile,
@@ -468,7 +468,7 @@ def test_profile_error_attributes_and_pickling() -> None:
     assert str(error) == "a.csv: line 7: bad thing"
     assert (error.source, error.row, error.problem) == ("a.csv", 7, "bad thing")
     assert str(ProfileError("a.csv", "bad thing")) == "a.csv: bad thing"
-    assert isinstance(error, PlannerError)
+    assert isinstance(error, ApiError)
     assert isinstance(error, ValueError)
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error)

@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from perseus_api.profile import Profile, parse_profile
 from perseus_planner.dag import Schedule, build_pipeline_dag, topological_order
-from perseus_planner.profile import Profile, parse_profile
 from perseus_planner.solver import FrontierProblem, build_problem, iterate_frontier
 
 UNIT_S = 0.001

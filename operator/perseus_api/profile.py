@@ -39,7 +39,7 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from perseus_planner.errors import ProfileError
+from perseus_api.errors import ProfileError
 
 __all__ = ["INSTRUCTIONS", "Measurements", "Profile", "load_profile", "parse_profile"]
 

@@ -1,0 +1,1 @@
+"""Perseus node agent: applies per-GPU frequency plans, measures energy, exports metrics."""

@@ -1,0 +1,69 @@
+"""The GPU interface the agent works against (NVML in production, emulated in tests).
+
+Units are in the names. Every method raises a subclass of
+:class:`perseus_agent.errors.GpuError` on failure, never a library exception.
+Setters do nothing (and return ``False``) when the GPU is already in the
+requested state, so callers may re-apply a plan freely.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """Identity of one GPU on this node."""
+
+    index: int
+    uuid: str
+    name: str
+
+
+class GpuBackend(ABC):
+    """Read and control the SM clock of the GPUs of one node."""
+
+    @abstractmethod
+    def devices(self) -> list[GpuInfo]:
+        """All GPUs, by index."""
+
+    @abstractmethod
+    def supported_sm_clocks_mhz(self, index: int) -> list[int]:
+        """SM clocks the GPU can be locked to at its highest memory clock, descending."""
+
+    @abstractmethod
+    def sm_clock_mhz(self, index: int) -> int:
+        """Current SM clock."""
+
+    @abstractmethod
+    def power_w(self, index: int) -> float:
+        """Current power draw."""
+
+    @abstractmethod
+    def energy_j(self, index: int) -> float:
+        """Energy consumed since an arbitrary fixed origin (monotonic counter)."""
+
+    @abstractmethod
+    def lock_sm_clock(self, index: int, clock_mhz: int) -> bool:
+        """Lock the SM clock (min = max = ``clock_mhz``); ``False`` if already locked there."""
+
+    @abstractmethod
+    def reset_sm_clock(self, index: int) -> bool:
+        """Undo any SM clock lock; ``False`` if none was set by this backend."""
+
+    @abstractmethod
+    def lock_memory_clock(self, index: int, clock_mhz: int) -> bool:
+        """Lock the memory clock; ``False`` if already locked there."""
+
+    @abstractmethod
+    def reset_memory_clock(self, index: int) -> bool:
+        """Undo any memory clock lock; ``False`` if none was set by this backend."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release the library; the backend is unusable afterwards."""
+
+    def nearest_supported_sm_clock_mhz(self, index: int, clock_mhz: int) -> int:
+        """The supported clock closest to ``clock_mhz`` (the higher one on a tie)."""
+        clocks = self.supported_sm_clocks_mhz(index)
+        return min(clocks, key=lambda c: (abs(c - clock_mhz), -c))

@@ -1,0 +1,75 @@
+"""What one node agent applies: the plans of one job for the GPUs of one node.
+
+The operator writes one ``NodePlan`` per (job, node); a standalone agent reads
+the same document from a file. Each GPU is matched by UUID (or by index when
+the UUID is not known, e.g. a hand-written file for a bare-metal node) and
+follows one pipeline plan at one stage. Several plans can coexist because a
+straggler's own replica keeps running at ``T_min`` while the others slow down.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from perseus_api.plan import API_VERSION, Granularity, PipelinePlan, _Model
+
+
+class GpuAssignment(_Model):
+    """One GPU of the node and the plan (and stage) it follows."""
+
+    gpu_uuid: str | None = Field(default=None, min_length=1)
+    gpu_index: int | None = Field(default=None, ge=0)
+    plan: str = Field(min_length=1, description="Key of the plan in NodePlan.plans.")
+    stage: int = Field(ge=0, description="Pipeline stage (pp rank) this GPU runs.")
+    dp_rank: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    rank: int | None = Field(
+        default=None, ge=0, description="Global rank of the training process on this GPU."
+    )
+    pod: str | None = None
+
+    @model_validator(mode="after")
+    def _identified(self) -> GpuAssignment:
+        if self.gpu_uuid is None and self.gpu_index is None:
+            raise ValueError("an assignment needs gpu_uuid or gpu_index")
+        return self
+
+    @property
+    def gpu_label(self) -> str:
+        return self.gpu_uuid if self.gpu_uuid is not None else f"index {self.gpu_index}"
+
+
+class NodePlan(_Model):
+    """Frequency plans of one job for the GPUs of one node."""
+
+    api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
+    kind: Literal["NodePlan"] = "NodePlan"
+    node: str = Field(min_length=1)
+    namespace: str = Field(default="default", min_length=1)
+    job: str = Field(min_length=1)
+    revision: int = Field(ge=0, description="Increases with every change; agents report it.")
+    granularity: Granularity
+    plans: dict[str, PipelinePlan]
+    assignments: list[GpuAssignment]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NodePlan:
+        seen: set[str] = set()
+        for a in self.assignments:
+            if a.plan not in self.plans:
+                known = ", ".join(sorted(self.plans)) or "none"
+                raise ValueError(f"GPU {a.gpu_label} refers to unknown plan {a.plan!r} ({known})")
+            stages = self.plans[a.plan].num_stages
+            if a.stage >= stages:
+                raise ValueError(
+                    f"GPU {a.gpu_label} is at stage {a.stage} but plan {a.plan!r} has "
+                    f"{stages} stages"
+                )
+            for key in (f"uuid:{a.gpu_uuid}", f"index:{a.gpu_index}"):
+                if not key.endswith(":None"):
+                    if key in seen:
+                        raise ValueError(f"GPU {a.gpu_label} is assigned twice")
+                    seen.add(key)
+        return self
