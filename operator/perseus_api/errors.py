@@ -29,3 +29,7 @@ class ProfileError(ApiError):
         # ``__init__``, which takes different arguments, so an error raised in a worker process
         # could not be sent back to the parent.
         return (type(self), (self.source, self.problem, self.row))
+
+
+class ScheduleError(ApiError):
+    """Invalid pipeline schedule or sizes."""

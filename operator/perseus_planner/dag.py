@@ -18,33 +18,29 @@ from __future__ import annotations
 import itertools
 import numbers
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
 
-from perseus_planner.errors import ScheduleError
+from perseus_api.errors import ScheduleError
+from perseus_api.schedule import (
+    BACKWARD,
+    FORWARD,
+    Schedule,
+    stage_instruction_order,
+)
 
-FORWARD = "forward"
-BACKWARD = "backward"
-
-
-class Schedule(StrEnum):
-    """Pipeline schedules the planner can build DAGs for."""
-
-    ONE_F_ONE_B = "1f1b"
-    GPIPE = "gpipe"
-
-    @classmethod
-    def parse(cls, value: object) -> Schedule:
-        """Accept the user-facing spellings (``1F1B``, ``1f1b``, ``GPipe``, ``gpipe``)."""
-        try:
-            if not isinstance(value, str):
-                raise ValueError(value)
-            return cls(value.strip().lower())
-        except ValueError:
-            choices = ", ".join(s.value for s in cls)
-            raise ScheduleError(f"unknown schedule {value!r}; choose one of: {choices}") from None
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "Computation",
+    "PipelineDAG",
+    "Schedule",
+    "build_pipeline_dag",
+    "stage_instruction_order",
+    "topological_order",
+    "validate_dag",
+]
 
 
 @dataclass(frozen=True)
@@ -79,24 +75,6 @@ class PipelineDAG:
     @property
     def num_nodes(self) -> int:
         return len(self.computations)
-
-
-def stage_instruction_order(
-    schedule: Schedule, num_stages: int, num_microbatches: int, stage: int
-) -> list[tuple[str, int]]:
-    """Return ``(instruction, microbatch)`` in the order ``stage`` executes them."""
-    if schedule is Schedule.GPIPE:
-        return [(FORWARD, m) for m in range(num_microbatches)] + [
-            (BACKWARD, m) for m in range(num_microbatches)
-        ]
-    # 1F1B (synchronous, as in DeepSpeed and Megatron): a warm-up of forwards that
-    # fills the pipeline below this stage, then alternate, then drain backwards.
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = [(FORWARD, m) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [(FORWARD, warmup + i), (BACKWARD, i)]
-    order += [(BACKWARD, m) for m in range(num_microbatches - warmup, num_microbatches)]
-    return order
 
 
 def build_pipeline_dag(

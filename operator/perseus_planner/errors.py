@@ -3,12 +3,13 @@
 Every error derives from ``ValueError`` because each one means that the caller handed the
 planner input it cannot use; callers that do not care which stage failed catch
 ``PlannerError``. Malformed profiles raise ``ProfileError`` from :mod:`perseus_api`
-(the format is shared with the node agent), re-exported here.
+(the format is shared with the node agent) and schedule errors ``ScheduleError``,
+both re-exported here.
 """
 
 from __future__ import annotations
 
-from perseus_api.errors import ProfileError
+from perseus_api.errors import ProfileError, ScheduleError
 
 __all__ = [
     "CostModelError",
@@ -21,10 +22,6 @@ __all__ = [
 
 class PlannerError(ValueError):
     """Base for every planner input/solve error."""
-
-
-class ScheduleError(PlannerError):
-    """Invalid pipeline schedule parameters."""
 
 
 class CostModelError(PlannerError):

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from perseus_api.errors import ApiError
 from perseus_planner.dag import (
     BACKWARD,
     FORWARD,
@@ -17,7 +18,7 @@ from perseus_planner.dag import (
     stage_instruction_order,
     topological_order,
 )
-from perseus_planner.errors import PlannerError, ScheduleError
+from perseus_planner.errors import ScheduleError
 
 SIZES = [(1, 1), (1, 4), (2, 2), (4, 2), (4, 6), (3, 7), (8, 12)]
 
@@ -186,5 +187,5 @@ def test_unknown_schedule() -> None:
     assert "unknown schedule 'zb-v'" in message
     assert "1f1b" in message
     assert "gpipe" in message
-    assert isinstance(info.value, PlannerError)
+    assert isinstance(info.value, ApiError)
     assert isinstance(info.value, ValueError)

@@ -60,6 +60,16 @@ class GpuBackend(ABC):
     def reset_memory_clock(self, index: int) -> bool:
         """Undo any memory clock lock; ``False`` if none was set by this backend."""
 
+    def force_reset_clocks(self, index: int) -> None:
+        """Reset SM and memory clock locks whoever set them.
+
+        For start-up after a crash: the locks of a killed agent are unknown to a
+        new backend instance, whose plain resets would skip them. Backends that
+        track their own locks override this to reset unconditionally.
+        """
+        self.reset_sm_clock(index)
+        self.reset_memory_clock(index)
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release the library; the backend is unusable afterwards."""
 

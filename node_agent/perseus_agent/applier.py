@@ -1,0 +1,680 @@
+"""Applies a :class:`~perseus_api.NodePlan` to the GPUs of this node.
+
+``Stage`` granularity locks every assigned GPU's SM clock to its stage's clock when the plan
+arrives. ``Instruction`` granularity locks nothing until the training process on the GPU calls
+in over the local socket (see :class:`PlanApplier` as the local server's handler): every
+``instruction_begin`` locks the clock of the next computation of the stage, in schedule order.
+
+A clock the GPU does not support is clamped to the nearest supported one and reported as
+``Clamped``. A GPU error affects that GPU only: it is reported ``Failed`` with the error's
+reason, counted in ``perseus_agent_apply_errors_total{reason}``, and the other GPUs go on.
+GPUs that leave the plan, and every GPU on :meth:`PlanApplier.clear`, get their clocks reset.
+
+Every GPU is recorded in the :class:`~perseus_agent.reset_state.ResetState` before its clock is
+first locked, so a killed agent's locks are undone when it restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from perseus_agent.errors import GpuError, PlanError
+from perseus_agent.exporter import AgentMetrics, ManagedGpu
+from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.reset_state import ResetState
+from perseus_api.node_plan import GpuAssignment, NodePlan
+from perseus_api.plan import Granularity, StagePlan
+
+if TYPE_CHECKING:
+    from perseus_agent.local_server import ClientSession
+    from perseus_client.protocol import (
+        HelloRequest,
+        InstructionBeginRequest,
+        InstructionEndRequest,
+        StepBeginRequest,
+        StepEndRequest,
+    )
+
+__all__ = ["GpuReport", "GpuStatus", "NodeReport", "PlanApplier", "RankReport"]
+
+log = logging.getLogger(__name__)
+
+_ITERATION_WINDOW: Final = 20
+"""Iterations per rank kept for the report's mean iteration time."""
+
+
+class GpuStatus(StrEnum):
+    APPLIED = "Applied"
+    """The clock the plan asks for is in effect."""
+    CLAMPED = "Clamped"
+    """The GPU does not support the planned clock; the nearest supported one is in effect."""
+    FAILED = "Failed"
+    """The plan could not be applied to this GPU (see the message)."""
+    WAITING = "Waiting"
+    """Instruction granularity: waiting for the training process to call in."""
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuReport(_Report):
+    """What was applied to one GPU of the plan."""
+
+    uuid: str | None = Field(description="The GPU's UUID; null if the GPU was not found.")
+    index: int | None = Field(description="The GPU's index; null if the GPU was not found.")
+    plan: str
+    stage: int
+    dp_rank: int = 0
+    rank: int | None = None
+    target_mhz: int | None = Field(description="Clock the plan asks for (now, for Instruction).")
+    applied_mhz: int | None = Field(description="Clock locked by the agent, if any.")
+    status: GpuStatus
+    message: str = ""
+
+
+class RankReport(_Report):
+    """Iteration times of one training rank on this node, measured by the agent."""
+
+    rank: int
+    dp_rank: int | None = None
+    pp_rank: int | None = None
+    iterations: int = Field(description="Iterations measured since the rank called in.")
+    last_iteration_s: float
+    mean_iteration_s: float = Field(description=f"Over the last {_ITERATION_WINDOW} iterations.")
+
+
+class NodeReport(_Report):
+    """The state of one node plan on this node, for the operator."""
+
+    node: str
+    job: str
+    namespace: str
+    revision: int
+    granularity: Granularity
+    gpus: list[GpuReport]
+    ranks: list[RankReport] = Field(default_factory=list)
+
+
+@dataclass
+class _Gpu:
+    """A GPU of the current plan."""
+
+    info: GpuInfo
+    assignment: GpuAssignment
+    stage_plan: StagePlan
+    granularity: Granularity
+    status: GpuStatus = GpuStatus.WAITING
+    target_mhz: int | None = None
+    applied_mhz: int | None = None
+    message: str = ""
+    position: int = 0
+    """Instruction granularity: index of the next computation of the stage."""
+    session: Hashable | None = None
+    """Instruction granularity: the training process driving this GPU."""
+
+    def same_plan(self, granularity: Granularity, stage_plan: StagePlan) -> bool:
+        return self.granularity == granularity and self.stage_plan == stage_plan
+
+    def labels(self, plan: NodePlan) -> dict[str, str]:
+        a = self.assignment
+        return {
+            "namespace": plan.namespace,
+            "job": plan.job,
+            "pod": a.pod or "",
+            "dp_rank": str(a.dp_rank),
+            "pp_rank": str(a.stage),
+        }
+
+
+@dataclass
+class _Session:
+    """A training process connected over the local socket."""
+
+    rank: int | None
+    gpu_uuids: tuple[str, ...]
+    pod: str | None
+    gpus: list[int] = field(default_factory=list)
+    step_begin_ns: int | None = None
+
+
+@dataclass
+class _RankTimes:
+    dp_rank: int | None
+    pp_rank: int | None
+    count: int = 0
+    recent_s: deque[float] = field(default_factory=lambda: deque(maxlen=_ITERATION_WINDOW))
+
+
+class PlanApplier:
+    """Applies node plans to ``backend``'s GPUs; also the local server's request handler.
+
+    Thread-safe: plans arrive on the agent loop, training processes call in on server threads.
+
+    Args:
+        backend: The GPUs of this node.
+        reset_state: Where GPUs are recorded before their clocks are locked.
+        node_name: This node; plans for another node are refused.
+        metrics: Counters to update; a private set by default.
+
+    Raises:
+        GpuError: The backend cannot list its GPUs.
+    """
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        reset_state: ResetState,
+        node_name: str,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        self._backend = backend
+        self._reset_state = reset_state
+        self.node_name = node_name
+        self.metrics = metrics if metrics is not None else AgentMetrics(node_name)
+        self._lock = threading.RLock()
+        self.devices: list[GpuInfo] = backend.devices()
+        self._by_uuid = {g.uuid: g for g in self.devices}
+        self._by_index = {g.index: g for g in self.devices}
+        self._plan: NodePlan | None = None
+        self._gpus: dict[int, _Gpu] = {}
+        self._unresolved: list[GpuReport] = []
+        self._locked: dict[int, int] = {}  # index -> SM clock this agent locked
+        self._nearest: dict[tuple[int, int], int] = {}  # (index, planned) -> supported clock
+        self._sessions: dict[Hashable, _Session] = {}
+        self._ranks: dict[int, _RankTimes] = {}
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> NodePlan | None:
+        """The plan being applied, if any."""
+        return self._plan
+
+    def apply(self, node_plan: NodePlan) -> NodeReport:
+        """Apply ``node_plan`` (a new one or a new revision) and report per GPU.
+
+        Re-applying what is already in effect makes no GPU calls. GPUs of the previous plan
+        that this one does not assign are reset.
+
+        Raises:
+            PlanError: The plan is for another node (nothing is changed).
+        """
+        if node_plan.node != self.node_name:
+            raise PlanError(
+                f"the plan is for node {node_plan.node!r} but this agent runs on {self.node_name!r}"
+            )
+        granularity = node_plan.granularity
+        with self._lock:
+            wanted: dict[int, tuple[GpuInfo, GpuAssignment, StagePlan]] = {}
+            unresolved: list[GpuReport] = []
+            for a in node_plan.assignments:
+                gpu, problem = self._resolve(a, wanted)
+                stage_plan = node_plan.plans[a.plan].stages[a.stage]
+                if gpu is None:
+                    log.error("plan %s: %s", _plan_name(node_plan), problem)
+                    self.metrics.count_error("unknown_gpu")
+                    unresolved.append(
+                        GpuReport(
+                            uuid=a.gpu_uuid,
+                            index=a.gpu_index,
+                            plan=a.plan,
+                            stage=a.stage,
+                            dp_rank=a.dp_rank,
+                            rank=a.rank,
+                            target_mhz=_planned_target(granularity, stage_plan),
+                            applied_mhz=None,
+                            status=GpuStatus.FAILED,
+                            message=problem,
+                        )
+                    )
+                    continue
+                wanted[gpu.index] = (gpu, a, stage_plan)
+
+            self._release({*self._gpus, *self._locked} - set(wanted), "not in the new plan")
+
+            for index, (gpu, a, stage_plan) in sorted(wanted.items()):
+                old = self._gpus.get(index)
+                if (
+                    old is not None
+                    and old.status != GpuStatus.FAILED
+                    and old.same_plan(granularity, stage_plan)
+                ):
+                    old.assignment = a
+                    continue
+                state = _Gpu(gpu, a, stage_plan, granularity)
+                self._gpus[index] = state
+                if granularity == Granularity.STAGE:
+                    if old is not None and old.session is not None:
+                        state.session = old.session
+                    self._lock_stage(state)
+                else:
+                    self._prepare_instructions(state, old)
+
+            self._plan = node_plan
+            self._unresolved = unresolved
+            for key, session in self._sessions.items():
+                self._bind(key, session)
+            report = self._report_locked()
+        log.info(
+            "applied plan %s revision %d: %s",
+            _plan_name(node_plan),
+            node_plan.revision,
+            _summary(report),
+        )
+        return report
+
+    def clear(self) -> None:
+        """The plan is gone: reset every clock this agent changed."""
+        with self._lock:
+            self._release({*self._gpus, *self._locked}, "plan removed")
+            for session in self._sessions.values():
+                session.gpus = []
+            if self._plan is not None:
+                log.info("cleared plan %s; clocks reset", _plan_name(self._plan))
+            self._plan = None
+            self._unresolved = []
+
+    def report(self) -> NodeReport | None:
+        """The current state of the plan, or ``None`` without a plan."""
+        with self._lock:
+            return self._report_locked() if self._plan is not None else None
+
+    def locked_gpus(self) -> list[int]:
+        """Indices of the GPUs whose clocks this agent locked and has not reset."""
+        with self._lock:
+            recorded = {e.index for e in self._reset_state.entries()}
+            return sorted(set(self._locked) | recorded)
+
+    def managed_gpus(self) -> dict[int, ManagedGpu]:
+        """Labels and target clock of the GPUs under the plan, by index (for the exporter)."""
+        with self._lock:
+            plan = self._plan
+            if plan is None:
+                return {}
+            return {
+                i: ManagedGpu(labels=g.labels(plan), target_mhz=g.target_mhz)
+                for i, g in self._gpus.items()
+            }
+
+    # -- local server handler ------------------------------------------------------------------
+
+    def hello(
+        self, session: ClientSession, msg: HelloRequest, received_ns: int = 0
+    ) -> dict[str, Any]:
+        """A training process called in: find its GPUs (by UUID, else by rank)."""
+        rank = msg.get("rank")
+        uuids = msg.get("gpu_uuids") or ()
+        pod = msg.get("pod")
+        with self._lock:
+            s = _Session(
+                rank=rank if isinstance(rank, int) else None,
+                gpu_uuids=tuple(u for u in uuids if isinstance(u, str)),
+                pod=pod if isinstance(pod, str) else None,
+            )
+            self._sessions[session] = s
+            self._bind(session, s)
+            gpus = [self._gpus[i] for i in s.gpus]
+            plan = self._plan
+            reply: dict[str, Any] = {
+                "ok": True,
+                "node": self.node_name,
+                "managed": bool(gpus),
+                "granularity": str(plan.granularity) if plan is not None and gpus else None,
+                "gpus": [
+                    {
+                        "index": g.info.index,
+                        "uuid": g.info.uuid,
+                        "stage": g.assignment.stage,
+                        "dp_rank": g.assignment.dp_rank,
+                    }
+                    for g in gpus
+                ],
+            }
+        log.info(
+            "training process rank %s (pid %s, GPUs %s) called in; managing GPU(s) %s",
+            s.rank,
+            msg.get("pid"),
+            ", ".join(s.gpu_uuids) or "unknown",
+            ", ".join(str(i) for i in s.gpus) or "none",
+        )
+        return reply
+
+    def step_begin(
+        self, session: ClientSession, msg: StepBeginRequest, t_ns: int
+    ) -> dict[str, Any]:
+        """An iteration begins: back to the first computation of the stage."""
+        with self._lock:
+            s = self._sessions.get(session)
+            if s is None:
+                return {"ok": True}
+            s.step_begin_ns = t_ns
+            for index in s.gpus:
+                g = self._gpus[index]
+                g.position = 0
+                if g.granularity == Granularity.INSTRUCTION and g.status == GpuStatus.FAILED:
+                    g.status = GpuStatus.WAITING  # retry once per iteration
+        return {"ok": True}
+
+    def step_end(self, session: ClientSession, msg: StepEndRequest, t_ns: int) -> dict[str, Any]:
+        """An iteration ends: record its time (``perseus_iteration_seconds``)."""
+        with self._lock:
+            s = self._sessions.get(session)
+            if s is None or s.step_begin_ns is None:
+                return {"ok": True}
+            seconds = (t_ns - s.step_begin_ns) / 1e9
+            s.step_begin_ns = None
+            if seconds < 0:
+                return {"ok": True}
+            labels: dict[str, str] = {"rank": "" if s.rank is None else str(s.rank)}
+            dp_rank: int | None = None
+            pp_rank: int | None = None
+            if s.gpus and self._plan is not None:
+                g = self._gpus[s.gpus[0]]
+                labels.update(g.labels(self._plan))
+                labels.update(gpu=str(g.info.index), uuid=g.info.uuid)
+                dp_rank, pp_rank = g.assignment.dp_rank, g.assignment.stage
+            elif s.pod:
+                labels["pod"] = s.pod
+            self.metrics.observe_iteration(labels, seconds)
+            if s.rank is not None:
+                times = self._ranks.get(s.rank)
+                if times is None or (times.dp_rank, times.pp_rank) != (dp_rank, pp_rank):
+                    times = self._ranks[s.rank] = _RankTimes(dp_rank, pp_rank)
+                times.count += 1
+                times.recent_s.append(seconds)
+        return {"ok": True}
+
+    def instruction_begin(
+        self, session: ClientSession, msg: InstructionBeginRequest, t_ns: int
+    ) -> dict[str, Any]:
+        """A computation begins: lock the clock the plan gives it; reply with the clock in effect.
+
+        The computation is checked against the plan's next one; on a mismatch the position is
+        resynchronised by (name, microbatch) and ``schedule_mismatch`` is counted.
+        """
+        name = msg["name"]
+        microbatch = msg.get("microbatch")
+        clock_mhz: int | None = None
+        with self._lock:
+            s = self._sessions.get(session)
+            for index in s.gpus if s is not None else ():
+                g = self._gpus[index]
+                if g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
+                    self._switch(g, name, microbatch)
+                if g.status != GpuStatus.FAILED and clock_mhz is None:
+                    clock_mhz = g.applied_mhz
+        return {"ok": True, "sm_clock_mhz": clock_mhz}
+
+    def instruction_end(
+        self, session: ClientSession, msg: InstructionEndRequest, t_ns: int
+    ) -> dict[str, Any]:
+        """A computation ends; the clock stays until the next one begins."""
+        return {"ok": True}
+
+    def disconnected(self, session: ClientSession) -> None:
+        """The training process is gone: its instruction-level GPUs go back to default clocks."""
+        with self._lock:
+            s = self._sessions.pop(session, None)
+            if s is None:
+                return
+            for index in s.gpus:
+                g = self._gpus.get(index)
+                if g is None or g.session != session:
+                    continue
+                g.session = None
+                if g.granularity == Granularity.INSTRUCTION:
+                    self._reset_clock(index)
+                    self._wait(g, "the training process disconnected")
+        log.info("training process rank %s disconnected", s.rank)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _resolve(
+        self, a: GpuAssignment, taken: Mapping[int, tuple[GpuInfo, GpuAssignment, StagePlan]]
+    ) -> tuple[GpuInfo | None, str]:
+        if a.gpu_uuid is not None:
+            gpu = self._by_uuid.get(a.gpu_uuid)
+            if gpu is None:
+                return None, f"no GPU with UUID {a.gpu_uuid} on node {self.node_name}"
+            if a.gpu_index is not None and a.gpu_index != gpu.index:
+                log.warning(
+                    "GPU %s is index %d on this node, not %d as the plan says; using the UUID",
+                    a.gpu_uuid,
+                    gpu.index,
+                    a.gpu_index,
+                )
+        else:
+            assert a.gpu_index is not None
+            found = self._by_index.get(a.gpu_index)
+            if found is None:
+                return None, (
+                    f"no GPU with index {a.gpu_index} on node {self.node_name} "
+                    f"({len(self.devices)} GPUs)"
+                )
+            gpu = found
+        if gpu.index in taken:
+            other = taken[gpu.index][1]
+            return None, (
+                f"GPU {a.gpu_label} is GPU index {gpu.index}, already assigned as {other.gpu_label}"
+            )
+        return gpu, ""
+
+    def _nearest_clock(self, index: int, clock_mhz: int) -> int:
+        key = (index, clock_mhz)
+        nearest = self._nearest.get(key)
+        if nearest is None:
+            nearest = self._backend.nearest_supported_sm_clock_mhz(index, clock_mhz)
+            self._nearest[key] = nearest
+        return nearest
+
+    def _lock_clock(self, gpu: GpuInfo, clock_mhz: int) -> None:
+        """Record (first), then lock. Raises GpuError, or OSError if the record fails."""
+        self._reset_state.record(gpu, "sm")
+        changed = self._backend.lock_sm_clock(gpu.index, clock_mhz)
+        self._locked[gpu.index] = clock_mhz
+        if changed:
+            self.metrics.count_clock_change(gpu.index)
+
+    def _set_clock(self, g: _Gpu, target_mhz: int) -> None:
+        """Lock ``g`` at ``target_mhz`` (clamped) and update its status; errors fail ``g``."""
+        try:
+            applied = self._nearest_clock(g.info.index, target_mhz)
+            self._lock_clock(g.info, applied)
+        except GpuError as exc:
+            self._fail(g, exc.reason, str(exc), target_mhz)
+            return
+        except OSError as exc:
+            self._fail(g, "reset_state", f"cannot record the GPU before locking it: {exc}", None)
+            return
+        g.target_mhz, g.applied_mhz = target_mhz, applied
+        if applied == target_mhz:
+            g.status, g.message = GpuStatus.APPLIED, ""
+        else:
+            g.status = GpuStatus.CLAMPED
+            g.message = (
+                f"{target_mhz} MHz is not supported by GPU {g.info.index}; clamped to {applied} MHz"
+            )
+
+    def _lock_stage(self, g: _Gpu) -> None:
+        self._set_clock(g, g.stage_plan.frequency_mhz)
+        if g.status == GpuStatus.CLAMPED:
+            log.warning("GPU %d: %s", g.info.index, g.message)
+
+    def _prepare_instructions(self, g: _Gpu, old: _Gpu | None) -> None:
+        """Instruction granularity: nothing is locked until the training process calls in."""
+        try:  # learn the supported clocks now, not on the training process's critical path
+            for clock in sorted({i.frequency_mhz for i in g.stage_plan.instructions}):
+                self._nearest_clock(g.info.index, clock)
+        except GpuError as exc:
+            self._fail(g, exc.reason, str(exc), None)
+            return
+        if old is not None and old.session is not None and old.status != GpuStatus.FAILED:
+            # The training process is already in: keep the clock in effect and its place in
+            # the schedule; its next computation gets the new plan's clock.
+            g.session = old.session
+            g.status, g.target_mhz, g.applied_mhz = old.status, old.target_mhz, old.applied_mhz
+            g.message = old.message
+            if old.granularity == Granularity.INSTRUCTION and len(
+                old.stage_plan.instructions
+            ) == len(g.stage_plan.instructions):
+                g.position = old.position
+            return
+        if old is not None:
+            g.session = old.session
+        self._reset_clock(g.info.index)
+        self._wait(g, "waiting for the training process to call in")
+
+    def _switch(self, g: _Gpu, name: str, microbatch: int | None) -> None:
+        instructions = g.stage_plan.instructions
+        pos = g.position
+
+        def matches(i: int) -> bool:
+            entry = instructions[i]
+            return entry.instruction == name and (
+                microbatch is None or entry.microbatch == microbatch
+            )
+
+        found: int | None = pos if pos < len(instructions) and matches(pos) else None
+        if found is None:
+            expected = (
+                f"{instructions[pos].instruction} of microbatch {instructions[pos].microbatch}"
+                if pos < len(instructions)
+                else "the end of the iteration"
+            )
+            order = [*range(pos, len(instructions)), *range(pos)]
+            found = next((i for i in order if matches(i)), None)
+            self.metrics.count_error("schedule_mismatch")
+            log.warning(
+                "GPU %d: the training process runs %s of microbatch %s where the plan expects "
+                "%s; %s",
+                g.info.index,
+                name,
+                "?" if microbatch is None else microbatch,
+                expected,
+                f"resynchronised at position {found}" if found is not None else "not in the plan",
+            )
+            if found is None:
+                return
+        g.position = found + 1
+        self._set_clock(g, instructions[found].frequency_mhz)
+
+    def _fail(self, g: _Gpu, reason: str, message: str, target_mhz: int | None) -> None:
+        log.error("GPU %d (%s): %s", g.info.index, g.info.uuid, message)
+        self.metrics.count_error(reason)
+        g.status = GpuStatus.FAILED
+        g.message = f"{reason}: {message}"
+        g.target_mhz = target_mhz
+        g.applied_mhz = None
+        # Do not leave the GPU at a clock of an older plan.
+        self._reset_clock(g.info.index)
+
+    def _wait(self, g: _Gpu, message: str) -> None:
+        g.status, g.message = GpuStatus.WAITING, message
+        g.target_mhz = g.applied_mhz = None
+        g.position = 0
+
+    def _reset_clock(self, index: int) -> bool:
+        """Undo this agent's lock on GPU ``index``, if any; ``False`` if the reset failed."""
+        gpu = self._by_index[index]
+        if index not in self._locked and not self._reset_state.is_recorded(gpu, "sm"):
+            return True
+        try:
+            changed = self._backend.reset_sm_clock(index)
+        except GpuError as exc:
+            log.error("cannot reset the SM clock of GPU %d (%s): %s", index, gpu.uuid, exc)
+            self.metrics.count_error(exc.reason)
+            return False  # stays recorded: the next start retries
+        self._locked.pop(index, None)
+        if changed:
+            self.metrics.count_clock_change(index)
+        self._reset_state.forget(gpu, "sm")
+        return True
+
+    def _release(self, indices: set[int], why: str) -> None:
+        """Stop managing GPUs ``indices`` and reset their clocks."""
+        for index in sorted(indices):
+            g = self._gpus.pop(index, None)
+            if g is not None:
+                log.info("GPU %d (%s) released: %s", index, g.info.uuid, why)
+            self._reset_clock(index)
+
+    def _bind(self, key: Hashable, s: _Session) -> None:
+        """Match session ``s`` to the GPUs of the plan: by UUID, else by global rank."""
+        gpus = [i for i, g in self._gpus.items() if g.info.uuid in s.gpu_uuids]
+        if not gpus and s.rank is not None:
+            gpus = [i for i, g in self._gpus.items() if g.assignment.rank == s.rank]
+        for i in s.gpus:
+            g = self._gpus.get(i)
+            if i not in gpus and g is not None and g.session == key:
+                g.session = None
+        for i in gpus:
+            g = self._gpus[i]
+            if g.session is not None and g.session != key:
+                log.warning("GPU %d: a new training process replaces the previous one", i)
+            g.session = key
+        s.gpus = sorted(gpus)
+
+    def _report_locked(self) -> NodeReport:
+        plan = self._plan
+        assert plan is not None
+        gpus = [
+            GpuReport(
+                uuid=g.info.uuid,
+                index=g.info.index,
+                plan=g.assignment.plan,
+                stage=g.assignment.stage,
+                dp_rank=g.assignment.dp_rank,
+                rank=g.assignment.rank,
+                target_mhz=g.target_mhz,
+                applied_mhz=g.applied_mhz,
+                status=g.status,
+                message=g.message,
+            )
+            for _, g in sorted(self._gpus.items())
+        ]
+        ranks = [
+            RankReport(
+                rank=rank,
+                dp_rank=t.dp_rank,
+                pp_rank=t.pp_rank,
+                iterations=t.count,
+                last_iteration_s=t.recent_s[-1],
+                mean_iteration_s=statistics.fmean(t.recent_s),
+            )
+            for rank, t in sorted(self._ranks.items())
+            if t.recent_s
+        ]
+        return NodeReport(
+            node=self.node_name,
+            job=plan.job,
+            namespace=plan.namespace,
+            revision=plan.revision,
+            granularity=plan.granularity,
+            gpus=[*gpus, *self._unresolved],
+            ranks=ranks,
+        )
+
+
+def _planned_target(granularity: Granularity, stage_plan: StagePlan) -> int | None:
+    return stage_plan.frequency_mhz if granularity == Granularity.STAGE else None
+
+
+def _plan_name(plan: NodePlan) -> str:
+    return f"{plan.namespace}/{plan.job}"
+
+
+def _summary(report: NodeReport) -> str:
+    counts: dict[str, int] = {}
+    for g in report.gpus:
+        counts[g.status] = counts.get(g.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no GPUs"

@@ -1,0 +1,343 @@
+"""Prometheus metrics of the node agent and the HTTP server that serves them.
+
+Everything lives on a dedicated :class:`~prometheus_client.CollectorRegistry` (never the global
+one), so several agents can run in one process (tests) and nothing registers itself by import.
+
+GPU readings (energy, power, clock) are taken *at scrape time* by :class:`GpuCollector`, so the
+energy counter is the GPU's own cumulative counter and not a sum of samples. A GPU whose reading
+fails is left out of that scrape and the failure is counted in
+``perseus_agent_apply_errors_total{reason="read_<reason>"}``; a scrape never fails because of
+one GPU.
+
+Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``namespace``, ``job``,
+``pod``, ``dp_rank`` and ``pp_rank`` while the GPU follows a plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socket import AF_INET6
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from perseus_agent.errors import GpuError
+from perseus_agent.gpu.base import GpuBackend, GpuInfo
+
+__all__ = [
+    "ITERATION_BUCKETS_S",
+    "ITERATION_LABELS",
+    "KNOWN_ERROR_REASONS",
+    "MANAGED_LABELS",
+    "AgentMetrics",
+    "GpuCollector",
+    "Health",
+    "ManagedGpu",
+    "MetricsServer",
+]
+
+log = logging.getLogger(__name__)
+
+MANAGED_LABELS: Final = ("namespace", "job", "pod", "dp_rank", "pp_rank")
+"""Labels added to a GPU's series while it follows a plan."""
+
+ITERATION_LABELS: Final = ("node", "gpu", "uuid", *MANAGED_LABELS, "rank")
+
+ITERATION_BUCKETS_S: Final = (
+    0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+    45.0, 60.0, 90.0, 120.0, 180.0, 300.0, float("inf"),
+)  # fmt: skip
+
+KNOWN_ERROR_REASONS: Final = (
+    "invalid_plan",
+    "unknown_gpu",
+    "schedule_mismatch",
+    "reset_state",
+    "no_permission",
+    "not_supported",
+    "gpu_lost",
+    "invalid_argument",
+    "not_found",
+    "gpu_error",
+)
+"""Reasons exported at zero from the start, so alerts see the series before the first error."""
+
+_MHZ_TO_HZ: Final = 1_000_000
+
+
+@dataclass(frozen=True)
+class ManagedGpu:
+    """What the plan applier says about one GPU it manages."""
+
+    labels: Mapping[str, str]
+    """Values of (a subset of) :data:`MANAGED_LABELS`; empty values are left out."""
+    target_mhz: int | None = None
+    """The clock the plan asks for right now, if any."""
+
+
+class AgentMetrics:
+    """The agent's own metrics (the ones it counts rather than reads from the GPU).
+
+    Args:
+        node: Value of the ``node`` label.
+        registry: Registry to put them on; a new dedicated one by default.
+    """
+
+    def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
+        self.node = node
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.apply_errors = Counter(
+            "perseus_agent_apply_errors",
+            "Errors while applying plans or reading GPUs, by reason.",
+            ["node", "reason"],
+            registry=self.registry,
+        )
+        for reason in KNOWN_ERROR_REASONS:
+            self.apply_errors.labels(node=node, reason=reason)
+        self.iteration_seconds = Histogram(
+            "perseus_iteration_seconds",
+            "Training iteration time per rank (step begin to step end), in seconds.",
+            list(ITERATION_LABELS),
+            buckets=ITERATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._clock_changes: dict[int, int] = {}
+
+    def count_error(self, reason: str) -> None:
+        self.apply_errors.labels(node=self.node, reason=reason).inc()
+
+    def error_count(self, reason: str) -> float:
+        """Current value of ``perseus_agent_apply_errors_total{reason}`` (for tests and logs)."""
+        for metric in self.apply_errors.collect():  # this counter only: no GPU is read
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.labels.get("reason") == reason:
+                    return sample.value
+        return 0.0
+
+    def count_clock_change(self, index: int) -> None:
+        with self._lock:
+            self._clock_changes[index] = self._clock_changes.get(index, 0) + 1
+
+    def clock_changes(self, index: int) -> int:
+        with self._lock:
+            return self._clock_changes.get(index, 0)
+
+    def observe_iteration(self, labels: Mapping[str, str], seconds: float) -> None:
+        """Record one iteration; ``labels`` missing from :data:`ITERATION_LABELS` are empty."""
+        values = {name: labels.get(name, "") for name in ITERATION_LABELS}
+        values["node"] = self.node
+        self.iteration_seconds.labels(**values).observe(seconds)
+
+
+class GpuCollector(Collector):
+    """Reads every GPU of ``backend`` at scrape time.
+
+    Args:
+        backend: The GPUs.
+        devices: The GPUs to export (listed once by the caller).
+        metrics: Where failed readings are counted, and the clock change counts.
+        managed: Returns the GPUs under a plan, by index (called once per scrape).
+    """
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        devices: Sequence[GpuInfo],
+        metrics: AgentMetrics,
+        managed: Callable[[], Mapping[int, ManagedGpu]],
+    ) -> None:
+        self._backend = backend
+        self._devices = list(devices)
+        self._metrics = metrics
+        self._managed = managed
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # no GPU reads at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        energy = Metric(
+            "perseus_gpu_energy_joules",
+            "Energy consumed by the GPU since an arbitrary origin, in joules.",
+            "counter",
+        )
+        power = Metric("perseus_gpu_power_watts", "Current GPU power draw, in watts.", "gauge")
+        clock = Metric("perseus_gpu_sm_clock_hertz", "Current GPU SM clock, in hertz.", "gauge")
+        target = Metric(
+            "perseus_gpu_target_sm_clock_hertz",
+            "SM clock the frequency plan asks for, in hertz.",
+            "gauge",
+        )
+        changes = Metric(
+            "perseus_gpu_clock_changes",
+            "SM clock changes made by this agent.",
+            "counter",
+        )
+        try:
+            managed = self._managed()
+        except Exception:  # a scrape must never fail
+            log.exception("cannot read the managed GPUs; exporting the GPUs as unmanaged")
+            managed = {}
+        node = self._metrics.node
+        for gpu in self._devices:
+            try:
+                energy_j = self._backend.energy_j(gpu.index)
+                power_w = self._backend.power_w(gpu.index)
+                clock_mhz = self._backend.sm_clock_mhz(gpu.index)
+            except GpuError as exc:
+                log.warning("cannot read GPU %d (%s): %s", gpu.index, gpu.uuid, exc)
+                self._metrics.count_error(f"read_{exc.reason}")
+                continue
+            except Exception:
+                log.exception("cannot read GPU %d (%s)", gpu.index, gpu.uuid)
+                self._metrics.count_error("read_error")
+                continue
+            labels = {"node": node, "gpu": str(gpu.index), "uuid": gpu.uuid}
+            state = managed.get(gpu.index)
+            if state is not None:
+                labels.update(
+                    {k: v for k, v in state.labels.items() if k in MANAGED_LABELS and v != ""}
+                )
+            energy.add_sample("perseus_gpu_energy_joules_total", labels, energy_j)
+            power.add_sample("perseus_gpu_power_watts", labels, power_w)
+            clock.add_sample("perseus_gpu_sm_clock_hertz", labels, clock_mhz * _MHZ_TO_HZ)
+            if state is not None and state.target_mhz is not None:
+                target.add_sample(
+                    "perseus_gpu_target_sm_clock_hertz", labels, state.target_mhz * _MHZ_TO_HZ
+                )
+            changes.add_sample(
+                "perseus_gpu_clock_changes_total",
+                labels,
+                self._metrics.clock_changes(gpu.index),
+            )
+        return [energy, power, clock, target, changes]
+
+
+@dataclass
+class Health:
+    """Liveness of the agent loop: alive while :meth:`beat` is called often enough.
+
+    Args:
+        max_age_s: How long after the last beat the agent still counts as alive.
+        clock: Monotonic clock, in seconds.
+    """
+
+    max_age_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    _last_beat: float | None = field(default=None, init=False)
+    _stopped: bool = field(default=False, init=False)
+
+    def beat(self) -> None:
+        self._last_beat = self.clock()
+
+    def stop(self) -> None:
+        """The loop has ended: unhealthy from now on."""
+        self._stopped = True
+
+    def alive(self) -> bool:
+        last = self._last_beat
+        return not self._stopped and last is not None and self.clock() - last <= self.max_age_s
+
+
+class MetricsServer:
+    """HTTP server of ``/metrics`` and ``/healthz`` in a background thread.
+
+    Args:
+        registry: What ``/metrics`` serves.
+        health: What ``/healthz`` reports (200 ``ok`` or 503).
+        address: Address to bind (``0.0.0.0`` for all IPv4 interfaces, ``::`` for IPv6).
+        port: TCP port; 0 picks a free one (see :attr:`port`).
+
+    Raises:
+        OSError: The address cannot be bound (in the constructor).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        health: Health,
+        address: str = "0.0.0.0",
+        port: int = 9400,
+    ) -> None:
+        handler = _handler_class(registry, health)
+        server_class = _IPv6Server if ":" in address else ThreadingHTTPServer
+        self._server = server_class((address, port), handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return str(self._server.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="perseus-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._server.server_close()
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = AF_INET6
+
+
+def _handler_class(registry: CollectorRegistry, health: Health) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "perseus-node-agent"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                try:
+                    body = encoder(registry)
+                except Exception:
+                    log.exception("metrics scrape failed")
+                    self._reply(500, b"scrape failed\n", "text/plain; charset=utf-8")
+                    return
+                self._reply(200, body, content_type)
+            elif path == "/healthz":
+                if health.alive():
+                    self._reply(200, b"ok\n", "text/plain; charset=utf-8")
+                else:
+                    self._reply(503, b"agent loop not running\n", "text/plain; charset=utf-8")
+            else:
+                self._reply(404, b"not found: try /metrics or /healthz\n", "text/plain")
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("%s - %s", self.address_string(), format % args)
+
+    return Handler

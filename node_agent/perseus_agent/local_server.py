@@ -1,0 +1,544 @@
+"""The agent's end of the training-process socket (``perseus_client`` is the other end).
+
+With ``Instruction`` granularity the training process reports each step and
+each forward/backward over a Unix socket in a hostPath directory (default
+``/run/perseus/agent.sock``); the agent, the only process allowed to touch the
+GPU, switches the clock and replies with the clock now in effect. The wire
+format is :mod:`perseus_client.protocol` (newline-delimited JSON, one reply per
+request); this module serves it and hands each request to a
+:class:`ClientHandler`, which the agent's applier implements.
+
+Access control. Whoever can connect to this socket can make the agent change
+GPU clocks, which slows down (or speeds up, at a power cost) every job on those
+GPUs. So the socket is ``0o660`` (owner and ``socket_group`` only, never
+others) and a directory the server creates is ``0o750``. Training pods get
+access by running with ``socket_group`` among their supplementary groups
+(``securityContext.supplementalGroups``), not by being privileged. The socket
+is bound under a temporary name, given its mode and group, and only then
+renamed into place, so there is no moment at which it is open to everyone.
+
+Threading. The server runs an asyncio loop in a background thread. Handler
+methods run in a thread pool: calls for one session are sequential (one request
+at a time, in order), calls for different sessions may run concurrently, so a
+handler must be thread-safe. Each request's receipt time
+(``time.monotonic_ns()``, taken as soon as its line is read) is passed to the
+handler for profiling.
+
+Failures stay per connection: a malformed or unknown request gets an
+``{"ok": false, "error": ...}`` reply and the connection stays usable; a line
+longer than :data:`~perseus_client.protocol.MAX_MESSAGE_BYTES` gets an error
+reply and that connection is closed; a handler exception is logged and sent
+back as an error reply. Nothing a client sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Protocol
+
+from perseus_agent.errors import AgentError
+from perseus_client.protocol import (
+    MAX_MESSAGE_BYTES,
+    OP_HELLO,
+    OP_INSTRUCTION_BEGIN,
+    PROTOCOL_VERSION,
+    HelloRequest,
+    InstructionBeginRequest,
+    InstructionEndRequest,
+    ProtocolError,
+    StepBeginRequest,
+    StepEndRequest,
+    decode_request,
+    encode_reply,
+    error_reply,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_SOCKET_PATH_BYTES: Final = 107
+"""AF_UNIX paths are limited to 108 bytes with the terminating NUL."""
+
+DEFAULT_SOCKET_MODE: Final = 0o660
+DIRECTORY_MODE: Final = 0o750
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class LocalServerError(AgentError):
+    """The socket cannot be served (path taken by a file or a live agent, bad permissions, ...)."""
+
+
+class RequestError(AgentError):
+    """Raised by a handler to refuse a request: the message becomes the error reply, no traceback
+    is logged (unlike any other exception)."""
+
+
+@dataclass(eq=False)
+class ClientSession:
+    """One connection of a training process.
+
+    Attributes:
+        connection_id: Unique per server, increasing.
+        peer_pid, peer_uid, peer_gid: Of the connecting process (``SO_PEERCRED``), as seen
+            from the agent's PID and user namespaces (``None`` where unavailable). The pid
+            the client reports in hello is in the container's namespace and may differ.
+        connected_ns: ``time.monotonic_ns()`` at accept.
+        hello: The accepted hello request (``None`` until then).
+        state: Free for the handler's per-session data.
+    """
+
+    connection_id: int
+    peer_pid: int | None
+    peer_uid: int | None
+    peer_gid: int | None
+    connected_ns: int
+    hello: HelloRequest | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.hello is None else self.hello["rank"]
+
+    @property
+    def local_rank(self) -> int | None:
+        return None if self.hello is None else self.hello["local_rank"]
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        return [] if self.hello is None else list(self.hello["gpu_uuids"])
+
+    @property
+    def client_pid(self) -> int | None:
+        """The pid the client reported (its own PID namespace)."""
+        return None if self.hello is None else self.hello["pid"]
+
+    @property
+    def job(self) -> str | None:
+        return None if self.hello is None else self.hello["job"]
+
+    @property
+    def namespace(self) -> str | None:
+        return None if self.hello is None else self.hello["namespace"]
+
+    @property
+    def pod(self) -> str | None:
+        return None if self.hello is None else self.hello["pod"]
+
+
+class ClientHandler(Protocol):
+    """What the agent does with each request (implemented by the applier).
+
+    Every method gets the session, the validated request and the request's
+    receipt time (``time.monotonic_ns()``). The returned mapping (or ``None``) is
+    merged into the ``{"ok": true}`` reply. Raise :class:`RequestError` to refuse
+    a request; any other exception is logged and reported as an error reply.
+    Requests other than hello arrive only after a successful hello.
+    """
+
+    def hello(
+        self, session: ClientSession, msg: HelloRequest, received_ns: int
+    ) -> Mapping[str, Any] | None:
+        """A training process announced itself (``session.hello`` is already ``msg``)."""
+
+    def step_begin(
+        self, session: ClientSession, msg: StepBeginRequest, received_ns: int
+    ) -> Mapping[str, Any] | None: ...
+
+    def step_end(
+        self, session: ClientSession, msg: StepEndRequest, received_ns: int
+    ) -> Mapping[str, Any] | None: ...
+
+    def instruction_begin(
+        self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
+    ) -> Mapping[str, Any] | None:
+        """Set the clock for this instruction; reply ``{"sm_clock_mhz": clock or None}``."""
+
+    def instruction_end(
+        self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
+    ) -> Mapping[str, Any] | None: ...
+
+    def disconnected(self, session: ClientSession) -> None:
+        """The connection closed; called once for each session whose hello succeeded."""
+
+
+def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None, None, None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        pid, uid, gid = _PEERCRED.unpack(raw)
+    except (OSError, struct.error):
+        return None, None, None
+    return int(pid), int(uid), int(gid)
+
+
+class LocalServer:
+    """Serve the client protocol on a Unix socket, in a background thread.
+
+    Args:
+        socket_path: Where to listen; its directory is created (``0o750``, group
+            ``socket_group``) if missing. An existing directory (e.g. a hostPath the
+            kubelet created) is left as it is: training pods must be able to traverse it.
+        handler: Receives every valid request.
+        socket_mode: Mode of the socket file; only owner and group bits are sensible.
+        socket_group: Group id given to the socket (and to a directory it creates);
+            training pods need it as a supplementary group. ``None``: the agent's group.
+        max_connections: Further connections get an error reply and are closed.
+        handler_threads: Size of the pool the handler methods run in.
+
+    A stale socket left at ``socket_path`` by a crashed agent is removed; a live one
+    (something accepts connections there) or a file that is not a socket is an error.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        handler: ClientHandler,
+        *,
+        socket_mode: int = DEFAULT_SOCKET_MODE,
+        socket_group: int | None = None,
+        max_connections: int = 256,
+        handler_threads: int = 16,
+    ) -> None:
+        if socket_mode & ~0o777:
+            raise ValueError(f"socket_mode {socket_mode:#o} has bits beyond 0o777")
+        if socket_mode & 0o007:
+            logger.warning(
+                "socket mode %#o lets every local user change GPU clocks; prefer %#o",
+                socket_mode,
+                DEFAULT_SOCKET_MODE,
+            )
+        self.socket_path = Path(socket_path)
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(
+                f"socket path {str(self.socket_path)!r} is longer than "
+                f"{MAX_SOCKET_PATH_BYTES} bytes, the AF_UNIX limit"
+            )
+        self.handler = handler
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
+        self.max_connections = max_connections
+        self.handler_threads = handler_threads
+
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._sessions: dict[int, ClientSession] = {}
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def sessions(self) -> list[ClientSession]:
+        """The open connections, oldest first."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def start(self) -> None:
+        """Create the socket and start serving; raises :class:`LocalServerError` if it cannot."""
+        if self._thread is not None:
+            raise RuntimeError("LocalServer already started")
+        sock = self._bind()
+        self._ready.clear()
+        self._start_error = None
+        self._executor = ThreadPoolExecutor(self.handler_threads, thread_name_prefix="perseus-rpc")
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name="perseus-local-server", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self.stop()
+            raise LocalServerError(f"cannot serve on {self.socket_path}: {self._start_error}")
+        logger.info("serving Perseus clients on %s", self.socket_path)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close every connection, stop serving and remove the socket file. Idempotent."""
+        thread, loop, stopping = self._thread, self._loop, self._stopping
+        if thread is None:
+            return
+        if threading.current_thread() is thread:
+            raise RuntimeError("LocalServer.stop() called from the server's own thread")
+        if loop is not None and stopping is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(stopping.set)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("local server thread did not stop within %.1f s", timeout)
+        if self._executor is not None:
+            # Waits for the last disconnected() calls; running handlers are not interrupted.
+            self._executor.shutdown(wait=True, cancel_futures=False)
+            self._executor = None
+        self._unlink_socket()
+        self._thread = self._loop = self._stopping = None
+
+    def __enter__(self) -> LocalServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- socket file
+
+    def _bind(self) -> socket.socket:
+        path = self.socket_path
+        self._prepare_directory(path.parent)
+        self._remove_stale(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH_BYTES:
+            tmp = path.with_name(f".{os.getpid()}.tmp")
+        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH_BYTES:
+            raise LocalServerError(f"directory path of {path} too long for a temporary socket")
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(tmp).st_mode):
+                tmp.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(os.fspath(tmp))
+            try:
+                tmp.chmod(self.socket_mode)
+                if self.socket_group is not None:
+                    os.chown(tmp, -1, self.socket_group)
+                sock.listen(128)
+                tmp.replace(path)  # only now reachable under its real name
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            st = os.lstat(path)
+            self._socket_id = (st.st_dev, st.st_ino)
+        except OSError as exc:
+            sock.close()
+            raise LocalServerError(f"cannot create socket {path}: {exc}") from exc
+        return sock
+
+    def _prepare_directory(self, directory: Path) -> None:
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=DIRECTORY_MODE)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise LocalServerError(f"{directory} exists and is not a directory") from None
+            return
+        except OSError as exc:
+            raise LocalServerError(f"cannot create directory {directory}: {exc}") from exc
+        try:
+            directory.chmod(DIRECTORY_MODE)  # mkdir's mode is reduced by the umask
+            if self.socket_group is not None:
+                os.chown(directory, -1, self.socket_group)
+        except OSError as exc:
+            raise LocalServerError(f"cannot set up directory {directory}: {exc}") from exc
+
+    @staticmethod
+    def _remove_stale(path: Path) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise LocalServerError(
+                f"{path} exists and is not a socket; refusing to remove it "
+                "(check --socket-dir, or delete the file)"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(0.5)
+        try:
+            probe.connect(os.fspath(path))
+        except ConnectionRefusedError:
+            logger.info("removing stale socket %s left by an earlier agent", path)
+            path.unlink(missing_ok=True)
+            return
+        except OSError as exc:
+            raise LocalServerError(f"cannot check existing socket {path}: {exc}") from exc
+        finally:
+            probe.close()
+        raise LocalServerError(f"another process is already serving on {path}")
+
+    def _unlink_socket(self) -> None:
+        if self._socket_id is None:
+            return
+        try:
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._socket_id:
+                self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("cannot remove socket %s: %s", self.socket_path, exc)
+        self._socket_id = None
+
+    # -- event loop
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            asyncio.run(self._main(sock))
+        except BaseException as exc:  # pragma: no cover - logged, the thread just ends
+            if not self._ready.is_set():
+                self._start_error = exc
+            else:
+                logger.exception("local server loop failed")
+        finally:
+            sock.close()
+            self._ready.set()
+
+    async def _main(self, sock: socket.socket) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        try:
+            server = await asyncio.start_unix_server(
+                self._serve, sock=sock, limit=MAX_MESSAGE_BYTES - 1
+            )
+        except Exception as exc:
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for writer in list(self._writers.values()):
+                writer.close()
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=2.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        pid, uid, gid = _peer_credentials(writer.get_extra_info("socket"))
+        session = ClientSession(next(self._ids), pid, uid, gid, time.monotonic_ns())
+        cid = session.connection_id
+        if len(self._writers) >= self.max_connections:
+            logger.warning("refusing connection %d (pid %s): too many connections", cid, pid)
+            await self._send(writer, encode_reply(error_reply("too many connections")))
+            writer.close()
+            return
+        self._tasks.add(task)
+        self._writers[cid] = writer
+        with self._lock:
+            self._sessions[cid] = session
+        logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
+        try:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError:
+                    break  # EOF (a partial last line is dropped)
+                except asyncio.LimitOverrunError:
+                    logger.warning("connection %d sent an oversized message; closing it", cid)
+                    reply = error_reply(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+                    await self._send(writer, encode_reply(reply))
+                    break
+                received_ns = time.monotonic_ns()
+                if not await self._send(writer, await self._handle(session, line, received_ns)):
+                    break
+        except (ConnectionError, OSError) as exc:
+            logger.debug("connection %d: %s", cid, exc)
+        finally:
+            self._tasks.discard(task)
+            self._writers.pop(cid, None)
+            with self._lock:
+                self._sessions.pop(cid, None)
+            writer.close()
+            if session.hello is not None:
+                self._submit(self._disconnected, session)
+            logger.debug("connection %d closed", cid)
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:
+        try:
+            writer.write(data)
+            await writer.drain()
+        except (ConnectionError, OSError):
+            return False
+        return True
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        executor = self._executor
+        if executor is not None:
+            with contextlib.suppress(RuntimeError):  # shut down already
+                executor.submit(fn, *args)
+                return
+        fn(*args)
+
+    def _disconnected(self, session: ClientSession) -> None:
+        try:
+            self.handler.disconnected(session)
+        except Exception:
+            logger.exception("handler.disconnected failed for connection %d", session.connection_id)
+
+    async def _handle(self, session: ClientSession, line: bytes, received_ns: int) -> bytes:
+        """The encoded reply to one request line."""
+        cid = session.connection_id
+        try:
+            msg = decode_request(line)
+        except ProtocolError as exc:
+            logger.debug("connection %d: bad request: %s", cid, exc)
+            return encode_reply(error_reply(str(exc)))
+        op = msg["op"]
+        if op == OP_HELLO:
+            if session.hello is not None:
+                return encode_reply(error_reply("hello already received on this connection"))
+        elif session.hello is None:
+            return encode_reply(error_reply(f"send hello before {op}"))
+
+        method: Callable[[ClientSession, Any, int], Mapping[str, Any] | None]
+        method = getattr(self.handler, op)
+        if msg["op"] == OP_HELLO:
+            session.hello = msg
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, method, session, msg, received_ns)
+            reply = dict(result) if result is not None else {}
+        except RequestError as exc:
+            return self._refuse(session, op, str(exc))
+        except Exception as exc:
+            logger.exception("handler.%s failed for connection %d", op, cid)
+            return self._refuse(session, op, f"agent error in {op}: {type(exc).__name__}: {exc}")
+        reply["ok"] = True
+        if op == OP_HELLO:
+            reply.setdefault("version", PROTOCOL_VERSION)
+            reply.setdefault("connection_id", cid)
+        elif op == OP_INSTRUCTION_BEGIN:
+            reply.setdefault("sm_clock_mhz", None)
+        try:
+            return encode_reply(reply, op)
+        except ProtocolError as exc:
+            logger.error("handler.%s returned an invalid reply %r: %s", op, reply, exc)
+            return self._refuse(session, op, f"agent produced an invalid reply to {op}")
+
+    @staticmethod
+    def _refuse(session: ClientSession, op: str, message: str) -> bytes:
+        if op == OP_HELLO:
+            session.hello = None
+        return encode_reply(error_reply(message))

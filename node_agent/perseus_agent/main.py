@@ -1,0 +1,494 @@
+"""Entry point of the ``perseus-node-agent`` command (the DaemonSet's container command).
+
+Start-up: reset the clocks a previous run of the agent may have left locked (see
+:mod:`perseus_agent.reset_state`), start the metrics server and the local socket training
+processes call in on, then apply plans until SIGTERM or SIGINT, when every clock the agent
+changed is reset before it exits with status 0.
+
+``--standalone --plan-file PLAN.json`` runs without Kubernetes: the file holds one NodePlan
+(JSON); it is checked every second and re-applied when it changes, and its removal clears the
+plan. A plan that cannot be read or applied is reported and the previous plan's clocks are
+reset; the agent keeps running. Write the file atomically (to a temporary file, then rename)
+so the agent never reads half of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Final, Protocol
+
+from pydantic import ValidationError
+
+from perseus_agent.errors import AgentError, GpuError, PlanError
+
+if TYPE_CHECKING:
+    from perseus_agent.applier import PlanApplier
+    from perseus_agent.gpu.base import GpuBackend
+    from perseus_api.node_plan import NodePlan
+
+__all__ = ["build_parser", "main"]
+
+PROG: Final = "perseus-node-agent"
+EXIT_OK: Final = 0
+EXIT_FAILURE: Final = 1
+EXIT_USAGE: Final = 2
+
+DEFAULT_PROFILE_PACKAGE: Final = "perseus_planner"
+DEFAULT_PROFILE_FILE: Final = "gpt3-175b+a100_sxm_bf16.csv"
+DEFAULT_BLOCKING_POWER_W: Final = 83.64
+DEFAULT_EMULATED_GPUS: Final = 8
+SOCKET_NAME: Final = "agent.sock"
+PLAN_POLL_S: Final = 1.0
+
+log = logging.getLogger("perseus_agent")
+
+
+class _UsageError(Exception):
+    """A flag value is wrong: exit status 2."""
+
+
+class _StartupError(Exception):
+    """The agent cannot start (GPU library, port in use, ...): exit status 1."""
+
+
+class _Server(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Perseus node agent: applies per-GPU frequency plans, exports GPU energy metrics, "
+            "and resets every clock it changed when it stops."
+        ),
+    )
+    gpus = parser.add_argument_group("GPUs")
+    gpus.add_argument(
+        "--gpu-backend",
+        choices=("nvml", "emulated"),
+        default="nvml",
+        help="nvml: the node's NVIDIA GPUs; emulated: profile-driven GPUs (default: nvml)",
+    )
+    gpus.add_argument(
+        "--emulated-gpus",
+        type=int,
+        metavar="N",
+        help=f"number of emulated GPUs (default: {DEFAULT_EMULATED_GPUS})",
+    )
+    gpus.add_argument(
+        "--emulated-profile",
+        type=Path,
+        metavar="CSV",
+        help="profile driving the emulated GPUs (default: the bundled GPT-3 175B A100 profile)",
+    )
+    gpus.add_argument(
+        "--emulated-blocking-power",
+        type=float,
+        metavar="WATTS",
+        help=(
+            "power of an idle emulated GPU; required with --emulated-profile "
+            f"(default with the bundled profile: {DEFAULT_BLOCKING_POWER_W})"
+        ),
+    )
+    gpus.add_argument(
+        "--emulated-state-file",
+        type=Path,
+        metavar="FILE",
+        help="keep the emulated GPUs' state in FILE, shared across processes and restarts",
+    )
+    agent = parser.add_argument_group("agent")
+    agent.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME"),
+        help="name of this node (default: $NODE_NAME)",
+    )
+    agent.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        metavar="PORT",
+        help="port of /metrics and /healthz; 0 picks a free one (default: 9400)",
+    )
+    agent.add_argument(
+        "--metrics-address",
+        default="0.0.0.0",
+        metavar="ADDRESS",
+        help="address the metrics server binds (default: 0.0.0.0)",
+    )
+    agent.add_argument(
+        "--socket-dir",
+        type=Path,
+        default=Path("/run/perseus"),
+        metavar="DIR",
+        help=f"directory of the socket training processes call in on, {SOCKET_NAME} "
+        "(default: /run/perseus)",
+    )
+    agent.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/perseus"),
+        metavar="DIR",
+        help="directory of the record of locked clocks (default: /var/lib/perseus)",
+    )
+    agent.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no Kubernetes API: apply the NodePlan in --plan-file",
+    )
+    agent.add_argument(
+        "--plan-file",
+        type=Path,
+        metavar="PLAN.json",
+        help="NodePlan (JSON) to apply in --standalone mode; re-applied when it changes",
+    )
+    agent.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="(default: info)",
+    )
+    return parser
+
+
+@dataclass(frozen=True)
+class _Config:
+    backend: str
+    emulated_gpus: int
+    emulated_profile: Path | None  # None: the bundled one
+    emulated_blocking_power_w: float
+    emulated_state_file: Path | None
+    node_name: str
+    metrics_port: int
+    metrics_address: str
+    socket_dir: Path
+    state_dir: Path
+    plan_file: Path
+    log_level: str
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the agent with ``argv`` (default: the process arguments); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help and usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    try:
+        config = _check_args(args)
+        signature = _signature(config.plan_file)
+        initial_plan = _load_plan(config.plan_file, config.node_name)
+    except (_UsageError, PlanError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    _configure_logging(config.log_level)
+    try:
+        return _Agent(config).run(initial_plan, signature)
+    except _UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except _StartupError as exc:
+        return _fail(str(exc), EXIT_FAILURE)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
+
+
+def _check_args(args: argparse.Namespace) -> _Config:
+    if not args.standalone:
+        raise _UsageError(
+            "Kubernetes mode is not available yet in this build; "
+            "run with --standalone --plan-file PLAN.json"
+        )
+    if args.plan_file is None:
+        raise _UsageError("--standalone needs --plan-file PLAN.json")
+    node_name = (args.node_name or "").strip()
+    if not node_name:
+        raise _UsageError("no node name: pass --node-name or set $NODE_NAME")
+    if not 0 <= args.metrics_port <= 65535:
+        raise _UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if not args.metrics_address:
+        raise _UsageError("--metrics-address must not be empty")
+    emulated = args.gpu_backend == "emulated"
+    if not emulated:
+        for flag, value in (
+            ("--emulated-gpus", args.emulated_gpus),
+            ("--emulated-profile", args.emulated_profile),
+            ("--emulated-blocking-power", args.emulated_blocking_power),
+            ("--emulated-state-file", args.emulated_state_file),
+        ):
+            if value is not None:
+                raise _UsageError(f"{flag} needs --gpu-backend emulated")
+    gpus = DEFAULT_EMULATED_GPUS if args.emulated_gpus is None else args.emulated_gpus
+    if gpus < 1:
+        raise _UsageError(f"--emulated-gpus must be at least 1, got {gpus}")
+    power = args.emulated_blocking_power
+    if args.emulated_profile is not None and power is None:
+        raise _UsageError(
+            "--emulated-profile needs --emulated-blocking-power WATTS (the profile's idle power)"
+        )
+    if power is None:
+        power = DEFAULT_BLOCKING_POWER_W
+    if not math.isfinite(power) or power <= 0:
+        raise _UsageError(f"--emulated-blocking-power must be a positive number, got {power}")
+    return _Config(
+        backend=args.gpu_backend,
+        emulated_gpus=gpus,
+        emulated_profile=args.emulated_profile,
+        emulated_blocking_power_w=power,
+        emulated_state_file=args.emulated_state_file,
+        node_name=node_name,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        socket_dir=args.socket_dir,
+        state_dir=args.state_dir,
+        plan_file=args.plan_file,
+        log_level=args.log_level,
+    )
+
+
+def _load_plan(path: Path, node_name: str) -> NodePlan:
+    """Read and validate a NodePlan file. Raises PlanError with a message saying what to fix."""
+    from perseus_api.node_plan import NodePlan
+
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
+    try:
+        plan = NodePlan.model_validate_json(text)
+    except ValidationError as exc:
+        raise PlanError(f"invalid plan file {path}: {exc}") from None
+    if plan.node != node_name:
+        raise PlanError(
+            f"plan file {path} is for node {plan.node!r}, but this agent runs on {node_name!r}"
+        )
+    return plan
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _default_profile_path() -> Path:
+    ref = resources.files(DEFAULT_PROFILE_PACKAGE) / "profiles" / DEFAULT_PROFILE_FILE
+    return Path(str(ref))
+
+
+def _open_backend(config: _Config) -> GpuBackend:
+    if config.backend == "nvml":
+        from perseus_agent.gpu.nvml import NvmlBackend
+
+        try:
+            return NvmlBackend()
+        except GpuError as exc:
+            raise _StartupError(f"cannot use the NVIDIA GPUs: {exc}") from None
+
+    from perseus_agent.gpu.emulated import EmulatedBackend
+    from perseus_api.errors import ProfileError
+
+    profile = config.emulated_profile or _default_profile_path()
+    try:
+        return EmulatedBackend.from_csv(
+            config.emulated_gpus,
+            profile,
+            blocking_power_w=config.emulated_blocking_power_w,
+            node_name=config.node_name,
+            state_file=config.emulated_state_file,
+        )
+    except ProfileError as exc:
+        raise _UsageError(f"--emulated-profile {profile}: {exc}") from None
+    except OSError as exc:
+        raise _UsageError(f"cannot read profile {profile}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise _UsageError(f"cannot emulate GPUs: {exc}") from None
+
+
+class _Agent:
+    def __init__(self, config: _Config) -> None:
+        self.config = config
+        self._stop = threading.Event()
+        self._plan_signature: tuple[int, int, int] | None = None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._stop.is_set():
+            log.info("received %s; resetting clocks and stopping", signal.Signals(signum).name)
+        self._stop.set()
+
+    def run(self, initial_plan: NodePlan, signature: tuple[int, int, int] | None) -> int:
+        """Run until SIGTERM/SIGINT; ``signature`` identifies the plan file's version read."""
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._run(initial_plan, signature)
+        finally:
+            for sig, handler in previous.items():
+                if handler is not None:  # None: installed outside Python, cannot be restored
+                    signal.signal(sig, handler)
+
+    def _run(self, initial_plan: NodePlan, signature: tuple[int, int, int] | None) -> int:
+        from perseus_agent.applier import PlanApplier
+        from perseus_agent.exporter import GpuCollector, Health, MetricsServer
+        from perseus_agent.reset_state import ResetState
+
+        config = self.config
+        backend = _open_backend(config)
+        servers: list[_Server] = []
+        health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
+        applier: PlanApplier | None = None
+        try:
+            try:
+                reset_state = ResetState(config.state_dir)
+            except OSError as exc:
+                raise _UsageError(
+                    f"--state-dir {config.state_dir}: {exc.strerror or exc}"
+                ) from None
+            try:
+                reset_state.recover(backend)
+                applier = PlanApplier(backend, reset_state, config.node_name)
+            except (GpuError, OSError) as exc:
+                raise _StartupError(
+                    f"cannot reset the clocks left by a previous run: {exc}"
+                ) from None
+
+            metrics = applier.metrics
+            metrics.registry.register(
+                GpuCollector(backend, applier.devices, metrics, applier.managed_gpus)
+            )
+            try:
+                exporter = MetricsServer(
+                    metrics.registry, health, config.metrics_address, config.metrics_port
+                )
+            except OSError as exc:
+                raise _StartupError(
+                    f"cannot serve metrics on {config.metrics_address}:{config.metrics_port}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+            exporter.start()
+            servers.append(exporter)
+            log.info("serving metrics on %s/metrics", exporter.url)
+
+            servers.append(self._start_local_server(applier))
+
+            log.info(
+                "node %s: %d GPU(s) via %s; plan file %s",
+                config.node_name,
+                len(applier.devices),
+                config.backend,
+                config.plan_file,
+            )
+            self._plan_signature = signature
+            self._apply(applier, initial_plan)
+            while not self._stop.is_set():
+                health.beat()
+                self._stop.wait(PLAN_POLL_S)
+                if not self._stop.is_set():
+                    self._poll_plan(applier)
+        finally:
+            health.stop()
+            ok = self._shutdown(backend, applier, servers)
+        if not ok:
+            return _fail("some GPU clocks could not be reset (see the log)", EXIT_FAILURE)
+        log.info("stopped; every clock this agent changed is reset")
+        return EXIT_OK
+
+    def _start_local_server(self, applier: PlanApplier) -> _Server:
+        from perseus_agent.local_server import LocalServer
+
+        path = self.config.socket_dir / SOCKET_NAME
+        try:
+            server = LocalServer(path, applier)
+            server.start()
+        except ValueError as exc:
+            raise _UsageError(f"--socket-dir {self.config.socket_dir}: {exc}") from None
+        except AgentError as exc:
+            raise _StartupError(str(exc)) from None
+        return server
+
+    def _poll_plan(self, applier: PlanApplier) -> None:
+        path = self.config.plan_file
+        signature = _signature(path)
+        if signature == self._plan_signature:
+            return
+        self._plan_signature = signature
+        if signature is None:
+            log.info("plan file %s removed; clearing the plan", path)
+            applier.clear()
+            return
+        try:
+            plan = _load_plan(path, self.config.node_name)
+        except PlanError as exc:
+            self._reject(applier, str(exc))
+            return
+        self._apply(applier, plan)
+
+    def _apply(self, applier: PlanApplier, plan: NodePlan) -> None:
+        try:
+            report = applier.apply(plan)
+        except PlanError as exc:
+            self._reject(applier, str(exc))
+        except Exception:  # never crash on a plan
+            log.exception("cannot apply the plan in %s; clocks reset", self.config.plan_file)
+            applier.metrics.count_error("invalid_plan")
+            applier.clear()
+        else:
+            log.debug("report: %s", report.model_dump_json())
+
+    def _reject(self, applier: PlanApplier, message: str) -> None:
+        log.error("%s; clocks reset, waiting for a valid plan", message)
+        applier.metrics.count_error("invalid_plan")
+        applier.clear()
+
+    def _shutdown(
+        self,
+        backend: GpuBackend,
+        applier: PlanApplier | None,
+        servers: list[_Server],
+    ) -> bool:
+        ok = True
+        # The local server first: no training process may lock a clock after the reset.
+        for server in reversed(servers):
+            try:
+                server.stop()
+            except Exception:
+                log.exception("error while stopping %s", type(server).__name__)
+        if applier is not None:
+            try:
+                applier.clear()
+            except Exception:
+                log.exception("error while resetting clocks")
+            ok = not applier.locked_gpus()
+        try:
+            backend.close()
+        except GpuError as exc:
+            log.warning("error while closing the GPU library: %s", exc)
+        return ok
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

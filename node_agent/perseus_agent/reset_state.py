@@ -1,0 +1,283 @@
+"""Persistent record of the GPU clocks this agent changed, so none outlives the agent.
+
+The record is a small JSON file in the agent's state directory, replaced atomically (write to a
+temporary file, ``fsync``, ``rename``, ``fsync`` the directory) every time it changes. A GPU is
+recorded *before* its clock is locked: if the agent dies between the record and the lock, the
+next start resets a GPU that was perhaps never locked, which is harmless; the other order could
+leave a locked GPU nobody knows about.
+
+On start-up the agent calls :meth:`ResetState.recover`: every GPU in the record is reset and the
+record is cleared. A record that cannot be read or parsed is no proof that nothing is locked, so
+then *every* GPU of the node is reset and the file is rewritten.
+
+Recovery uses ``GpuBackend.force_reset_clocks``: the plain resets only undo locks the backend
+itself made, and a new agent's backend knows nothing of the locks a killed one left (NVML keeps
+them after the process is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from perseus_agent.errors import GpuError
+from perseus_agent.gpu.base import GpuBackend, GpuInfo
+
+__all__ = ["STATE_FILENAME", "ClockKind", "LockedGpu", "RecoveryResult", "ResetState"]
+
+log = logging.getLogger(__name__)
+
+STATE_FILENAME: Final = "reset-state.json"
+_FORMAT_VERSION: Final = 1
+
+ClockKind = Literal["sm", "memory"]
+
+
+class LockedGpu(BaseModel):
+    """One GPU whose clocks this agent (may have) changed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: str
+    index: int = Field(ge=0)
+    locked: tuple[ClockKind, ...] = Field(min_length=1, description="Which clocks were locked.")
+    since: datetime = Field(description="When the first of them was recorded (UTC).")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = _FORMAT_VERSION
+    gpus: list[LockedGpu] = Field(default_factory=list)
+
+
+@dataclass
+class RecoveryResult:
+    """What :meth:`ResetState.recover` did."""
+
+    reset: list[GpuInfo] = field(default_factory=list)
+    """GPUs whose clocks were reset."""
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """``(gpu label, error)`` of GPUs that could not be reset; they stay in the record."""
+    corrupt: bool = False
+    """The record could not be read, so every GPU was reset."""
+
+
+class ResetState:
+    """The record of locked GPUs in ``state_dir``; thread-safe.
+
+    Args:
+        state_dir: Directory of the record; created if missing.
+        filename: Name of the record in ``state_dir``.
+
+    Raises:
+        OSError: ``state_dir`` cannot be created.
+    """
+
+    def __init__(self, state_dir: Path | str, filename: str = STATE_FILENAME) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.state_dir / filename
+        self._lock = threading.Lock()
+        self._gpus: dict[str, LockedGpu] = {}
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def entries(self) -> list[LockedGpu]:
+        """GPUs recorded by this process (the file mirrors them), by index."""
+        with self._lock:
+            return sorted(self._gpus.values(), key=lambda g: (g.index, g.uuid))
+
+    def is_recorded(self, gpu: GpuInfo, kind: ClockKind = "sm") -> bool:
+        with self._lock:
+            entry = self._gpus.get(gpu.uuid)
+            return entry is not None and kind in entry.locked
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def record(self, gpu: GpuInfo, kind: ClockKind = "sm") -> None:
+        """Record that ``gpu``'s ``kind`` clock is about to be locked; call *before* locking.
+
+        Writes the file only when the entry is new, so re-locking at another clock costs
+        nothing.
+
+        Raises:
+            OSError: The record cannot be written; the caller must then not lock the clock.
+        """
+        with self._lock:
+            entry = self._gpus.get(gpu.uuid)
+            if entry is not None and kind in entry.locked:
+                return
+            if entry is None:
+                new = LockedGpu(uuid=gpu.uuid, index=gpu.index, locked=(kind,), since=_now())
+            else:
+                new = entry.model_copy(update={"locked": (*entry.locked, kind)})
+            self._gpus[gpu.uuid] = new
+            try:
+                self._write_locked()
+            except OSError:
+                if entry is None:
+                    del self._gpus[gpu.uuid]
+                else:
+                    self._gpus[gpu.uuid] = entry
+                raise
+
+    def forget(self, gpu: GpuInfo, kind: ClockKind | None = None) -> None:
+        """Drop ``gpu`` (or only its ``kind`` clock) from the record once it has been reset.
+
+        A failed write is logged, not raised: the stale entry only causes a harmless extra
+        reset at the next start.
+        """
+        with self._lock:
+            entry = self._gpus.get(gpu.uuid)
+            if entry is None:
+                return
+            remaining = () if kind is None else tuple(k for k in entry.locked if k != kind)
+            if remaining == entry.locked:
+                return
+            if remaining:
+                self._gpus[gpu.uuid] = entry.model_copy(update={"locked": remaining})
+            else:
+                del self._gpus[gpu.uuid]
+            try:
+                self._write_locked()
+            except OSError as exc:
+                log.error("cannot update reset record %s: %s", self.path, exc)
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def recover(self, backend: GpuBackend) -> RecoveryResult:
+        """Reset every GPU a previous run of the agent left recorded, then clear the record.
+
+        A missing record means a clean start. An unreadable or corrupt record is logged as an
+        error and every GPU of ``backend`` is reset. GPUs that cannot be reset stay in the
+        record (and are retried at the next start).
+
+        Raises:
+            OSError: The cleared record cannot be written.
+            GpuError: The backend cannot list its GPUs.
+        """
+        result = RecoveryResult()
+        with self._lock:
+            previous = self._read()
+            devices = backend.devices()
+            if previous is None:
+                result.corrupt = True
+                todo: list[tuple[GpuInfo, Iterable[ClockKind], LockedGpu | None]] = [
+                    (gpu, ("sm", "memory"), None) for gpu in devices
+                ]
+            else:
+                todo = []
+                by_uuid = {g.uuid: g for g in devices}
+                for entry in previous.gpus:
+                    gpu = by_uuid.get(entry.uuid)
+                    if gpu is None:
+                        log.warning(
+                            "GPU %s (index %d) of the reset record is not on this node any more; "
+                            "dropping it",
+                            entry.uuid,
+                            entry.index,
+                        )
+                        continue
+                    todo.append((gpu, entry.locked, entry))
+            self._gpus = {}
+            for gpu, kinds, recorded in todo:
+                left: list[ClockKind] = []
+                try:
+                    backend.force_reset_clocks(gpu.index)
+                except GpuError as exc:
+                    log.error(
+                        "cannot reset the clocks of GPU %d (%s): %s", gpu.index, gpu.uuid, exc
+                    )
+                    left = list(kinds)
+                    result.failed.append((gpu.uuid, f"{exc.reason}: {exc}"))
+                if left:
+                    self._gpus[gpu.uuid] = LockedGpu(
+                        uuid=gpu.uuid,
+                        index=gpu.index,
+                        locked=tuple(left),
+                        since=recorded.since if recorded is not None else _now(),
+                    )
+                else:
+                    result.reset.append(gpu)
+            if previous is not None and not previous.gpus and not self._gpus:
+                return result  # clean start: nothing to rewrite
+            self._write_locked()
+        if result.reset:
+            log.info(
+                "reset the clocks of %d GPU(s) left by a previous run: %s",
+                len(result.reset),
+                ", ".join(str(g.index) for g in result.reset),
+            )
+        return result
+
+    # -- file I/O ------------------------------------------------------------------------------
+
+    def _read(self) -> _Record | None:
+        """The record on disk; an empty one if missing; ``None`` if unreadable or corrupt."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return _Record()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.error("cannot read reset record %s (%s); resetting every GPU", self.path, exc)
+            return None
+        try:
+            return _Record.model_validate_json(text)
+        except ValidationError as exc:
+            log.error(
+                "corrupt reset record %s; resetting every GPU to be safe: %s",
+                self.path,
+                _one_line(exc),
+            )
+            return None
+
+    def _write_locked(self) -> None:
+        record = _Record(gpus=sorted(self._gpus.values(), key=lambda g: (g.index, g.uuid)))
+        data = json.dumps(record.model_dump(mode="json"), indent=2).encode() + b"\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            Path(tmp).replace(self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                Path(tmp).unlink()
+            raise
+        _fsync_dir(self.state_dir)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse to fsync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _one_line(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors()
+    )

@@ -1,0 +1,408 @@
+"""Client side of the agent socket: hooks a training process calls at each step and instruction.
+
+The client never raises into training and never needs privileges. When the
+agent is missing, refuses, is too slow or answers garbage, the client logs one
+warning (logger ``perseus_client``) and its hooks become no-ops that return at
+once; it tries to reconnect at most every ``retry_interval_s`` seconds, so a
+restarted agent is picked up. It logs one warning per outage, not per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from types import TracebackType
+from typing import Any, Final
+
+from perseus_client import protocol
+from perseus_client.protocol import ProtocolError, Reply
+
+logger = logging.getLogger("perseus_client")
+
+DEFAULT_CONNECT_TIMEOUT_S: Final = 0.05
+DEFAULT_REPLY_TIMEOUT_S: Final = 0.2
+DEFAULT_RETRY_INTERVAL_S: Final = 30.0
+
+_UUID_PREFIXES: Final = ("GPU-", "MIG-")
+_MSG_NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, not SIGPIPE, on a dead agent
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    value = env.get(key, "").strip()
+    try:
+        number = int(value)
+    except ValueError:
+        return None
+    return number if number >= 0 else None
+
+
+def _env_str(env: Mapping[str, str], key: str) -> str | None:
+    return env.get(key) or None
+
+
+def gpu_uuids_from_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """GPU UUIDs of this container: ``NVIDIA_VISIBLE_DEVICES``, else ``CUDA_VISIBLE_DEVICES``.
+
+    A variable counts only when every entry is a UUID (``GPU-...`` or ``MIG-...``),
+    as the NVIDIA device plugin sets it; indices, ``all`` or ``none`` give nothing.
+    """
+    env = os.environ if env is None else env
+    for key in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        entries = [e.strip() for e in env.get(key, "").split(",") if e.strip()]
+        if entries and all(e.startswith(_UUID_PREFIXES) for e in entries):
+            return entries
+    return []
+
+
+class PerseusClient:
+    """Connection of one training process to the node agent.
+
+    Args:
+        socket_path: The agent's socket; default ``$PERSEUS_AGENT_SOCKET`` or
+            ``/run/perseus/agent.sock``.
+        rank, local_rank: Default ``$RANK``, ``$LOCAL_RANK``.
+        gpu_uuids: Default from ``$NVIDIA_VISIBLE_DEVICES`` / ``$CUDA_VISIBLE_DEVICES``.
+        job, namespace, pod: Default ``$PERSEUS_JOB``, ``$POD_NAMESPACE``, ``$POD_NAME``.
+        connect_timeout_s: Limit on connecting.
+        reply_timeout_s: Limit on each round trip (send and reply).
+        retry_interval_s: Least time between two connection attempts.
+        synchronize: Called before each instruction hook while connected, e.g.
+            ``torch.cuda.synchronize``, so that a clock change lines up with the
+            GPU work instead of the CPU's run-ahead. Not called while disconnected.
+
+    Thread-safe: hooks from several threads are serialized. Connects lazily, at
+    the first hook. After :meth:`close` every hook is a no-op.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        gpu_uuids: list[str] | None = None,
+        job: str | None = None,
+        namespace: str | None = None,
+        pod: str | None = None,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        synchronize: Callable[[], object] | None = None,
+    ) -> None:
+        env = os.environ
+        if socket_path is None:
+            socket_path = env.get(protocol.SOCKET_ENV) or protocol.DEFAULT_SOCKET_PATH
+        self.socket_path: str = os.fspath(socket_path)
+        self.rank = rank if rank is not None else _env_int(env, "RANK")
+        self.local_rank = local_rank if local_rank is not None else _env_int(env, "LOCAL_RANK")
+        self.gpu_uuids = list(gpu_uuids) if gpu_uuids is not None else gpu_uuids_from_env(env)
+        self.job = job if job is not None else _env_str(env, "PERSEUS_JOB")
+        self.namespace = namespace if namespace is not None else _env_str(env, "POD_NAMESPACE")
+        self.pod = pod if pod is not None else _env_str(env, "POD_NAME")
+        self.connect_timeout_s = connect_timeout_s
+        self.reply_timeout_s = reply_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.synchronize = synchronize
+
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_attempt = 0.0  # monotonic seconds; 0: connect at the first hook
+        self._closed = False
+        self._outage_warned = False  # one warning per outage
+        self._error_reply_warned = False  # one warning per connection
+        self._misuse_warned = False
+        self._connections = 0
+        _clients.add(self)
+
+    # -- state
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection to the agent is open (it may have died since the last hook)."""
+        return self._sock is not None
+
+    @property
+    def connections(self) -> int:
+        """How many times a connection was established (reconnects included)."""
+        return self._connections
+
+    # -- hooks
+
+    def on_step_begin(self, step: int) -> None:
+        self._call(protocol.step_begin_request, step)
+
+    def on_step_end(self, step: int) -> None:
+        self._call(protocol.step_end_request, step)
+
+    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
+        """Announce a forward/backward; returns the SM clock now in effect (``None``: unknown)."""
+        reply = self._call(protocol.instruction_begin_request, name, microbatch, sync=True)
+        clock = None if reply is None else reply.get("sm_clock_mhz")
+        return clock if isinstance(clock, int) and not isinstance(clock, bool) else None
+
+    def on_instruction_end(self, name: str) -> None:
+        self._call(protocol.instruction_end_request, name, sync=True)
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """``on_step_begin``/``on_step_end`` around the block (the end also on an exception)."""
+        self.on_step_begin(step)
+        try:
+            yield
+        finally:
+            self.on_step_end(step)
+
+    @contextmanager
+    def instruction(self, name: str, microbatch: int | None = None) -> Iterator[int | None]:
+        """``on_instruction_begin``/``_end`` around the block; yields the SM clock."""
+        clock = self.on_instruction_begin(name, microbatch)
+        try:
+            yield clock
+        finally:
+            self.on_instruction_end(name)
+
+    def close(self) -> None:
+        """Disconnect for good; later hooks do nothing."""
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> PerseusClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "connected" if self.connected else "disconnected"
+        return f"PerseusClient({self.socket_path!r}, rank={self.rank}, {state})"
+
+    # -- internals
+
+    def _call(
+        self, build: Callable[..., Mapping[str, Any]], *args: Any, sync: bool = False
+    ) -> Reply | None:
+        try:
+            try:
+                request = build(*args)
+            except ProtocolError as exc:
+                self._warn_misuse(f"invalid hook arguments {args!r}: {exc}")
+                return None
+            with self._lock:
+                if self._closed or (self._sock is None and not self._connect()):
+                    return None
+                if sync and self.synchronize is not None:
+                    self._synchronize()
+                return self._request(request)
+        except Exception as exc:  # last resort: never raise into training
+            self._warn_misuse(f"unexpected error in a hook: {exc!r}")
+            return None
+
+    def _synchronize(self) -> None:
+        assert self.synchronize is not None
+        try:
+            self.synchronize()
+        except Exception as exc:
+            self._warn_misuse(f"synchronize() failed: {exc!r}")
+
+    def _request(self, request: Mapping[str, Any]) -> Reply | None:
+        """One round trip on the open connection; on failure drop it and go no-op."""
+        sock = self._sock
+        assert sock is not None
+        op = str(request["op"])
+        try:
+            reply = self._roundtrip(sock, protocol.encode_request(request), op)
+        except Exception as exc:  # OSError, ProtocolError, or anything leaving the stream unsure
+            self._fail(f"{op} failed: {_reason(exc)}")
+            return None
+        if not reply["ok"]:
+            if not self._error_reply_warned:
+                self._error_reply_warned = True
+                logger.warning("Perseus agent refused %s: %s", op, reply["error"])
+            else:
+                logger.debug("Perseus agent refused %s: %s", op, reply["error"])
+        return reply
+
+    def _roundtrip(self, sock: socket.socket, data: bytes, op: str) -> Reply:
+        deadline = time.monotonic() + self.reply_timeout_s
+        sock.settimeout(self.reply_timeout_s)
+        sock.sendall(data, _MSG_NOSIGNAL)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no reply within {self.reply_timeout_s * 1000:.0f} ms")
+            sock.settimeout(remaining)
+            chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
+            if not chunk:
+                raise ConnectionResetError("agent closed the connection")
+            buf += chunk
+            if len(buf) > protocol.MAX_MESSAGE_BYTES:
+                raise ProtocolError("reply too long")
+        return protocol.decode_reply(buf, op)
+
+    def _connect(self) -> bool:
+        """Connect and say hello, unless the last attempt was too recent. Lock held."""
+        now = time.monotonic()
+        if now < self._next_attempt:
+            return False
+        self._next_attempt = now + self.retry_interval_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(self.socket_path)
+        except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
+            sock.close()
+            self._fail(f"cannot connect: {_reason(exc)}")
+            return False
+        hello = protocol.hello_request(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            gpu_uuids=self.gpu_uuids,
+            pid=os.getpid(),
+            job=self.job,
+            namespace=self.namespace,
+            pod=self.pod,
+        )
+        try:
+            reply = self._roundtrip(sock, protocol.encode_request(hello), protocol.OP_HELLO)
+        except Exception as exc:
+            sock.close()
+            self._fail(f"hello failed: {_reason(exc)}")
+            return False
+        if not reply["ok"]:
+            sock.close()
+            self._fail(f"agent rejected hello: {reply['error']}")
+            return False
+        self._sock = sock
+        self._error_reply_warned = False
+        self._connections += 1
+        if self._outage_warned:
+            logger.warning("Reconnected to the Perseus agent at %s", self.socket_path)
+        else:
+            logger.info("Connected to the Perseus agent at %s", self.socket_path)
+        self._outage_warned = False
+        return True
+
+    def _fail(self, reason: str) -> None:
+        """Drop the connection; warn once per outage. Lock held."""
+        self._drop()
+        self._next_attempt = time.monotonic() + self.retry_interval_s
+        if self._outage_warned:
+            logger.debug("Perseus agent at %s still unavailable: %s", self.socket_path, reason)
+            return
+        self._outage_warned = True
+        logger.warning(
+            "Perseus agent at %s unavailable (%s); GPU frequency hooks are no-ops, "
+            "retrying every %g s",
+            self.socket_path,
+            reason,
+            self.retry_interval_s,
+        )
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            with suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _warn_misuse(self, message: str) -> None:
+        if self._misuse_warned:
+            logger.debug("%s", message)
+        else:
+            self._misuse_warned = True
+            logger.warning("%s (further such messages at debug level)", message)
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's connection and lock state are not the child's: start afresh.
+        self._lock = threading.Lock()
+        self._drop()  # closes the child's copy of the fd only; the parent keeps its connection
+        self._next_attempt = 0.0
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return str(exc) or "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+_clients: weakref.WeakSet[PerseusClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------------
+# Process-wide client
+
+
+_default: PerseusClient | None = None
+_default_lock = threading.Lock()
+
+
+def get_client() -> PerseusClient:
+    """The process-wide client, created from the environment on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PerseusClient()
+        return _default
+
+
+def configure(socket_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> PerseusClient:
+    """Replace the process-wide client with ``PerseusClient(socket_path, **kwargs)``."""
+    global _default
+    client = PerseusClient(socket_path, **kwargs)
+    with _default_lock:
+        old, _default = _default, client
+    if old is not None:
+        old.close()
+    return client
+
+
+def on_step_begin(step: int) -> None:
+    get_client().on_step_begin(step)
+
+
+def on_step_end(step: int) -> None:
+    get_client().on_step_end(step)
+
+
+def on_instruction_begin(name: str, microbatch: int | None = None) -> int | None:
+    return get_client().on_instruction_begin(name, microbatch)
+
+
+def on_instruction_end(name: str) -> None:
+    get_client().on_instruction_end(name)
+
+
+@contextmanager
+def step(step: int) -> Iterator[None]:
+    """The process-wide client's :meth:`PerseusClient.step`."""
+    with get_client().step(step):
+        yield
+
+
+@contextmanager
+def instruction(name: str, microbatch: int | None = None) -> Iterator[int | None]:
+    """The process-wide client's :meth:`PerseusClient.instruction`; yields the SM clock."""
+    with get_client().instruction(name, microbatch) as clock:
+        yield clock

@@ -1,0 +1,139 @@
+"""A standalone ``perseus-node-agent`` process over emulated GPUs, for tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROFILE = REPO_ROOT / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
+NODE = "n1"
+NUM_GPUS = 2
+TIMEOUT_S = 20.0
+
+
+def source_env() -> dict[str, str]:
+    """Environment for a subprocess that imports the project from the source tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT / "operator"), str(REPO_ROOT / "node_agent")]
+    )
+    env.pop("NODE_NAME", None)
+    return env
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def wait_for(condition: Callable[[], bool], what: str, agent: Agent | None = None) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if agent is not None and agent.proc is not None and agent.proc.poll() is not None:
+            pytest.fail(f"agent exited ({agent.proc.returncode}) waiting for {what}:\n{agent.log}")
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}" + (f":\n{agent.log}" if agent else ""))
+
+
+class Agent:
+    """One ``perseus-node-agent --standalone`` process over emulated GPUs."""
+
+    def __init__(self, workdir: Path, socket_dir: Path, num_gpus: int = NUM_GPUS) -> None:
+        self.num_gpus = num_gpus
+        self.workdir = workdir
+        self.socket_dir = socket_dir
+        self.plan_file = workdir / "plan.json"
+        self.gpu_state = workdir / "gpus.json"  # the emulated hardware, outlives the agent
+        self.state_dir = workdir / "state"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = workdir / "agent-0.log"
+        self.starts = 0
+        self.port: int | None = None
+
+    @property
+    def log(self) -> str:
+        return self.log_file.read_text() if self.log_file.exists() else ""
+
+    def start(self) -> None:
+        self.starts += 1
+        self.log_file = self.workdir / f"agent-{self.starts}.log"
+        env = source_env()
+        with self.log_file.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "perseus_agent.main",
+                    "--standalone",
+                    f"--plan-file={self.plan_file}",
+                    "--gpu-backend=emulated",
+                    f"--emulated-gpus={self.num_gpus}",
+                    f"--emulated-state-file={self.gpu_state}",
+                    f"--node-name={NODE}",
+                    "--metrics-port=0",
+                    "--metrics-address=127.0.0.1",
+                    f"--socket-dir={self.socket_dir}",
+                    f"--state-dir={self.state_dir}",
+                    "--log-level=debug",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.workdir,
+            )
+        pattern = re.compile(r"serving metrics on http://127\.0\.0\.1:(\d+)/metrics")
+
+        def started() -> bool:
+            match = pattern.search(self.log)
+            if match:
+                self.port = int(match.group(1))
+            return match is not None and self.healthy()
+
+        wait_for(started, "the agent to start", self)
+
+    def healthy(self) -> bool:
+        try:
+            return self.get("/healthz") == "ok\n"
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            body: bytes = r.read()
+            return body.decode()
+
+    def metric(self, name: str, **labels: str) -> list[float]:
+        values = []
+        for line in self.get("/metrics").splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                values.append(float(line.rsplit(" ", 1)[1]))
+        return values
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=TIMEOUT_S)
+        finally:
+            self.proc = None
+
+    def kill_if_running(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=TIMEOUT_S)
+        self.proc = None

@@ -1,0 +1,379 @@
+"""The ``perseus-node-agent`` command: flags, standalone plans, signals and crash recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_process import (
+    NODE,
+    NUM_GPUS,
+    PROFILE,
+    REPO_ROOT,
+    TIMEOUT_S,
+    Agent,
+    wait_for,
+    write_atomically,
+)
+from factories import pipeline_plan_fields
+from perseus_agent.main import main
+
+emulated = pytest.importorskip("perseus_agent.gpu.emulated")
+
+
+def plan_document(
+    *,
+    revision: int = 1,
+    granularity: str = "Stage",
+    stage_mhz: tuple[int, int] = (1200, 1005),
+    gpus: tuple[int, ...] = (0, 1),
+    node: str = NODE,
+) -> dict[str, Any]:
+    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
+    for stage in fields["stages"]:
+        stage["frequency_mhz"] = stage_mhz[stage["stage"]]
+        stage["instructions"][0]["frequency_mhz"] = 1110  # forward of microbatch 0
+    return {
+        "node": node,
+        "namespace": "ml",
+        "job": "gpt3",
+        "revision": revision,
+        "granularity": granularity,
+        "plans": {"tmin": fields},
+        "assignments": [
+            # GPU 0 by UUID, the others by index.
+            {"gpu_uuid": f"GPU-emu-{node}-{i}", "plan": "tmin", "stage": i % 2, "rank": i}
+            if i == 0
+            else {"gpu_index": i, "plan": "tmin", "stage": i % 2, "rank": i}
+            for i in gpus
+        ],
+    }
+
+
+def locked_clocks(gpu_state: Path) -> list[int | None]:
+    """The SM clock lock of each emulated GPU, read from the shared hardware state."""
+    gpus = emulated.EmulatedBackend.from_csv(
+        NUM_GPUS, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=gpu_state
+    )
+    return [gpus.locked_sm_clock_mhz(i) for i in range(NUM_GPUS)]
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pna-"))  # AF_UNIX paths are short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(tmp_path: Path, socket_dir: Path) -> Iterator[Agent]:
+    agent = Agent(tmp_path, socket_dir / "run")
+    yield agent
+    agent.kill_if_running()
+
+
+# -- usage errors (in process: nothing starts) -----------------------------------------------------
+
+
+@pytest.fixture
+def plan_file(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_document()))
+    return path
+
+
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    status = main(args)
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--node-name=n1"],
+            "Kubernetes mode is not available yet in this build; "
+            "run with --standalone --plan-file PLAN.json",
+        ),
+        (["--standalone", "--node-name=n1"], "--standalone needs --plan-file"),
+        (["--standalone", "{plan}"], "no node name: pass --node-name or set $NODE_NAME"),
+        (["--standalone", "{plan}", "--node-name= "], "no node name"),
+        (["--standalone", "{plan}", "--node-name=n1", "--metrics-port=70000"], "0..65535"),
+        (
+            [
+                "--standalone",
+                "{plan}",
+                "--node-name=n1",
+                "--gpu-backend=emulated",
+                "--emulated-gpus=0",
+            ],
+            "--emulated-gpus must be at least 1, got 0",
+        ),
+        (
+            ["--standalone", "{plan}", "--node-name=n1", "--emulated-gpus=2"],
+            "--emulated-gpus needs --gpu-backend emulated",
+        ),
+        (
+            [
+                "--standalone",
+                "{plan}",
+                "--node-name=n1",
+                "--gpu-backend=emulated",
+                "--emulated-profile=p.csv",
+            ],
+            "--emulated-profile needs --emulated-blocking-power",
+        ),
+        (
+            [
+                "--standalone",
+                "{plan}",
+                "--node-name=n1",
+                "--gpu-backend=emulated",
+                "--emulated-blocking-power=-3",
+            ],
+            "--emulated-blocking-power must be a positive number",
+        ),
+        (
+            ["--standalone", "{plan}", "--node-name=n1", "--gpu-backend=amd"],
+            "invalid choice: 'amd'",
+        ),
+        (["--standalone", "{plan}", "--node-name=n1", "--metrics-port=http"], "invalid int value"),
+        (
+            ["--standalone", "{plan}", "--node-name=n2"],
+            "is for node 'n1', but this agent runs on 'n2'",
+        ),
+    ],
+)
+def test_usage_errors_exit_2(
+    args: list[str],
+    message: str,
+    plan_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    status, err = run_main([a.replace("{plan}", f"--plan-file={plan_file}") for a in args], capsys)
+    assert status == 2
+    assert err.startswith("usage: perseus-node-agent") or err.startswith(
+        "perseus-node-agent: error: "
+    )
+    assert message in err
+
+
+def test_node_name_comes_from_the_environment(
+    plan_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NODE_NAME", "n2")
+    status, err = run_main(["--standalone", f"--plan-file={plan_file}"], capsys)
+    assert status == 2
+    assert "this agent runs on 'n2'" in err  # got past the node name check
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read plan file {plan}: No such file or directory"),
+        ("{not json", "invalid plan file {plan}: 1 validation error for NodePlan\n  Invalid JSON"),
+        (
+            json.dumps(plan_document() | {"revision": -1}),
+            "invalid plan file {plan}: 1 validation error for NodePlan\nrevision\n"
+            "  Input should be greater than or equal to 0",
+        ),
+    ],
+)
+def test_bad_plan_file_at_start_up_exits_2(
+    content: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    status, err = run_main(["--standalone", f"--plan-file={path}", "--node-name=n1"], capsys)
+    assert status == 2
+    assert err.startswith("perseus-node-agent: error: ")
+    assert message.format(plan=path) in err
+
+
+def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--gpu-backend",
+        "--emulated-gpus",
+        "--emulated-profile",
+        "--emulated-blocking-power",
+        "--emulated-state-file",
+        "--node-name",
+        "--metrics-port",
+        "--metrics-address",
+        "--socket-dir",
+        "--state-dir",
+        "--standalone",
+        "--plan-file",
+        "--log-level",
+    ):
+        assert flag in out
+
+
+def test_bad_emulated_profile_exits_2(tmp_path: Path, plan_file: Path) -> None:
+    profile = tmp_path / "bad.csv"
+    profile.write_text("stage,instruction\n0,forward\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT / "operator"), str(REPO_ROOT / "node_agent")]
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "perseus_agent.main",
+            "--standalone",
+            f"--plan-file={plan_file}",
+            f"--node-name={NODE}",
+            "--gpu-backend=emulated",
+            f"--emulated-profile={profile}",
+            "--emulated-blocking-power=80",
+            f"--state-dir={tmp_path / 'state'}",
+            "--metrics-port=0",
+            "--metrics-address=127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"perseus-node-agent: error: --emulated-profile {profile}: " in result.stderr
+
+
+# -- standalone agent over emulated GPUs (subprocesses) --------------------------------------------
+
+
+def test_standalone_agent_applies_the_plan_and_resets_on_sigterm(agent: Agent) -> None:
+    agent.plan_file.write_text(json.dumps(plan_document()))
+    agent.start()
+
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [1200, 1005], "the plan's clocks", agent)
+    assert (agent.socket_dir / "agent.sock").exists()
+    labels = {"node": NODE, "gpu": "1", "uuid": f"GPU-emu-{NODE}-1", "job": "gpt3", "pp_rank": "1"}
+    assert agent.metric("perseus_gpu_target_sm_clock_hertz", **labels) == [1.005e9]
+    assert agent.metric("perseus_gpu_sm_clock_hertz", **labels) == [1.005e9]
+    assert agent.metric("perseus_gpu_energy_joules_total", gpu="0")[0] >= 0.0
+    record = json.loads((agent.state_dir / "reset-state.json").read_text())
+    assert [g["index"] for g in record["gpus"]] == [0, 1]
+
+    assert agent.stop(signal.SIGTERM) == 0
+
+    assert locked_clocks(agent.gpu_state) == [None, None]
+    assert json.loads((agent.state_dir / "reset-state.json").read_text())["gpus"] == []
+    assert not (agent.socket_dir / "agent.sock").exists()
+    assert "every clock this agent changed is reset" in agent.log
+
+
+def test_sigint_also_resets_the_clocks(agent: Agent) -> None:
+    agent.plan_file.write_text(json.dumps(plan_document(gpus=(1,))))
+    agent.start()
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [None, 1005], "the plan's clocks", agent)
+    assert agent.stop(signal.SIGINT) == 0
+    assert locked_clocks(agent.gpu_state) == [None, None]
+
+
+def test_restarted_agent_resets_the_clocks_a_killed_one_left_locked(agent: Agent) -> None:
+    agent.plan_file.write_text(json.dumps(plan_document()))
+    agent.start()
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [1200, 1005], "the plan's clocks", agent)
+
+    assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert locked_clocks(agent.gpu_state) == [1200, 1005]  # the hardware kept the locks
+
+    # The new plan manages no GPU: only the recovery can unlock them.
+    write_atomically(agent.plan_file, json.dumps(plan_document(revision=2, gpus=())))
+    agent.start()
+
+    assert locked_clocks(agent.gpu_state) == [None, None]
+    assert "reset the clocks of 2 GPU(s) left by a previous run: 0, 1" in agent.log
+    assert agent.stop(signal.SIGTERM) == 0
+
+
+def test_bad_plan_is_reported_and_the_agent_keeps_running(agent: Agent) -> None:
+    agent.plan_file.write_text(json.dumps(plan_document()))
+    agent.start()
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [1200, 1005], "the plan's clocks", agent)
+
+    write_atomically(agent.plan_file, '{"node": "n1", "job": ')
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [None, None], "the reset", agent)
+    assert agent.proc is not None and agent.proc.poll() is None
+    assert agent.healthy()
+    assert "invalid plan file" in agent.log
+    assert agent.metric("perseus_agent_apply_errors_total", reason="invalid_plan") == [1.0]
+
+    write_atomically(agent.plan_file, json.dumps(plan_document(revision=2, stage_mhz=(900, 1005))))
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [900, 1005], "the new plan", agent)
+
+    write_atomically(agent.plan_file, json.dumps(plan_document(revision=3, node="n9")))
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [None, None], "the reset", agent)
+    assert "is for node 'n9'" in agent.log
+
+    write_atomically(agent.plan_file, json.dumps(plan_document(revision=4)))
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [1200, 1005], "the plan again", agent)
+    agent.plan_file.unlink()
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [None, None], "the plan's removal", agent)
+    assert "plan file" in agent.log and "removed" in agent.log
+    assert agent.metric("perseus_agent_apply_errors_total", reason="invalid_plan") == [2.0]
+
+    assert agent.stop(signal.SIGTERM) == 0
+
+
+def test_training_process_switches_clocks_and_sigterm_resets_them(agent: Agent) -> None:
+    agent.plan_file.write_text(json.dumps(plan_document(granularity="Instruction")))
+    agent.start()
+    assert locked_clocks(agent.gpu_state) == [None, None]  # nothing until training calls in
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(agent.socket_dir / "agent.sock"))
+        stream = sock.makefile("rwb")
+
+        def call(msg: dict[str, Any]) -> dict[str, Any]:
+            stream.write(json.dumps(msg).encode() + b"\n")
+            stream.flush()
+            reply: dict[str, Any] = json.loads(stream.readline())
+            assert reply["ok"] is True, reply
+            return reply
+
+        hello = {
+            "op": "hello",
+            "version": 1,
+            "rank": 0,
+            "local_rank": 0,
+            "gpu_uuids": [f"GPU-emu-{NODE}-0"],
+            "pid": os.getpid(),
+            "job": "gpt3",
+            "namespace": "ml",
+            "pod": None,
+        }
+        assert call(hello)["managed"] is True
+        call({"op": "step_begin", "step": 0})
+        first = call({"op": "instruction_begin", "name": "forward", "microbatch": 0})
+        assert first["sm_clock_mhz"] == 1110
+        assert locked_clocks(agent.gpu_state) == [1110, None]
+        second = call({"op": "instruction_begin", "name": "backward", "microbatch": 0})
+        assert second["sm_clock_mhz"] == 1200
+        call({"op": "step_end", "step": 0})
+        count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job="gpt3")
+        assert count == [1.0]
+
+        assert agent.stop(signal.SIGTERM) == 0  # with the training process still connected
+        assert stream.readline() == b""  # the agent closed the connection
+    assert locked_clocks(agent.gpu_state) == [None, None]

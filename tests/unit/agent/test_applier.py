@@ -1,0 +1,537 @@
+"""The plan applier against an in-memory GPU backend."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeBackend
+
+from factories import pipeline_plan_fields
+from perseus_agent.applier import GpuStatus, PlanApplier
+from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
+from perseus_agent.local_server import ClientSession, LocalServer
+from perseus_agent.reset_state import ResetState
+from perseus_api.node_plan import NodePlan
+
+NODE = "node-1"
+
+# 1F1B order of stage 0 of a 2-stage, 2-microbatch pipeline, each with its own clock.
+STAGE0_SCHEDULE = [
+    ("forward", 0, 1200),
+    ("forward", 1, 1110),
+    ("backward", 0, 1410),
+    ("backward", 1, 1305),
+]
+STAGE1_SCHEDULE = [
+    ("forward", 0, 1005),
+    ("backward", 0, 1095),
+    ("forward", 1, 1005),
+    ("backward", 1, 1097),  # not a supported clock: clamped to 1095
+]
+
+
+def _pipeline(stage_mhz: tuple[int, int] = (1200, 1005)) -> dict[str, Any]:
+    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
+    for stage, schedule in zip(fields["stages"], (STAGE0_SCHEDULE, STAGE1_SCHEDULE), strict=True):
+        stage["frequency_mhz"] = stage_mhz[stage["stage"]]
+        stage["instructions"] = [
+            {"instruction": kind, "microbatch": mb, "frequency_mhz": mhz}
+            for kind, mb, mhz in schedule
+        ]
+    return fields
+
+
+def node_plan(
+    assignments: list[dict[str, Any]],
+    *,
+    granularity: str = "Stage",
+    revision: int = 1,
+    stage_mhz: tuple[int, int] = (1200, 1005),
+    node: str = NODE,
+) -> NodePlan:
+    return NodePlan.model_validate(
+        {
+            "node": node,
+            "namespace": "ml",
+            "job": "gpt3",
+            "revision": revision,
+            "granularity": granularity,
+            "plans": {"tmin": _pipeline(stage_mhz)},
+            "assignments": assignments,
+        }
+    )
+
+
+def gpu(index: int, stage: int, *, by_uuid: bool = True, **extra: Any) -> dict[str, Any]:
+    key = {"gpu_uuid": f"GPU-{index}"} if by_uuid else {"gpu_index": index}
+    return {**key, "plan": "tmin", "stage": stage, **extra}
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(num_gpus=4)
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> ResetState:
+    return ResetState(tmp_path)
+
+
+@pytest.fixture
+def applier(backend: FakeBackend, state: ResetState) -> PlanApplier:
+    return PlanApplier(backend, state, NODE)
+
+
+def session(connection_id: int = 1) -> ClientSession:
+    return ClientSession(connection_id, None, None, None, 0)
+
+
+def hello(
+    applier: PlanApplier, s: ClientSession, *, uuids: list[str], rank: int | None = None
+) -> dict[str, Any]:
+    return applier.hello(
+        s,
+        {
+            "op": "hello",
+            "version": 1,
+            "rank": rank,
+            "local_rank": None,
+            "gpu_uuids": uuids,
+            "pid": 42,
+            "job": "gpt3",
+            "namespace": "ml",
+            "pod": "gpt3-worker-0",
+        },
+        0,
+    )
+
+
+def begin(applier: PlanApplier, s: ClientSession, name: str, mb: int | None) -> int | None:
+    reply = applier.instruction_begin(
+        s,
+        {"op": "instruction_begin", "name": name, "microbatch": mb},  # type: ignore[typeddict-item]
+        0,
+    )
+    assert reply["ok"] is True
+    clock: int | None = reply["sm_clock_mhz"]
+    return clock
+
+
+def step_begin(applier: PlanApplier, s: ClientSession, t_ns: int = 0) -> None:
+    applier.step_begin(s, {"op": "step_begin", "step": 1}, t_ns)
+
+
+# -- Stage granularity ---------------------------------------------------------------------------
+
+
+def test_stage_granularity_locks_each_gpu_to_its_stage_clock(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    report = applier.apply(node_plan([gpu(0, 0, rank=0), gpu(1, 1, by_uuid=False, dp_rank=1)]))
+
+    assert backend.locked() == {0: 1200, 1: 1005}
+    assert (report.node, report.namespace, report.job, report.revision) == (NODE, "ml", "gpt3", 1)
+    assert [
+        (g.uuid, g.index, g.stage, g.target_mhz, g.applied_mhz, g.status) for g in report.gpus
+    ] == [
+        ("GPU-0", 0, 0, 1200, 1200, GpuStatus.APPLIED),
+        ("GPU-1", 1, 1, 1005, 1005, GpuStatus.APPLIED),
+    ]
+    assert report.gpus[1].dp_rank == 1
+    assert applier.metrics.clock_changes(0) == 1
+    managed = applier.managed_gpus()
+    assert managed[1].labels == {
+        "namespace": "ml",
+        "job": "gpt3",
+        "pod": "",
+        "dp_rank": "1",
+        "pp_rank": "1",
+    }
+    assert managed[1].target_mhz == 1005
+    assert report.model_dump(mode="json")["gpus"][0]["status"] == "Applied"
+
+
+def test_unsupported_clock_is_clamped_to_the_nearest_supported_one(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    report = applier.apply(node_plan([gpu(0, 0), gpu(1, 1)], stage_mhz=(1203, 1500)))
+
+    assert backend.locked() == {0: 1200, 1: 1410}
+    g0, g1 = report.gpus
+    assert (g0.status, g0.target_mhz, g0.applied_mhz) == (GpuStatus.CLAMPED, 1203, 1200)
+    assert "1203 MHz" in g0.message and "1200 MHz" in g0.message
+    assert (g1.status, g1.target_mhz, g1.applied_mhz) == (GpuStatus.CLAMPED, 1500, 1410)
+
+
+def test_unknown_gpus_are_reported_per_assignment(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    report = applier.apply(
+        node_plan(
+            [
+                gpu(0, 0),
+                {"gpu_uuid": "GPU-99", "plan": "tmin", "stage": 1},
+                gpu(7, 1, by_uuid=False),
+            ]
+        )
+    )
+
+    assert backend.locked() == {0: 1200}
+    statuses = [(g.uuid, g.index, g.status) for g in report.gpus]
+    assert statuses == [
+        ("GPU-0", 0, GpuStatus.APPLIED),
+        ("GPU-99", None, GpuStatus.FAILED),
+        (None, 7, GpuStatus.FAILED),
+    ]
+    assert "no GPU with UUID GPU-99 on node node-1" in report.gpus[1].message
+    assert "no GPU with index 7" in report.gpus[2].message
+    assert applier.metrics.error_count("unknown_gpu") == 2
+
+
+def test_same_gpu_by_uuid_and_by_index_is_refused_once(applier: PlanApplier) -> None:
+    report = applier.apply(node_plan([gpu(1, 0), gpu(1, 1, by_uuid=False)]))
+    assert [g.status for g in report.gpus] == [GpuStatus.APPLIED, GpuStatus.FAILED]
+    assert "already assigned as GPU-1" in report.gpus[1].message
+
+
+def test_gpu_error_fails_that_gpu_only(applier: PlanApplier, backend: FakeBackend) -> None:
+    backend.fail[("lock_sm_clock", 1)] = GpuNoPermissionError("insufficient permissions", 1)
+    plan = node_plan([gpu(0, 0), gpu(1, 1), gpu(2, 1)])
+
+    report = applier.apply(plan)
+
+    assert backend.locked() == {0: 1200, 2: 1005}
+    assert [g.status for g in report.gpus] == [
+        GpuStatus.APPLIED,
+        GpuStatus.FAILED,
+        GpuStatus.APPLIED,
+    ]
+    assert report.gpus[1].message == "no_permission: insufficient permissions"
+    assert report.gpus[1].applied_mhz is None
+    assert applier.metrics.error_count("no_permission") == 1
+
+    # The GPU recovers: re-applying retries it, and only it.
+    del backend.fail[("lock_sm_clock", 1)]
+    backend.calls.clear()
+    report = applier.apply(plan)
+    assert [g.status for g in report.gpus] == [GpuStatus.APPLIED] * 3
+    assert backend.mutating_calls() == [("lock_sm_clock", 1, 1005)]
+
+
+def test_reapplying_the_same_plan_makes_no_gpu_calls(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    assignments = [gpu(0, 0), gpu(1, 1)]
+    applier.apply(node_plan(assignments))
+    backend.calls.clear()
+
+    first = applier.apply(node_plan(assignments))
+    second = applier.apply(node_plan(assignments, revision=2))
+
+    assert backend.calls == []
+    assert second.revision == 2
+    assert [g.status for g in first.gpus] == [GpuStatus.APPLIED, GpuStatus.APPLIED]
+    assert applier.metrics.clock_changes(0) == 1
+
+
+def test_new_revision_changes_clocks_and_resets_dropped_gpus(
+    applier: PlanApplier, backend: FakeBackend, state: ResetState
+) -> None:
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1), gpu(2, 1)]))
+    assert backend.locked() == {0: 1200, 1: 1005, 2: 1005}
+    backend.calls.clear()
+
+    report = applier.apply(node_plan([gpu(0, 0), gpu(2, 1)], revision=2, stage_mhz=(1200, 900)))
+
+    assert backend.locked() == {0: 1200, 2: 900}
+    assert sorted(backend.mutating_calls(), key=str) == [
+        ("lock_sm_clock", 2, 900),
+        ("reset_sm_clock", 1),
+    ]
+    assert [g.index for g in report.gpus] == [0, 2]
+    assert [e.uuid for e in state.entries()] == ["GPU-0", "GPU-2"]
+
+
+def test_clear_resets_every_gpu(
+    applier: PlanApplier, backend: FakeBackend, state: ResetState
+) -> None:
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1), gpu(3, 1)]))
+
+    applier.clear()
+
+    assert backend.locked() == {}
+    assert state.entries() == []
+    assert applier.report() is None
+    assert applier.managed_gpus() == {}
+    assert applier.locked_gpus() == []
+    assert applier.metrics.clock_changes(3) == 2  # the lock and the reset
+
+
+def test_failed_reset_stays_recorded(
+    applier: PlanApplier, backend: FakeBackend, state: ResetState
+) -> None:
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1)]))
+    backend.fail[("reset_sm_clock", 1)] = GpuLostError("gone", 1)
+
+    applier.clear()
+
+    assert backend.locked() == {1: 1005}
+    assert [e.uuid for e in state.entries()] == ["GPU-1"]
+    assert applier.locked_gpus() == [1]
+    assert applier.metrics.error_count("gpu_lost") == 1
+
+
+def test_plan_for_another_node_is_refused(applier: PlanApplier, backend: FakeBackend) -> None:
+    with pytest.raises(PlanError, match="for node 'node-2' but this agent runs on 'node-1'"):
+        applier.apply(node_plan([gpu(0, 0)], node="node-2"))
+    assert backend.mutating_calls() == []
+
+
+# -- Instruction granularity ---------------------------------------------------------------------
+
+
+def test_instruction_granularity_waits_for_the_training_process(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    report = applier.apply(node_plan([gpu(0, 0), gpu(1, 1)], granularity="Instruction"))
+    assert [g.status for g in report.gpus] == [GpuStatus.WAITING, GpuStatus.WAITING]
+    assert [g.applied_mhz for g in report.gpus] == [None, None]
+    assert backend.mutating_calls() == []
+
+
+def test_instruction_clock_follows_the_schedule(
+    applier: PlanApplier, backend: FakeBackend, state: ResetState
+) -> None:
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1)], granularity="Instruction"))
+    s = session()
+    reply = hello(applier, s, uuids=["GPU-0"])
+    assert reply["managed"] is True
+    assert reply["gpus"] == [{"index": 0, "uuid": "GPU-0", "stage": 0, "dp_rank": 0}]
+
+    for iteration in range(2):
+        step_begin(applier, s)
+        clocks = [begin(applier, s, name, mb) for name, mb, _ in STAGE0_SCHEDULE]
+        assert clocks == [mhz for _, _, mhz in STAGE0_SCHEDULE], iteration
+        assert backend.locked() == {0: 1305}
+        assert [e.uuid for e in state.entries()] == ["GPU-0"]
+    assert applier.metrics.error_count("schedule_mismatch") == 0
+    assert applier.metrics.clock_changes(0) == 8
+    g0 = applier.report().gpus[0]  # type: ignore[union-attr]
+    assert (g0.status, g0.target_mhz, g0.applied_mhz) == (GpuStatus.APPLIED, 1305, 1305)
+
+
+def test_instruction_without_microbatch_follows_the_schedule_by_name(
+    applier: PlanApplier,
+) -> None:
+    applier.apply(node_plan([gpu(1, 1)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-1"])
+    step_begin(applier, s)
+    clocks = [begin(applier, s, name, None) for name, _, _ in STAGE1_SCHEDULE]
+    assert clocks == [1005, 1095, 1005, 1095]  # the last one clamped from 1097
+    g = applier.report().gpus[0]  # type: ignore[union-attr]
+    assert (g.status, g.target_mhz, g.applied_mhz) == (GpuStatus.CLAMPED, 1097, 1095)
+
+
+def test_schedule_mismatch_resynchronises_and_is_counted(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+
+    assert begin(applier, s, "forward", 0) == 1200
+    assert begin(applier, s, "backward", 0) == 1410  # the plan expects forward 1 here
+    assert applier.metrics.error_count("schedule_mismatch") == 1
+    assert begin(applier, s, "backward", 1) == 1305  # back in step
+    assert begin(applier, s, "forward", 1) == 1110  # earlier in the schedule: found anyway
+    assert applier.metrics.error_count("schedule_mismatch") == 2
+    assert begin(applier, s, "backward", 0) == 1410  # in step again after the resync
+    assert applier.metrics.error_count("schedule_mismatch") == 2
+    assert begin(applier, s, "forward", 5) == 1410  # not in the plan: clock kept
+    assert applier.metrics.error_count("schedule_mismatch") == 3
+
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+    assert applier.metrics.error_count("schedule_mismatch") == 3
+    assert backend.locked() == {0: 1200}
+
+
+def test_session_is_matched_by_rank_without_gpu_uuids(applier: PlanApplier) -> None:
+    applier.apply(node_plan([gpu(0, 0, rank=4), gpu(1, 1, rank=5)], granularity="Instruction"))
+    s = session()
+    reply = hello(applier, s, uuids=[], rank=5)
+    assert [g["index"] for g in reply["gpus"]] == [1]
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1005
+
+
+def test_session_that_calls_in_before_the_plan_is_matched_when_it_arrives(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    s = session()
+    reply = hello(applier, s, uuids=["GPU-0"])
+    assert reply["managed"] is False
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) is None  # nothing to control yet
+
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+    assert backend.locked() == {0: 1200}
+
+
+def test_stage_granularity_replies_with_the_locked_clock(applier: PlanApplier) -> None:
+    applier.apply(node_plan([gpu(0, 0)]))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+    assert begin(applier, s, "backward", 1) == 1200
+
+
+def test_disconnect_resets_the_gpu_and_waits_again(
+    applier: PlanApplier, backend: FakeBackend, state: ResetState
+) -> None:
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    begin(applier, s, "forward", 0)
+
+    applier.disconnected(s)
+
+    assert backend.locked() == {}
+    assert state.entries() == []
+    g = applier.report().gpus[0]  # type: ignore[union-attr]
+    assert (g.status, g.applied_mhz) == (GpuStatus.WAITING, None)
+
+
+def test_gpu_error_while_switching_fails_the_gpu_until_the_next_step(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+    backend.fail[("lock_sm_clock", 0)] = GpuLostError("fell off the bus", 0)
+
+    assert begin(applier, s, "forward", 1) is None
+    g = applier.report().gpus[0]  # type: ignore[union-attr]
+    assert g.status == GpuStatus.FAILED and g.message == "gpu_lost: fell off the bus"
+    assert backend.locked() == {}  # not left at the old clock
+    assert begin(applier, s, "backward", 0) is None  # no retry within the iteration
+    assert applier.metrics.error_count("gpu_lost") == 1
+
+    del backend.fail[("lock_sm_clock", 0)]
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+
+
+def test_new_revision_keeps_a_running_schedule_in_place(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+
+    report = applier.apply(node_plan([gpu(0, 0)], granularity="Stage", revision=2))
+    assert backend.locked() == {0: 1200}
+    assert report.gpus[0].status == GpuStatus.APPLIED
+    assert begin(applier, s, "forward", 1) == 1200  # Stage now: the clock stays
+
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction", revision=3))
+    assert backend.locked() == {0: 1200}  # still bound: the next computation switches
+    step_begin(applier, s)
+    assert begin(applier, s, "forward", 0) == 1200
+    assert begin(applier, s, "forward", 1) == 1110
+
+
+def test_iteration_time_is_recorded_per_rank(applier: PlanApplier) -> None:
+    applier.apply(node_plan([gpu(2, 1, rank=3, dp_rank=1, pod="gpt3-worker-1")]))
+    s = session()
+    hello(applier, s, uuids=["GPU-2"], rank=3)
+    for i in range(3):
+        step_begin(applier, s, t_ns=10 * i * 10**9)
+        applier.step_end(s, {"op": "step_end", "step": i}, 10 * i * 10**9 + (2 + i) * 10**9)
+
+    registry = applier.metrics.registry
+    labels = {
+        "node": NODE,
+        "gpu": "2",
+        "uuid": "GPU-2",
+        "namespace": "ml",
+        "job": "gpt3",
+        "pod": "gpt3-worker-1",
+        "dp_rank": "1",
+        "pp_rank": "1",
+        "rank": "3",
+    }
+    assert registry.get_sample_value("perseus_iteration_seconds_count", labels) == 3
+    assert registry.get_sample_value("perseus_iteration_seconds_sum", labels) == 9.0
+    rank = applier.report().ranks[0]  # type: ignore[union-attr]
+    assert (rank.rank, rank.dp_rank, rank.pp_rank, rank.iterations) == (3, 1, 1, 3)
+    assert (rank.last_iteration_s, rank.mean_iteration_s) == (4.0, 3.0)
+
+
+# -- through the real local server ---------------------------------------------------------------
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pa-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_training_process_switches_clocks_over_the_socket(
+    applier: PlanApplier, backend: FakeBackend, socket_dir: Path
+) -> None:
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1)], granularity="Instruction"))
+    path = socket_dir / "agent.sock"
+    with LocalServer(path, applier), socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(path))
+        stream = sock.makefile("rwb")
+
+        def call(msg: dict[str, Any]) -> dict[str, Any]:
+            stream.write(json.dumps(msg).encode() + b"\n")
+            stream.flush()
+            reply: dict[str, Any] = json.loads(stream.readline())
+            assert reply["ok"] is True, reply
+            return reply
+
+        call(
+            {
+                "op": "hello",
+                "version": 1,
+                "rank": 1,
+                "local_rank": 1,
+                "gpu_uuids": ["GPU-1"],
+                "pid": 1,
+                "job": "gpt3",
+                "namespace": "ml",
+                "pod": None,
+            }
+        )
+        call({"op": "step_begin", "step": 0})
+        clocks = []
+        for name, mb, _ in STAGE1_SCHEDULE:
+            clocks.append(call({"op": "instruction_begin", "name": name, "microbatch": mb}))
+            call({"op": "instruction_end", "name": name})
+        call({"op": "step_end", "step": 0})
+        assert [c["sm_clock_mhz"] for c in clocks] == [1005, 1095, 1005, 1095]
+        assert backend.locked() == {1: 1095}
+        stream.close()
+    assert backend.locked() == {}  # disconnected: back to default clocks

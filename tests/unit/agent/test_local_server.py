@@ -1,0 +1,444 @@
+"""The agent's Unix-socket server: protocol handling, robustness, socket file and permissions."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perseus_agent.local_server import (
+    ClientSession,
+    LocalServer,
+    LocalServerError,
+    RequestError,
+)
+from perseus_client.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    HelloRequest,
+    InstructionBeginRequest,
+    InstructionEndRequest,
+    StepBeginRequest,
+    StepEndRequest,
+)
+
+HELLO: dict[str, Any] = {
+    "op": "hello",
+    "version": PROTOCOL_VERSION,
+    "rank": 0,
+    "local_rank": 0,
+    "gpu_uuids": ["GPU-0000"],
+    "pid": 1,
+    "job": "job",
+    "namespace": "ns",
+    "pod": "pod-0",
+}
+
+
+class Handler:
+    """Records every call; forward runs at 1410 MHz, backward at 1200 MHz."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[tuple[str, int, dict[str, Any], int]] = []
+        self.disconnects: list[int] = []
+        self.disconnected_event = threading.Event()
+        self.fail: dict[str, BaseException] = {}
+        self.barrier: threading.Barrier | None = None
+        self.clock_reply: Any = None
+
+    def _record(self, op: str, session: ClientSession, msg: Mapping[str, Any], ns: int) -> None:
+        with self.lock:
+            self.calls.append((op, session.connection_id, dict(msg), ns))
+        if op in self.fail:
+            raise self.fail[op]
+
+    def ops(self) -> list[str]:
+        with self.lock:
+            return [c[0] for c in self.calls]
+
+    def hello(self, session: ClientSession, msg: HelloRequest, received_ns: int) -> None:
+        self._record("hello", session, msg, received_ns)
+
+    def step_begin(self, session: ClientSession, msg: StepBeginRequest, received_ns: int) -> None:
+        self._record("step_begin", session, msg, received_ns)
+
+    def step_end(self, session: ClientSession, msg: StepEndRequest, received_ns: int) -> None:
+        self._record("step_end", session, msg, received_ns)
+
+    def instruction_begin(
+        self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
+    ) -> dict[str, Any]:
+        self._record("instruction_begin", session, msg, received_ns)
+        if self.barrier is not None:
+            self.barrier.wait()
+        if self.clock_reply is not None:
+            return {"sm_clock_mhz": self.clock_reply}
+        return {"sm_clock_mhz": 1410 if msg["name"] == "forward" else 1200}
+
+    def instruction_end(
+        self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
+    ) -> None:
+        self._record("instruction_end", session, msg, received_ns)
+
+    def disconnected(self, session: ClientSession) -> None:
+        with self.lock:
+            self.disconnects.append(session.connection_id)
+        self.disconnected_event.set()
+
+
+class Raw:
+    """A bare protocol client: send lines, read reply lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(os.fspath(path))
+        self.file = self.sock.makefile("rb")
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def reply(self) -> dict[str, Any]:
+        line = self.file.readline()
+        assert line.endswith(b"\n"), f"connection closed (got {line!r})"
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, msg: Mapping[str, Any] | bytes) -> dict[str, Any]:
+        self.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode() + b"\n")
+        return self.reply()
+
+    def at_eof(self) -> bool:
+        return self.file.readline() == b""
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # Short: pytest's tmp_path can exceed the 108-byte AF_UNIX limit.
+    path = Path(tempfile.mkdtemp(prefix="psv", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def handler() -> Handler:
+    return Handler()
+
+
+@pytest.fixture
+def server(sock_dir: Path, handler: Handler) -> Iterator[LocalServer]:
+    with LocalServer(sock_dir / "run" / "agent.sock", handler) as srv:
+        yield srv
+
+
+@pytest.fixture
+def raw(server: LocalServer) -> Iterator[Raw]:
+    client = Raw(server.socket_path)
+    yield client
+    client.close()
+
+
+def test_all_ops_round_trip(server: LocalServer, handler: Handler, raw: Raw) -> None:
+    before = time.monotonic_ns()
+    hello = raw.ask(HELLO)
+    assert hello["ok"] is True
+    assert hello["version"] == PROTOCOL_VERSION
+    assert isinstance(hello["connection_id"], int)
+    assert raw.ask({"op": "step_begin", "step": 3}) == {"ok": True}
+    fwd = raw.ask({"op": "instruction_begin", "name": "forward", "microbatch": 0})
+    assert fwd == {"ok": True, "sm_clock_mhz": 1410}
+    assert raw.ask({"op": "instruction_end", "name": "forward"}) == {"ok": True}
+    bwd = raw.ask({"op": "instruction_begin", "name": "backward", "microbatch": None})
+    assert bwd["sm_clock_mhz"] == 1200
+    assert raw.ask({"op": "instruction_end", "name": "backward"})["ok"] is True
+    assert raw.ask({"op": "step_end", "step": 3})["ok"] is True
+    after = time.monotonic_ns()
+
+    assert handler.ops() == [
+        "hello",
+        "step_begin",
+        "instruction_begin",
+        "instruction_end",
+        "instruction_begin",
+        "instruction_end",
+        "step_end",
+    ]
+    stamps = [c[3] for c in handler.calls]
+    assert stamps == sorted(stamps) and before <= stamps[0] and stamps[-1] <= after
+    assert handler.calls[0][2] == HELLO
+    assert handler.calls[2][2] == {"op": "instruction_begin", "name": "forward", "microbatch": 0}
+
+    (session,) = server.sessions()
+    assert session.peer_pid == os.getpid() and session.peer_uid == os.getuid()
+    assert session.rank == 0 and session.gpu_uuids == ["GPU-0000"] and session.pod == "pod-0"
+
+    raw.close()
+    assert handler.disconnected_event.wait(5)
+    assert handler.disconnects == [session.connection_id]
+
+
+def test_socket_and_directory_permissions(sock_dir: Path, handler: Handler) -> None:
+    path = sock_dir / "new" / "agent.sock"
+    with LocalServer(path, handler, socket_group=os.getgid()):
+        st = path.stat()
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o660
+        assert st.st_gid == os.getgid()
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+        assert [p.name for p in path.parent.iterdir()] == ["agent.sock"]  # no temp name left
+    assert not path.exists()  # removed on stop
+    assert path.parent.is_dir()
+
+
+def test_existing_directory_is_left_alone(sock_dir: Path, handler: Handler) -> None:
+    sock_dir.chmod(0o755)
+    with LocalServer(sock_dir / "a.sock", handler, socket_mode=0o600):
+        assert stat.S_IMODE((sock_dir / "a.sock").stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o755
+
+
+def test_stale_socket_is_replaced(sock_dir: Path, handler: Handler) -> None:
+    path = sock_dir / "agent.sock"
+    crashed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    crashed.bind(os.fspath(path))
+    crashed.close()  # the file stays, nobody listens: a crashed agent
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    with LocalServer(path, handler):
+        client = Raw(path)
+        assert client.ask(HELLO)["ok"] is True
+        client.close()
+
+
+def test_live_socket_is_not_stolen(server: LocalServer, handler: Handler) -> None:
+    with pytest.raises(LocalServerError, match="already serving"):
+        LocalServer(server.socket_path, handler).start()
+    client = Raw(server.socket_path)  # the first server still serves
+    assert client.ask(HELLO)["ok"] is True
+    client.close()
+
+
+def test_non_socket_file_is_refused(sock_dir: Path, handler: Handler) -> None:
+    path = sock_dir / "agent.sock"
+    path.write_text("precious")
+    with pytest.raises(LocalServerError, match="not a socket"):
+        LocalServer(path, handler).start()
+    assert path.read_text() == "precious"
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["agent.sock"]
+
+
+def test_directory_path_is_a_file(sock_dir: Path, handler: Handler) -> None:
+    (sock_dir / "d").write_text("")
+    with pytest.raises(LocalServerError, match="not a directory"):
+        LocalServer(sock_dir / "d" / "agent.sock", handler).start()
+
+
+def test_path_too_long(handler: Handler) -> None:
+    with pytest.raises(ValueError, match="AF_UNIX"):
+        LocalServer(Path("/tmp/" + "x" * 120), handler)
+
+
+def test_bad_socket_mode(sock_dir: Path, handler: Handler) -> None:
+    with pytest.raises(ValueError, match="0o777"):
+        LocalServer(sock_dir / "a.sock", handler, socket_mode=0o4660)
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        (b"{not json\n", "invalid JSON"),
+        (b"\xff\xfe\n", "invalid JSON"),
+        (b"[1, 2]\n", "JSON object"),
+        (b"{}\n", "'op'"),
+        (b'{"op": "reboot"}\n', "unknown op"),
+        (b'{"op": "step_begin"}\n', "missing field 'step'"),
+        (b'{"op": "step_begin", "step": "7"}\n', "must be an integer"),
+        (b'{"op": "step_begin", "step": true}\n', "must be an integer"),
+        (b'{"op": "step_begin", "step": -1}\n', "out of range"),
+        (b'{"op": "instruction_begin", "name": "sideways"}\n', "must be one of"),
+        (b'{"op": "hello", "version": 2}\n', "unsupported protocol version 2"),
+        (b'{"op": "hello", "version": true}\n', "unsupported protocol version"),
+        (b'{"op": "hello", "version": 1, "gpu_uuids": [0], "pid": 1}\n', "gpu_uuids"),
+    ],
+)
+def test_malformed_requests_get_error_replies(
+    server: LocalServer, handler: Handler, raw: Raw, line: bytes, error: str
+) -> None:
+    reply = raw.ask(line)
+    assert reply["ok"] is False
+    assert error in reply["error"]
+    # The connection stays usable.
+    assert raw.ask(HELLO)["ok"] is True
+    assert raw.ask({"op": "instruction_begin", "name": "forward"})["sm_clock_mhz"] == 1410
+    assert handler.ops() == ["hello", "instruction_begin"]
+
+
+def test_hello_must_come_first_and_once(raw: Raw, handler: Handler) -> None:
+    reply = raw.ask({"op": "step_begin", "step": 0})
+    assert reply["ok"] is False and "hello" in reply["error"]
+    assert raw.ask(HELLO)["ok"] is True
+    reply = raw.ask(HELLO)
+    assert reply["ok"] is False and "already" in reply["error"]
+    assert handler.ops() == ["hello"]
+
+
+def test_unknown_fields_are_dropped(raw: Raw, handler: Handler) -> None:
+    assert raw.ask({**HELLO, "extra": [1, 2]})["ok"] is True
+    assert "extra" not in handler.calls[0][2]
+
+
+@pytest.mark.parametrize("newline", [True, False])
+def test_oversized_line_closes_only_that_connection(
+    server: LocalServer, handler: Handler, raw: Raw, newline: bool
+) -> None:
+    other = Raw(server.socket_path)
+    assert other.ask(HELLO)["ok"] is True
+    assert raw.ask(HELLO)["ok"] is True
+
+    raw.send(b'{"op": "hello", "pad": "' + b"x" * MAX_MESSAGE_BYTES + (b'"}\n' if newline else b""))
+    reply = raw.reply()
+    assert reply["ok"] is False and "exceeds" in reply["error"]
+    assert raw.at_eof()
+
+    assert other.ask({"op": "step_begin", "step": 1})["ok"] is True
+    third = Raw(server.socket_path)
+    assert third.ask(HELLO)["ok"] is True
+    other.close()
+    third.close()
+
+
+def test_largest_allowed_line_is_accepted(raw: Raw) -> None:
+    base = json.dumps({**HELLO, "pad": ""}, separators=(",", ":")).encode()
+    pad = b"x" * (MAX_MESSAGE_BYTES - len(base) - 1)
+    line = base.replace(b'"pad":""', b'"pad":"' + pad + b'"') + b"\n"
+    assert len(line) == MAX_MESSAGE_BYTES
+    assert raw.ask(line)["ok"] is True
+
+
+def test_handler_exception_becomes_error_reply(
+    server: LocalServer, handler: Handler, raw: Raw, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler.fail["instruction_begin"] = RuntimeError("NVML exploded")
+    handler.fail["step_begin"] = RequestError("unknown GPU GPU-0000")
+    assert raw.ask(HELLO)["ok"] is True
+    reply = raw.ask({"op": "instruction_begin", "name": "forward", "microbatch": 0})
+    assert reply["ok"] is False and "NVML exploded" in reply["error"]
+    assert "RuntimeError" in reply["error"]
+    assert any("handler.instruction_begin failed" in r.message for r in caplog.records)
+    assert raw.ask({"op": "step_begin", "step": 0}) == {
+        "ok": False,
+        "error": "unknown GPU GPU-0000",
+    }
+    # Still serving, on this connection and others.
+    assert raw.ask({"op": "step_end", "step": 0})["ok"] is True
+    other = Raw(server.socket_path)
+    assert other.ask(HELLO)["ok"] is True
+    other.close()
+
+
+def test_failed_hello_is_not_a_session(raw: Raw, handler: Handler, server: LocalServer) -> None:
+    handler.fail["hello"] = RequestError("no GPU of this pod on this node")
+    reply = raw.ask(HELLO)
+    assert reply == {"ok": False, "error": "no GPU of this pod on this node"}
+    reply = raw.ask({"op": "step_begin", "step": 0})
+    assert reply["ok"] is False and "hello" in reply["error"]
+    raw.close()
+    deadline = time.monotonic() + 5
+    while server.sessions() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.sessions() == []
+    assert handler.disconnects == []  # only sessions whose hello succeeded
+
+
+def test_invalid_handler_reply_becomes_error(raw: Raw, handler: Handler) -> None:
+    handler.clock_reply = "fast"
+    assert raw.ask(HELLO)["ok"] is True
+    reply = raw.ask({"op": "instruction_begin", "name": "forward", "microbatch": 0})
+    assert reply["ok"] is False and "invalid reply" in reply["error"]
+
+
+def test_concurrent_clients(server: LocalServer, handler: Handler) -> None:
+    # All 8 handler calls must be in flight at once to pass the barrier.
+    handler.barrier = threading.Barrier(8, timeout=10)
+    replies: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            client = Raw(server.socket_path)
+            assert client.ask({**HELLO, "rank": rank})["ok"] is True
+            replies.append(client.ask({"op": "instruction_begin", "name": "backward"}))
+            client.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not errors
+    assert replies == [{"ok": True, "sm_clock_mhz": 1200}] * 8
+    ranks = sorted(c[2]["rank"] for c in handler.calls if c[0] == "hello")
+    assert ranks == list(range(8))
+    assert len({c[1] for c in handler.calls}) == 8  # distinct connection ids
+
+
+def test_max_connections(sock_dir: Path, handler: Handler) -> None:
+    with LocalServer(sock_dir / "a.sock", handler, max_connections=1) as srv:
+        first = Raw(srv.socket_path)
+        assert first.ask(HELLO)["ok"] is True
+        second = Raw(srv.socket_path)
+        reply = second.reply()
+        assert reply["ok"] is False and "too many" in reply["error"]
+        assert second.at_eof()
+        assert first.ask({"op": "step_begin", "step": 0})["ok"] is True
+        first.close()
+        second.close()
+
+
+def test_stop_closes_connections_and_is_idempotent(sock_dir: Path, handler: Handler) -> None:
+    srv = LocalServer(sock_dir / "a.sock", handler)
+    srv.start()
+    assert srv.running
+    client = Raw(srv.socket_path)
+    assert client.ask(HELLO)["ok"] is True
+    srv.stop()
+    assert not srv.running
+    assert client.at_eof()
+    assert handler.disconnects == [1]
+    assert not srv.socket_path.exists()
+    srv.stop()
+    client.close()
+    # A stopped server can start again on the same path.
+    srv.start()
+    again = Raw(srv.socket_path)
+    assert again.ask(HELLO)["ok"] is True
+    again.close()
+    srv.stop()
+
+
+def test_stop_leaves_a_foreign_socket(sock_dir: Path, handler: Handler) -> None:
+    path = sock_dir / "a.sock"
+    srv = LocalServer(path, handler)
+    srv.start()
+    path.unlink()  # someone replaced our socket with theirs
+    foreign = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    foreign.bind(os.fspath(path))
+    srv.stop()
+    assert path.exists()
+    foreign.close()
