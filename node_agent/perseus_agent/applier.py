@@ -12,6 +12,14 @@ GPUs that leave the plan, and every GPU on :meth:`PlanApplier.clear`, get their 
 
 Every GPU is recorded in the :class:`~perseus_agent.reset_state.ResetState` before its clock is
 first locked, so a killed agent's locks are undone when it restarts.
+
+A plan with ``profiling`` set profiles instead (see :mod:`perseus_agent.profiler`): each assigned
+GPU samples its energy counter in the background and, once its training process calls in, runs
+the clocks of the profiling schedule one after the other (locked at ``step_begin``, clamped and
+reported like any other clock), measuring every forward and backward from the process's
+requests. When the last clock is measured the GPU's clock is reset (status ``Applied`` with no
+clock: nothing is locked any more) and :attr:`NodeReport.profiling` carries the GPU's profile
+rows and blocking power. A GPU error fails that GPU's profiling only.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import logging
 import statistics
 import threading
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
@@ -30,8 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from perseus_agent.errors import GpuError, PlanError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.profiler import EnergySampler, ProfileRow, StageProfiler
 from perseus_agent.reset_state import ResetState
-from perseus_api.node_plan import GpuAssignment, NodePlan
+from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
 from perseus_api.plan import Granularity, StagePlan
 
 if TYPE_CHECKING:
@@ -44,12 +53,23 @@ if TYPE_CHECKING:
         StepEndRequest,
     )
 
-__all__ = ["GpuReport", "GpuStatus", "NodeReport", "PlanApplier", "RankReport"]
+__all__ = [
+    "GpuProfilingReport",
+    "GpuReport",
+    "GpuStatus",
+    "NodeReport",
+    "PlanApplier",
+    "RankReport",
+    "SamplerFactory",
+]
 
 log = logging.getLogger(__name__)
 
 _ITERATION_WINDOW: Final = 20
 """Iterations per rank kept for the report's mean iteration time."""
+
+SamplerFactory = Callable[[GpuInfo, Callable[[], float]], EnergySampler]
+"""Makes the energy sampler of a profiled GPU from the GPU and a reader of its counter."""
 
 
 class GpuStatus(StrEnum):
@@ -93,6 +113,36 @@ class RankReport(_Report):
     mean_iteration_s: float = Field(description=f"Over the last {_ITERATION_WINDOW} iterations.")
 
 
+class GpuProfilingReport(_Report):
+    """Progress and, once done, results of profiling one GPU (one stage)."""
+
+    uuid: str
+    index: int
+    stage: int
+    frequencies_mhz: list[int] = Field(description="The scheduled clocks, in order.")
+    applied_mhz: list[int | None] = Field(
+        description="The clock each scheduled one was measured at (another one when clamped); "
+        "null until reached."
+    )
+    frequency_index: int = Field(
+        description="Index of the clock being measured in frequencies_mhz; its length once "
+        "every clock is measured."
+    )
+    measured_iterations: int = Field(description="Measured iterations in the results so far.")
+    dropped_iterations: int = Field(
+        description="Iterations to measure that were incomplete or not covered by energy samples."
+    )
+    done: bool = Field(description="Every clock measured and every energy computed.")
+    rows: list[ProfileRow] = Field(
+        default_factory=list,
+        description="Once done: mean time and energy per (instruction, clock), the rows of "
+        "the profile CSV the planner reads.",
+    )
+    blocking_power_w: float | None = Field(
+        default=None, description="Once done: power outside computations in measured iterations."
+    )
+
+
 class NodeReport(_Report):
     """The state of one node plan on this node, for the operator."""
 
@@ -103,6 +153,9 @@ class NodeReport(_Report):
     granularity: Granularity
     gpus: list[GpuReport]
     ranks: list[RankReport] = Field(default_factory=list)
+    profiling: list[GpuProfilingReport] = Field(
+        default_factory=list, description="Per profiled GPU, when the plan profiles."
+    )
 
 
 @dataclass
@@ -121,9 +174,28 @@ class _Gpu:
     """Instruction granularity: index of the next computation of the stage."""
     session: Hashable | None = None
     """Instruction granularity: the training process driving this GPU."""
+    profiling: ProfilingSpec | None = None
+    profiler: StageProfiler | None = None
+    """Profiling: the measurements (created with the GPU's state, ``None`` otherwise)."""
+    profile_reported: bool = False
 
-    def same_plan(self, granularity: Granularity, stage_plan: StagePlan) -> bool:
+    def same_plan(
+        self,
+        granularity: Granularity,
+        stage_plan: StagePlan,
+        profiling: ProfilingSpec | None,
+        stage: int,
+    ) -> bool:
+        if self.profiling is not None or profiling is not None:
+            return self.profiling == profiling and self.assignment.stage == stage
         return self.granularity == granularity and self.stage_plan == stage_plan
+
+    @property
+    def profiling_active(self) -> bool:
+        """Profiling and still measuring or computing, without a failure."""
+        return (
+            self.profiler is not None and not self.profiler.done and self.status != GpuStatus.FAILED
+        )
 
     def labels(self, plan: NodePlan) -> dict[str, str]:
         a = self.assignment
@@ -165,6 +237,9 @@ class PlanApplier:
         reset_state: Where GPUs are recorded before their clocks are locked.
         node_name: This node; plans for another node are refused.
         metrics: Counters to update; a private set by default.
+        sampler_factory: Makes the energy sampler of a profiled GPU (default: an
+            :class:`~perseus_agent.profiler.EnergySampler` sampling every 5 ms in a thread);
+            the applier starts it and stops it once the GPU's profiling is over.
 
     Raises:
         GpuError: The backend cannot list its GPUs.
@@ -176,8 +251,10 @@ class PlanApplier:
         reset_state: ResetState,
         node_name: str,
         metrics: AgentMetrics | None = None,
+        sampler_factory: SamplerFactory | None = None,
     ) -> None:
         self._backend = backend
+        self._sampler_factory = sampler_factory or _default_sampler
         self._reset_state = reset_state
         self.node_name = node_name
         self.metrics = metrics if metrics is not None else AgentMetrics(node_name)
@@ -214,6 +291,7 @@ class PlanApplier:
                 f"the plan is for node {node_plan.node!r} but this agent runs on {self.node_name!r}"
             )
         granularity = node_plan.granularity
+        profiling = node_plan.profiling
         with self._lock:
             wanted: dict[int, tuple[GpuInfo, GpuAssignment, StagePlan]] = {}
             unresolved: list[GpuReport] = []
@@ -231,7 +309,11 @@ class PlanApplier:
                             stage=a.stage,
                             dp_rank=a.dp_rank,
                             rank=a.rank,
-                            target_mhz=_planned_target(granularity, stage_plan),
+                            target_mhz=(
+                                None
+                                if profiling is not None
+                                else _planned_target(granularity, stage_plan)
+                            ),
                             applied_mhz=None,
                             status=GpuStatus.FAILED,
                             message=problem,
@@ -247,13 +329,17 @@ class PlanApplier:
                 if (
                     old is not None
                     and old.status != GpuStatus.FAILED
-                    and old.same_plan(granularity, stage_plan)
+                    and old.same_plan(granularity, stage_plan, profiling, a.stage)
                 ):
                     old.assignment = a
                     continue
-                state = _Gpu(gpu, a, stage_plan, granularity)
+                if old is not None:
+                    _stop_sampling(old)
+                state = _Gpu(gpu, a, stage_plan, granularity, profiling=profiling)
                 self._gpus[index] = state
-                if granularity == Granularity.STAGE:
+                if profiling is not None:
+                    self._prepare_profiling(state, old, profiling)
+                elif granularity == Granularity.STAGE:
                     if old is not None and old.session is not None:
                         state.session = old.session
                     self._lock_stage(state)
@@ -287,7 +373,11 @@ class PlanApplier:
     def report(self) -> NodeReport | None:
         """The current state of the plan, or ``None`` without a plan."""
         with self._lock:
-            return self._report_locked() if self._plan is not None else None
+            if self._plan is None:
+                return None
+            for g in self._gpus.values():
+                self._poll_profiler(g)
+            return self._report_locked()
 
     def locked_gpus(self) -> list[int]:
         """Indices of the GPUs whose clocks this agent locked and has not reset."""
@@ -361,7 +451,9 @@ class PlanApplier:
             for index in s.gpus:
                 g = self._gpus[index]
                 g.position = 0
-                if g.granularity == Granularity.INSTRUCTION and g.status == GpuStatus.FAILED:
+                if g.profiler is not None:
+                    self._profile_step_begin(g, g.profiler, t_ns)
+                elif g.granularity == Granularity.INSTRUCTION and g.status == GpuStatus.FAILED:
                     g.status = GpuStatus.WAITING  # retry once per iteration
         return {"ok": True}
 
@@ -369,7 +461,15 @@ class PlanApplier:
         """An iteration ends: record its time (``perseus_iteration_seconds``)."""
         with self._lock:
             s = self._sessions.get(session)
-            if s is None or s.step_begin_ns is None:
+            if s is None:
+                return {"ok": True}
+            for index in s.gpus:
+                g = self._gpus[index]
+                if g.profiler is not None and self._profiling_ok(g):
+                    if g.profiler.step_end(t_ns):
+                        self._finish_measuring(g)
+                    self._poll_profiler(g)
+            if s.step_begin_ns is None:
                 return {"ok": True}
             seconds = (t_ns - s.step_begin_ns) / 1e9
             s.step_begin_ns = None
@@ -409,7 +509,10 @@ class PlanApplier:
             s = self._sessions.get(session)
             for index in s.gpus if s is not None else ():
                 g = self._gpus[index]
-                if g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
+                if g.profiler is not None:
+                    if self._profiling_ok(g):
+                        g.profiler.instruction_begin(name, t_ns)
+                elif g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
                     self._switch(g, name, microbatch)
                 if g.status != GpuStatus.FAILED and clock_mhz is None:
                     clock_mhz = g.applied_mhz
@@ -419,6 +522,12 @@ class PlanApplier:
         self, session: ClientSession, msg: InstructionEndRequest, t_ns: int
     ) -> dict[str, Any]:
         """A computation ends; the clock stays until the next one begins."""
+        with self._lock:
+            s = self._sessions.get(session)
+            for index in s.gpus if s is not None else ():
+                g = self._gpus[index]
+                if g.profiler is not None and self._profiling_ok(g):
+                    g.profiler.instruction_end(msg["name"], t_ns)
         return {"ok": True}
 
     def disconnected(self, session: ClientSession) -> None:
@@ -432,7 +541,13 @@ class PlanApplier:
                 if g is None or g.session != session:
                     continue
                 g.session = None
-                if g.granularity == Granularity.INSTRUCTION:
+                if g.profiler is not None:
+                    self._poll_profiler(g)
+                    if g.profiler.measuring and g.status != GpuStatus.FAILED:
+                        g.profiler.interrupt()
+                        self._reset_clock(index)
+                        self._wait(g, "profiling: the training process disconnected")
+                elif g.granularity == Granularity.INSTRUCTION:
                     self._reset_clock(index)
                     self._wait(g, "the training process disconnected")
         log.info("training process rank %s disconnected", s.rank)
@@ -571,6 +686,7 @@ class PlanApplier:
     def _fail(self, g: _Gpu, reason: str, message: str, target_mhz: int | None) -> None:
         log.error("GPU %d (%s): %s", g.info.index, g.info.uuid, message)
         self.metrics.count_error(reason)
+        _stop_sampling(g)
         g.status = GpuStatus.FAILED
         g.message = f"{reason}: {message}"
         g.target_mhz = target_mhz
@@ -606,6 +722,7 @@ class PlanApplier:
             g = self._gpus.pop(index, None)
             if g is not None:
                 log.info("GPU %d (%s) released: %s", index, g.info.uuid, why)
+                _stop_sampling(g)
             self._reset_clock(index)
 
     def _bind(self, key: Hashable, s: _Session) -> None:
@@ -654,6 +771,11 @@ class PlanApplier:
             for rank, t in sorted(self._ranks.items())
             if t.recent_s
         ]
+        profiling = [
+            _profiling_report(g, g.profiler)
+            for _, g in sorted(self._gpus.items())
+            if g.profiler is not None
+        ]
         return NodeReport(
             node=self.node_name,
             job=plan.job,
@@ -662,7 +784,139 @@ class PlanApplier:
             granularity=plan.granularity,
             gpus=[*gpus, *self._unresolved],
             ranks=ranks,
+            profiling=profiling,
         )
+
+    # -- profiling -----------------------------------------------------------------------------
+
+    def _prepare_profiling(self, g: _Gpu, old: _Gpu | None, spec: ProfilingSpec) -> None:
+        """Profiling: sample the energy counter from now on; lock nothing until the training
+        process begins an iteration."""
+        index = g.info.index
+        sampler = self._sampler_factory(g.info, lambda: self._backend.energy_j(index))
+        g.profiler = StageProfiler(
+            g.assignment.stage,
+            spec.frequencies_mhz,
+            iterations_per_frequency=spec.iterations_per_frequency,
+            warmup_iterations=spec.warmup_iterations,
+            sampler=sampler,
+        )
+        if old is not None:
+            g.session = old.session
+        try:  # learn the supported clocks now, not on the training process's critical path
+            for clock in spec.frequencies_mhz:
+                self._nearest_clock(index, clock)
+        except GpuError as exc:
+            self._fail(g, exc.reason, str(exc), None)
+            return
+        # No clock of an earlier plan may leak into the measurements.
+        self._reset_clock(index)
+        self._wait(g, "profiling: waiting for the training process to begin an iteration")
+        sampler.start()
+
+    def _profiling_ok(self, g: _Gpu) -> bool:
+        """Whether ``g``'s profiling goes on; a failed energy counter fails the GPU."""
+        if not g.profiling_active:
+            return False
+        assert g.profiler is not None
+        error = g.profiler.sampler.error
+        if error is None:
+            return True
+        reason = error.reason if isinstance(error, GpuError) else "profiling"
+        self._fail(g, reason, f"cannot read the energy counter: {error}", g.target_mhz)
+        return False
+
+    def _profile_step_begin(self, g: _Gpu, profiler: StageProfiler, t_ns: int) -> None:
+        if not self._profiling_ok(g):
+            return
+        target = profiler.step_begin(t_ns)
+        if target is None:
+            self._poll_profiler(g)
+            return
+        if g.target_mhz != target or g.applied_mhz is None:
+            self._set_clock(g, target)
+            if g.status == GpuStatus.FAILED or g.applied_mhz is None:
+                return
+            if g.status == GpuStatus.CLAMPED:
+                log.warning("GPU %d: profiling: %s", g.info.index, g.message)
+            log.info(
+                "GPU %d: profiling stage %d at %d MHz (clock %d of %d)",
+                g.info.index,
+                profiler.stage,
+                g.applied_mhz,
+                profiler.frequency_index + 1,
+                len(profiler.frequencies_mhz),
+            )
+        assert g.applied_mhz is not None
+        profiler.clock_applied(g.applied_mhz)
+
+    def _finish_measuring(self, g: _Gpu) -> None:
+        """The last clock is measured: back to the default clock."""
+        assert g.profiler is not None
+        # A point after the last iteration, so that it can be computed now unless the counter
+        # has not been updated since (then at a later request or report).
+        g.profiler.sampler.sample()
+        reset = self._reset_clock(g.info.index)
+        g.target_mhz = g.applied_mhz = None
+        g.status = GpuStatus.APPLIED
+        g.message = (
+            "profiling: every clock measured; SM clock reset"
+            if reset
+            else "profiling: every clock measured; the SM clock could not be reset"
+        )
+        log.info("GPU %d: %s", g.info.index, g.message)
+
+    def _poll_profiler(self, g: _Gpu) -> None:
+        """Compute what the energy samples now allow; stop sampling once done."""
+        p = g.profiler
+        if p is None or g.status == GpuStatus.FAILED or g.profile_reported:
+            return
+        if not p.done:
+            if not self._profiling_ok(g):
+                return
+            p.poll()
+            if not p.done:
+                return
+        p.sampler.stop()
+        g.profile_reported = True
+        blocking = p.blocking_power_w
+        log.info(
+            "GPU %d (%s): profiling of stage %d done: %d iterations measured, %d dropped, "
+            "blocking power %s; profile:\n%s",
+            g.info.index,
+            g.info.uuid,
+            p.stage,
+            p.measured_iterations,
+            p.dropped_iterations,
+            "unknown" if blocking is None else f"{blocking:.3f} W",
+            p.to_csv().rstrip("\n"),
+        )
+
+
+def _default_sampler(gpu: GpuInfo, read_energy_j: Callable[[], float]) -> EnergySampler:
+    return EnergySampler(read_energy_j, name=f"perseus-energy-gpu{gpu.index}")
+
+
+def _stop_sampling(g: _Gpu) -> None:
+    if g.profiler is not None:
+        g.profiler.sampler.stop()
+
+
+def _profiling_report(g: _Gpu, p: StageProfiler) -> GpuProfilingReport:
+    done = p.done and g.status != GpuStatus.FAILED
+    return GpuProfilingReport(
+        uuid=g.info.uuid,
+        index=g.info.index,
+        stage=p.stage,
+        frequencies_mhz=list(p.frequencies_mhz),
+        applied_mhz=list(p.applied_mhz),
+        frequency_index=p.frequency_index,
+        measured_iterations=p.measured_iterations,
+        dropped_iterations=p.dropped_iterations,
+        done=done,
+        rows=p.rows() if done else [],
+        blocking_power_w=p.blocking_power_w if done else None,
+    )
 
 
 def _planned_target(granularity: Granularity, stage_plan: StagePlan) -> int | None:

@@ -5,6 +5,16 @@ Start-up: reset the clocks a previous run of the agent may have left locked (see
 processes call in on, then apply plans until SIGTERM or SIGINT, when every clock the agent
 changed is reset before it exits with status 0.
 
+Kubernetes mode (the default): the plans are the PerseusNodePlans of this node
+(:mod:`perseus_api.resources`), read and reported through the API by
+:mod:`perseus_agent.kube` with the pod's service account (or ``--kubeconfig``). Each plan
+object gets its own applier (several jobs share a node, on distinct GPUs: the older plan keeps
+a GPU two plans claim); its status is written after every change and every
+:data:`REPORT_INTERVAL_S` seconds (``--report-interval``) when it changed, e.g. new iteration
+times; deleting the
+object resets its GPUs. An API that cannot be reached is retried (with backoff) while the
+agent keeps running; only a configuration that cannot be loaded at all is fatal (status 1).
+
 ``--standalone --plan-file PLAN.json`` runs without Kubernetes: the file holds one NodePlan
 (JSON); it is checked every second and re-applied when it changes, and its removal clears the
 plan. A plan that cannot be read or applied is reported and the previous plan's clocks are
@@ -18,15 +28,17 @@ import argparse
 import logging
 import math
 import os
+import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from pydantic import ValidationError
 
@@ -34,7 +46,10 @@ from perseus_agent.errors import AgentError, GpuError, PlanError
 
 if TYPE_CHECKING:
     from perseus_agent.applier import PlanApplier
+    from perseus_agent.exporter import Health
     from perseus_agent.gpu.base import GpuBackend
+    from perseus_agent.kube import JobPlans, ReportWriter
+    from perseus_agent.local_server import ClientHandler
     from perseus_api.node_plan import NodePlan
 
 __all__ = ["build_parser", "main"]
@@ -50,6 +65,9 @@ DEFAULT_BLOCKING_POWER_W: Final = 83.64
 DEFAULT_EMULATED_GPUS: Final = 8
 SOCKET_NAME: Final = "agent.sock"
 PLAN_POLL_S: Final = 1.0
+REPORT_INTERVAL_S: Final = 10.0
+"""Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
+EVENT_POLL_S: Final = 0.5
 
 log = logging.getLogger("perseus_agent")
 
@@ -65,6 +83,13 @@ class _StartupError(Exception):
 class _Server(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
+
+
+class _Plans(Protocol):
+    """What is reset at shutdown: one applier (standalone) or the plans of every job."""
+
+    def clear(self) -> None: ...
+    def locked_gpus(self) -> list[int]: ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of the record of locked clocks (default: /var/lib/perseus)",
     )
     agent.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG") or None,
+        metavar="FILE",
+        help="Kubernetes mode: the API and credentials to use (default: $KUBECONFIG if set, "
+        "else the pod's in-cluster service account)",
+    )
+    agent.add_argument(
+        "--report-interval",
+        type=float,
+        default=REPORT_INTERVAL_S,
+        metavar="SECONDS",
+        help="Kubernetes mode: how often the status of every plan is written when it changed, "
+        f"besides after every change of plan (default: {REPORT_INTERVAL_S:g})",
+    )
+    agent.add_argument(
         "--standalone",
         action="store_true",
         help="no Kubernetes API: apply the NodePlan in --plan-file",
@@ -175,7 +215,10 @@ class _Config:
     metrics_address: str
     socket_dir: Path
     state_dir: Path
-    plan_file: Path
+    standalone: bool
+    plan_file: Path | None  # standalone mode
+    kubeconfig: str | None  # Kubernetes mode; None: in-cluster
+    report_interval_s: float  # Kubernetes mode
     log_level: str
 
 
@@ -186,10 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    signature: tuple[int, int, int] | None = None
+    initial_plan: NodePlan | None = None
     try:
         config = _check_args(args)
-        signature = _signature(config.plan_file)
-        initial_plan = _load_plan(config.plan_file, config.node_name)
+        if config.plan_file is not None:
+            signature = _signature(config.plan_file)
+            initial_plan = _load_plan(config.plan_file, config.node_name)
     except (_UsageError, PlanError) as exc:
         return _fail(str(exc), EXIT_USAGE)
     _configure_logging(config.log_level)
@@ -207,13 +253,12 @@ def _fail(message: str, status: int) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> _Config:
-    if not args.standalone:
-        raise _UsageError(
-            "Kubernetes mode is not available yet in this build; "
-            "run with --standalone --plan-file PLAN.json"
-        )
-    if args.plan_file is None:
+    if args.standalone and args.plan_file is None:
         raise _UsageError("--standalone needs --plan-file PLAN.json")
+    if not args.standalone and args.plan_file is not None:
+        raise _UsageError(
+            "--plan-file needs --standalone (in Kubernetes mode the plans come from the API)"
+        )
     node_name = (args.node_name or "").strip()
     if not node_name:
         raise _UsageError("no node name: pass --node-name or set $NODE_NAME")
@@ -221,6 +266,10 @@ def _check_args(args: argparse.Namespace) -> _Config:
         raise _UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if not args.metrics_address:
         raise _UsageError("--metrics-address must not be empty")
+    if not (math.isfinite(args.report_interval) and args.report_interval > 0):
+        raise _UsageError(
+            f"--report-interval must be a positive number, got {args.report_interval}"
+        )
     emulated = args.gpu_backend == "emulated"
     if not emulated:
         for flag, value in (
@@ -254,7 +303,10 @@ def _check_args(args: argparse.Namespace) -> _Config:
         metrics_address=args.metrics_address,
         socket_dir=args.socket_dir,
         state_dir=args.state_dir,
+        standalone=args.standalone,
         plan_file=args.plan_file,
+        kubeconfig=args.kubeconfig,
+        report_interval_s=args.report_interval,
         log_level=args.log_level,
     )
 
@@ -331,8 +383,9 @@ class _Agent:
             log.info("received %s; resetting clocks and stopping", signal.Signals(signum).name)
         self._stop.set()
 
-    def run(self, initial_plan: NodePlan, signature: tuple[int, int, int] | None) -> int:
-        """Run until SIGTERM/SIGINT; ``signature`` identifies the plan file's version read."""
+    def run(self, initial_plan: NodePlan | None, signature: tuple[int, int, int] | None) -> int:
+        """Run until SIGTERM/SIGINT. Standalone: ``initial_plan`` is the plan file's, and
+        ``signature`` identifies its version read; Kubernetes mode: both are ``None``."""
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
             signal.signal(sig, self._on_signal)
@@ -343,16 +396,23 @@ class _Agent:
                 if handler is not None:  # None: installed outside Python, cannot be restored
                     signal.signal(sig, handler)
 
-    def _run(self, initial_plan: NodePlan, signature: tuple[int, int, int] | None) -> int:
+    def _run(self, initial_plan: NodePlan | None, signature: tuple[int, int, int] | None) -> int:
         from perseus_agent.applier import PlanApplier
-        from perseus_agent.exporter import GpuCollector, Health, MetricsServer
+        from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, MetricsServer
         from perseus_agent.reset_state import ResetState
 
         config = self.config
-        backend = _open_backend(config)
+        api_client = None if initial_plan is not None else _api_client(config)
+        try:
+            backend = _open_backend(config)
+        except BaseException:
+            _close_api_client(api_client)
+            raise
         servers: list[_Server] = []
         health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
         applier: PlanApplier | None = None
+        jobs: JobPlans | None = None
+        plans: _Plans | None = None
         try:
             try:
                 reset_state = ResetState(config.state_dir)
@@ -362,16 +422,25 @@ class _Agent:
                 ) from None
             try:
                 reset_state.recover(backend)
-                applier = PlanApplier(backend, reset_state, config.node_name)
+                if initial_plan is not None:
+                    plans = applier = PlanApplier(backend, reset_state, config.node_name)
+                    metrics, devices, managed = (
+                        applier.metrics,
+                        applier.devices,
+                        applier.managed_gpus,
+                    )
+                else:
+                    from perseus_agent.kube import JobPlans
+
+                    metrics = AgentMetrics(config.node_name)
+                    plans = jobs = JobPlans(backend, reset_state, config.node_name, metrics)
+                    devices, managed = jobs.devices, jobs.managed_gpus
             except (GpuError, OSError) as exc:
                 raise _StartupError(
                     f"cannot reset the clocks left by a previous run: {exc}"
                 ) from None
 
-            metrics = applier.metrics
-            metrics.registry.register(
-                GpuCollector(backend, applier.devices, metrics, applier.managed_gpus)
-            )
+            metrics.registry.register(GpuCollector(backend, devices, metrics, managed))
             try:
                 exporter = MetricsServer(
                     metrics.registry, health, config.metrics_address, config.metrics_port
@@ -385,36 +454,139 @@ class _Agent:
             servers.append(exporter)
             log.info("serving metrics on %s/metrics", exporter.url)
 
-            servers.append(self._start_local_server(applier))
+            handler: ClientHandler
+            if jobs is not None:
+                handler = jobs
+            else:
+                assert applier is not None
+                handler = applier
+            servers.append(self._start_local_server(handler))
 
-            log.info(
-                "node %s: %d GPU(s) via %s; plan file %s",
-                config.node_name,
-                len(applier.devices),
-                config.backend,
-                config.plan_file,
-            )
-            self._plan_signature = signature
-            self._apply(applier, initial_plan)
-            while not self._stop.is_set():
-                health.beat()
-                self._stop.wait(PLAN_POLL_S)
-                if not self._stop.is_set():
-                    self._poll_plan(applier)
+            if jobs is not None:
+                self._run_kubernetes(jobs, api_client, health)
+            else:
+                assert applier is not None and initial_plan is not None
+                self._run_standalone(applier, initial_plan, signature, health)
         finally:
+            _close_api_client(api_client)
             health.stop()
-            ok = self._shutdown(backend, applier, servers)
+            ok = self._shutdown(backend, plans, servers)
         if not ok:
             return _fail("some GPU clocks could not be reset (see the log)", EXIT_FAILURE)
         log.info("stopped; every clock this agent changed is reset")
         return EXIT_OK
 
-    def _start_local_server(self, applier: PlanApplier) -> _Server:
+    def _run_standalone(
+        self,
+        applier: PlanApplier,
+        initial_plan: NodePlan,
+        signature: tuple[int, int, int] | None,
+        health: Health,
+    ) -> None:
+        config = self.config
+        log.info(
+            "node %s: %d GPU(s) via %s; plan file %s",
+            config.node_name,
+            len(applier.devices),
+            config.backend,
+            config.plan_file,
+        )
+        self._plan_signature = signature
+        self._apply(applier, initial_plan)
+        while not self._stop.is_set():
+            health.beat()
+            self._stop.wait(PLAN_POLL_S)
+            if not self._stop.is_set():
+                self._poll_plan(applier)
+
+    def _run_kubernetes(self, jobs: JobPlans, api_client: Any, health: Health) -> None:
+        """Apply and report this node's PerseusNodePlans until SIGTERM/SIGINT."""
+        from perseus_agent.kube import NodePlanSource, ReportWriter, custom_objects_api
+
+        config = self.config
+        api = custom_objects_api(api_client)
+        events: queue.Queue[_PlanEvent] = queue.Queue()
+
+        def on_plan(namespace: str, name: str, plan: NodePlan) -> None:
+            events.put(_PlanEvent("plan", (namespace, name), plan=plan))
+
+        def on_delete(namespace: str, name: str) -> None:
+            events.put(_PlanEvent("delete", (namespace, name)))
+
+        def on_invalid(namespace: str, name: str, message: str, revision: int | None) -> None:
+            events.put(_PlanEvent("invalid", (namespace, name), message=message, revision=revision))
+
+        source = NodePlanSource(api, config.node_name, on_plan, on_delete, on_invalid)
+        writer = ReportWriter(api)
+        invalid: dict[tuple[str, str], dict[str, Any]] = {}
+        log.info(
+            "node %s: %d GPU(s) via %s; watching PerseusNodePlans labelled %s in all namespaces",
+            config.node_name,
+            len(jobs.devices),
+            config.backend,
+            source.selector,
+        )
+        writer.start()
+        source.start()
+        interval_s = config.report_interval_s
+        next_report = time.monotonic() + interval_s
+        try:
+            while not self._stop.is_set():
+                health.beat()
+                wait_s = min(EVENT_POLL_S, max(0.0, next_report - time.monotonic()))
+                try:
+                    event: _PlanEvent | None = events.get(timeout=wait_s)
+                except queue.Empty:
+                    event = None
+                if self._stop.is_set():
+                    break
+                if event is not None:
+                    try:
+                        self._on_plan_event(event, jobs, writer, invalid)
+                    except Exception:  # never crash on a plan
+                        log.exception("error while handling plan object %s/%s", *event.key)
+                if time.monotonic() >= next_report:
+                    next_report = time.monotonic() + interval_s
+                    for key in jobs.objects():
+                        _submit_status(writer, jobs, key)
+                    for key, status in invalid.items():
+                        writer.submit(*key, status)
+        finally:
+            source.stop()
+            writer.stop(timeout_s=2.0)
+
+    def _on_plan_event(
+        self,
+        event: _PlanEvent,
+        jobs: JobPlans,
+        writer: ReportWriter,
+        invalid: dict[tuple[str, str], dict[str, Any]],
+    ) -> None:
+        from perseus_agent.kube import invalid_status
+
+        key = event.key
+        invalid.pop(key, None)
+        if event.kind == "plan":
+            assert event.plan is not None
+            changed = jobs.set_plan(key, event.plan)
+        elif event.kind == "delete":
+            log.info("plan object %s/%s is gone; resetting its GPUs", *key)
+            writer.forget(*key)
+            changed = jobs.remove(key)
+        else:
+            jobs.metrics.count_error("invalid_plan")
+            changed = jobs.remove(key)  # its previous version's clocks, if any
+            invalid[key] = invalid_status(event.message, event.revision)
+            writer.submit(*key, invalid[key])
+        for other in changed:
+            _submit_status(writer, jobs, other)
+
+    def _start_local_server(self, handler: ClientHandler) -> _Server:
         from perseus_agent.local_server import LocalServer
 
         path = self.config.socket_dir / SOCKET_NAME
         try:
-            server = LocalServer(path, applier)
+            server = LocalServer(path, handler)
             server.start()
         except ValueError as exc:
             raise _UsageError(f"--socket-dir {self.config.socket_dir}: {exc}") from None
@@ -424,6 +596,7 @@ class _Agent:
 
     def _poll_plan(self, applier: PlanApplier) -> None:
         path = self.config.plan_file
+        assert path is not None
         signature = _signature(path)
         if signature == self._plan_signature:
             return
@@ -459,7 +632,7 @@ class _Agent:
     def _shutdown(
         self,
         backend: GpuBackend,
-        applier: PlanApplier | None,
+        applier: _Plans | None,
         servers: list[_Server],
     ) -> bool:
         ok = True
@@ -480,6 +653,42 @@ class _Agent:
         except GpuError as exc:
             log.warning("error while closing the GPU library: %s", exc)
         return ok
+
+
+@dataclass(frozen=True)
+class _PlanEvent:
+    """Kubernetes mode: what the plan source saw, for the agent loop."""
+
+    kind: str  # "plan", "delete" or "invalid"
+    key: tuple[str, str]  # namespace, name of the object
+    plan: NodePlan | None = None
+    message: str = ""
+    revision: int | None = None
+
+
+def _submit_status(writer: ReportWriter, jobs: JobPlans, key: tuple[str, str]) -> None:
+    status = jobs.status(key)
+    if status is not None:
+        writer.submit(*key, status)
+
+
+def _api_client(config: _Config) -> Any:
+    """The Kubernetes API client; a configuration that cannot be loaded is fatal."""
+    from perseus_agent.kube import KubeConfigError, load_api_client
+
+    try:
+        return load_api_client(config.kubeconfig)
+    except KubeConfigError as exc:
+        raise _StartupError(str(exc)) from None
+
+
+def _close_api_client(api_client: Any) -> None:
+    close = getattr(api_client, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.debug("error while closing the Kubernetes client", exc_info=True)
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:

@@ -5,13 +5,19 @@ the same document from a file. Each GPU is matched by UUID (or by index when
 the UUID is not known, e.g. a hand-written file for a bare-metal node) and
 follows one pipeline plan at one stage. Several plans can coexist because a
 straggler's own replica keeps running at ``T_min`` while the others slow down.
+
+With ``profiling`` set the agent measures instead of applying: every assigned GPU runs the
+clocks of :class:`ProfilingSpec` in turn while its training process calls in, and the agent
+reports the time and energy of each (stage, instruction, clock), the profile the planner reads.
+The plans and assignments still say which GPU runs which stage.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import itertools
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from perseus_api.plan import API_VERSION, Granularity, PipelinePlan, _Model
 
@@ -41,6 +47,43 @@ class GpuAssignment(_Model):
         return self.gpu_uuid if self.gpu_uuid is not None else f"index {self.gpu_index}"
 
 
+class ProfilingSpec(_Model):
+    """A profiling run: which SM clocks to measure, and for how many iterations each.
+
+    The agent locks ``frequencies_mhz`` one after the other, in the order given, which must be
+    strictly descending (highest clock first: the job starts close to its default clock and
+    slows down step by step). A clock the GPU does not support is measured at the nearest
+    supported one, and reported so.
+
+    After every clock change the first ``warmup_iterations`` iterations are dropped; the next
+    ``iterations_per_frequency`` are measured.
+    """
+
+    frequencies_mhz: list[Annotated[int, Field(gt=0)]] = Field(
+        min_length=1, description="SM clocks to profile, strictly descending (MHz)."
+    )
+    iterations_per_frequency: int = Field(ge=1, description="Measured iterations per clock.")
+    warmup_iterations: int = Field(
+        ge=0, description="Iterations dropped after every clock change, before measuring."
+    )
+
+    @field_validator("frequencies_mhz")
+    @classmethod
+    def _descending(cls, clocks: list[int]) -> list[int]:
+        seen: set[int] = set()
+        for clock in clocks:
+            if clock in seen:
+                raise ValueError(f"{clock} MHz is listed more than once")
+            seen.add(clock)
+        for higher, lower in itertools.pairwise(clocks):
+            if lower > higher:
+                raise ValueError(
+                    f"frequencies must be in descending order (highest first); "
+                    f"{lower} MHz comes after {higher} MHz"
+                )
+        return clocks
+
+
 class NodePlan(_Model):
     """Frequency plans of one job for the GPUs of one node."""
 
@@ -53,6 +96,10 @@ class NodePlan(_Model):
     granularity: Granularity
     plans: dict[str, PipelinePlan]
     assignments: list[GpuAssignment]
+    profiling: ProfilingSpec | None = Field(
+        default=None,
+        description="Profile the assigned GPUs instead of applying the plans (see ProfilingSpec).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> NodePlan:

@@ -102,10 +102,11 @@ def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     ("args", "message"),
     [
         (
-            ["--node-name=n1"],
-            "Kubernetes mode is not available yet in this build; "
-            "run with --standalone --plan-file PLAN.json",
+            ["{plan}", "--node-name=n1"],
+            "--plan-file needs --standalone (in Kubernetes mode the plans come from the API)",
         ),
+        (["--kubeconfig=kc"], "no node name: pass --node-name or set $NODE_NAME"),
+        (["--node-name=n1", "--report-interval=0"], "--report-interval must be a positive"),
         (["--standalone", "--node-name=n1"], "--standalone needs --plan-file"),
         (["--standalone", "{plan}"], "no node name: pass --node-name or set $NODE_NAME"),
         (["--standalone", "{plan}", "--node-name= "], "no node name"),
@@ -171,6 +172,41 @@ def test_usage_errors_exit_2(
     assert message in err
 
 
+@pytest.mark.parametrize(
+    ("kubeconfig", "message"),
+    [
+        (
+            None,
+            "cannot load the in-cluster configuration: ",
+        ),
+        ("{missing}", "cannot load the kubeconfig {missing}: "),
+    ],
+)
+def test_kubernetes_mode_without_a_usable_configuration_exits_1(
+    kubeconfig: str | None,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fatal before any GPU is touched; an API that is merely unreachable is retried instead
+    (tests/unit/agent/test_kube.py)."""
+    pytest.importorskip("kubernetes")
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    missing = str(tmp_path / "no-such-kubeconfig")
+    args = ["--node-name=n1", f"--state-dir={tmp_path / 'state'}"]
+    if kubeconfig is not None:
+        args.append(f"--kubeconfig={kubeconfig.format(missing=missing)}")
+    status, err = run_main(args, capsys)
+    assert status == 1
+    assert err.startswith("perseus-node-agent: error: ")
+    assert message.format(missing=missing) in err
+    if kubeconfig is None:
+        assert "pass --kubeconfig or --standalone" in err
+    assert not (tmp_path / "state").exists()  # nothing started
+
+
 def test_node_name_comes_from_the_environment(
     plan_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,6 +256,8 @@ def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--state-dir",
         "--standalone",
         "--plan-file",
+        "--kubeconfig",
+        "--report-interval",
         "--log-level",
     ):
         assert flag in out

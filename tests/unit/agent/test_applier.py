@@ -6,19 +6,25 @@ import json
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fakes import FakeBackend
+from test_profiler import BLOCKING_W, PROFILE_CSV, TABLE, SimTime
 
 from factories import pipeline_plan_fields
-from perseus_agent.applier import GpuStatus, PlanApplier
+from perseus_agent.applier import GpuStatus, NodeReport, PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
+from perseus_agent.gpu.base import GpuInfo
+from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.local_server import ClientSession, LocalServer
+from perseus_agent.profiler import EnergySampler, profile_csv
 from perseus_agent.reset_state import ResetState
-from perseus_api.node_plan import NodePlan
+from perseus_api.node_plan import NodePlan, ProfilingSpec
+from perseus_api.profile import parse_profile
 
 NODE = "node-1"
 
@@ -535,3 +541,367 @@ def test_training_process_switches_clocks_over_the_socket(
         assert backend.locked() == {1: 1095}
         stream.close()
     assert backend.locked() == {}  # disconnected: back to default clocks
+
+
+# -- profiling -----------------------------------------------------------------------------------
+
+EMU_NODE = NODE
+
+
+class RecordingSampler(EnergySampler):
+    """A manually driven sampler that remembers being stopped."""
+
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        super().stop()
+
+
+class Profiling:
+    """An applier over emulated GPUs in simulated time, and training ranks calling it.
+
+    Every sampler the applier makes samples on every 1 ms of simulated time and whenever a
+    GPU's power changes, as the background thread would (closely enough to be exact).
+    """
+
+    def __init__(self, tmp_path: Path, num_gpus: int = 2) -> None:
+        self.sim = SimTime()
+        self.gpus = EmulatedBackend(
+            num_gpus,
+            parse_profile(PROFILE_CSV, "test-profile"),
+            blocking_power_w=BLOCKING_W,
+            node_name=EMU_NODE,
+            clock=self.sim.now_s,
+        )
+        self.state = ResetState(tmp_path / "state")
+        self.samplers: dict[int, RecordingSampler] = {}
+        self.applier = PlanApplier(self.gpus, self.state, NODE, sampler_factory=self._sampler)
+        self.next_sample_ns = self.sim.ns
+        self.locks: list[tuple[int, int, bool]] = []  # (gpu, clock, recorded before)
+        lock = self.gpus.lock_sm_clock
+
+        def recorded_lock(index: int, clock_mhz: int) -> bool:
+            recorded = self.state.is_recorded(self.gpus.devices()[index], "sm")
+            self.locks.append((index, clock_mhz, recorded))
+            return lock(index, clock_mhz)
+
+        self.gpus.lock_sm_clock = recorded_lock  # type: ignore[method-assign]
+
+    def _sampler(self, gpu: GpuInfo, read: Callable[[], float]) -> EnergySampler:
+        sampler = RecordingSampler(read, interval_s=None, time_ns=self.sim.now_ns)
+        self.samplers[gpu.index] = sampler
+        return sampler
+
+    def uuid(self, index: int) -> str:
+        return self.gpus.devices()[index].uuid
+
+    def plan(
+        self,
+        assignments: list[tuple[int, int]],
+        frequencies_mhz: list[int],
+        *,
+        iterations: int = 2,
+        warmup: int = 1,
+        revision: int = 1,
+    ) -> NodePlan:
+        return NodePlan.model_validate(
+            {
+                "node": NODE,
+                "namespace": "ml",
+                "job": "gpt3",
+                "revision": revision,
+                "granularity": "Instruction",
+                "plans": {"tmin": _pipeline()},
+                "assignments": [
+                    {"gpu_uuid": self.uuid(i), "plan": "tmin", "stage": stage, "rank": i}
+                    for i, stage in assignments
+                ],
+                "profiling": {
+                    "frequencies_mhz": frequencies_mhz,
+                    "iterations_per_frequency": iterations,
+                    "warmup_iterations": warmup,
+                },
+            }
+        )
+
+    def connect(self, index: int, connection_id: int | None = None) -> ClientSession:
+        s = session(index + 1 if connection_id is None else connection_id)
+        hello(self.applier, s, uuids=[self.uuid(index)], rank=index)
+        return s
+
+    def advance(self, duration_ns: int) -> None:
+        end = self.sim.ns + duration_ns
+        while self.next_sample_ns <= end:
+            self.sim.ns = max(self.sim.ns, self.next_sample_ns)
+            self.sample()
+            self.next_sample_ns += 1_000_000
+        self.sim.ns = end
+
+    def sample(self) -> None:
+        for sampler in self.samplers.values():
+            sampler.sample()
+
+    def iteration(self, s: ClientSession, index: int, stage: int) -> list[int | None]:
+        """One iteration of the rank on GPU ``index``; the clocks the agent replied."""
+        a = self.applier
+        a.step_begin(s, {"op": "step_begin", "step": 0}, self.sim.ns)
+        self.advance(3_000_000)
+        clocks = []
+        for name, mb, _ in STAGE0_SCHEDULE:
+            reply = a.instruction_begin(
+                s,
+                {"op": "instruction_begin", "name": name, "microbatch": mb},  # type: ignore[typeddict-item]
+                self.sim.ns,
+            )
+            clocks.append(reply["sm_clock_mhz"])
+            self.gpus.set_activity(index, stage, name)
+            self.sample()
+            self.advance(round(self.gpus.instruction_time_s(index, stage, name) * 1e9))
+            self.gpus.set_activity(index, None, None)
+            self.sample()
+            a.instruction_end(s, {"op": "instruction_end", "name": name}, self.sim.ns)  # type: ignore[typeddict-item]
+            self.advance(2_000_000)
+        a.step_end(s, {"op": "step_end", "step": 0}, self.sim.ns)
+        return clocks
+
+
+def profile_rows(report: NodeReport, index: int) -> list[tuple[Any, ...]]:
+    (p,) = [p for p in report.profiling if p.index == index]
+    return [
+        (r.stage, r.instruction, r.frequency_mhz, r.time_s, r.energy_j, r.samples) for r in p.rows
+    ]
+
+
+def expected_profile(stage: int, clocks: list[int], samples: int) -> list[tuple[Any, ...]]:
+    return [
+        (
+            stage,
+            name,
+            clock,
+            pytest.approx(TABLE[(stage, name)][clock][0], rel=1e-9),
+            pytest.approx(TABLE[(stage, name)][clock][1], rel=1e-9),
+            samples,
+        )
+        for clock in clocks
+        for name in ("forward", "backward")
+    ]
+
+
+def test_profiling_runs_each_clock_and_reports_the_profile(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    report = a.apply(run.plan([(0, 0)], [1410, 1200, 1005], iterations=2, warmup=1))
+
+    assert [(g.index, g.status, g.applied_mhz) for g in report.gpus] == [
+        (0, GpuStatus.WAITING, None)
+    ]
+    (p,) = report.profiling
+    assert (p.uuid, p.stage, p.frequencies_mhz, p.applied_mhz) == (
+        run.uuid(0),
+        0,
+        [1410, 1200, 1005],
+        [None, None, None],
+    )
+    assert (p.frequency_index, p.done, p.rows, p.blocking_power_w) == (0, False, [], None)
+    assert run.locks == []
+
+    s = run.connect(0)
+    replies, progress = [], []
+    for _ in range(3 * (1 + 2)):
+        replies.append(run.iteration(s, 0, stage=0))
+        report = a.report()  # type: ignore[assignment]
+        progress.append((report.profiling[0].frequency_index, report.profiling[0].done))
+        if not report.profiling[0].done:
+            assert [e.uuid for e in run.state.entries()] == [run.uuid(0)]
+
+    assert replies == [[c] * 4 for c in (1410, 1200, 1005) for _ in range(3)]
+    assert run.locks == [(0, 1410, True), (0, 1200, True), (0, 1005, True)]
+    assert progress == [(0, False)] * 2 + [(1, False)] * 3 + [(2, False)] * 3 + [(3, True)]
+    # Done: the clock is back to default and forgotten.
+    assert run.gpus.locked_sm_clock_mhz(0) is None
+    assert run.state.entries() == []
+    assert a.locked_gpus() == []
+    g = report.gpus[0]
+    assert (g.status, g.target_mhz, g.applied_mhz) == (GpuStatus.APPLIED, None, None)
+    assert "every clock measured" in g.message
+    (p,) = report.profiling
+    assert p.applied_mhz == [1410, 1200, 1005]
+    assert (p.measured_iterations, p.dropped_iterations) == (6, 0)
+    assert profile_rows(report, 0) == expected_profile(0, [1410, 1200, 1005], samples=4)
+    assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
+    assert run.samplers[0].stopped
+    parsed = parse_profile(profile_csv(p.rows), "report")
+    assert list(parsed.get(0, "backward").frequencies_mhz) == [1410, 1200, 1005]
+    assert NodeReport.model_validate_json(report.model_dump_json()) == report
+
+    # Nothing more happens: the process trains on at default clocks.
+    assert run.iteration(s, 0, stage=0) == [None] * 4
+    assert run.gpus.locked_sm_clock_mhz(0) is None
+
+
+def test_profiling_clamps_unsupported_clocks_and_reports_them(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1410, 1100], iterations=1, warmup=0))
+    s = run.connect(0)
+
+    assert run.iteration(s, 0, stage=0) == [1410] * 4
+    assert run.iteration(s, 0, stage=0) == [1005] * 4  # 1100 is not supported: 1005 is nearest
+    report = a.report()
+    assert report is not None
+    assert run.locks == [(0, 1410, True), (0, 1005, True)]
+    (p,) = report.profiling
+    assert p.done and p.applied_mhz == [1410, 1005]
+    assert profile_rows(report, 0) == expected_profile(0, [1410, 1005], samples=2)
+
+
+def test_clamped_profiling_clock_is_reported_while_measured(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1100, 1005], iterations=1, warmup=0))
+    s = run.connect(0)
+    a.step_begin(s, {"op": "step_begin", "step": 0}, run.sim.ns)
+    g = a.report().gpus[0]  # type: ignore[union-attr]
+    assert (g.status, g.target_mhz, g.applied_mhz) == (GpuStatus.CLAMPED, 1100, 1005)
+    assert "1100 MHz is not supported by GPU 0; clamped to 1005 MHz" in g.message
+
+
+def test_gpu_error_during_profiling_fails_that_gpu_only(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0), (1, 1)], [1410, 1200], iterations=1, warmup=1))
+    s0, s1 = run.connect(0), run.connect(1)
+    for _ in range(2):  # 1410 on both
+        run.iteration(s0, 0, stage=0)
+        run.iteration(s1, 1, stage=1)
+    run.gpus.inject_fault(1, GpuLostError("GPU 1 fell off the bus", 1))
+    while not a.report().profiling[0].done:  # type: ignore[union-attr]
+        run.iteration(s0, 0, stage=0)
+        assert run.iteration(s1, 1, stage=1) == [None] * 4  # no clock under control
+
+    report = a.report()
+    assert report is not None
+    g0, g1 = report.gpus
+    assert g0.status == GpuStatus.APPLIED
+    assert g1.status == GpuStatus.FAILED
+    assert g1.message == "gpu_lost: cannot read the energy counter: GPU 1 fell off the bus"
+    p0, p1 = report.profiling
+    assert p0.done and profile_rows(report, 0) == expected_profile(0, [1410, 1200], samples=2)
+    assert not p1.done and p1.rows == [] and p1.blocking_power_w is None
+    assert run.samplers[1].stopped
+    assert a.metrics.error_count("gpu_lost") >= 1
+    # GPU 1's clock could not be reset (the fault): it stays recorded for the next start.
+    assert [e.uuid for e in run.state.entries()] == [run.uuid(1)]
+
+
+def test_lock_failure_during_profiling_fails_the_gpu(
+    backend: FakeBackend, state: ResetState
+) -> None:
+    samplers: list[RecordingSampler] = []
+
+    def factory(gpu: GpuInfo, read: Callable[[], float]) -> EnergySampler:
+        samplers.append(RecordingSampler(read, interval_s=None))
+        return samplers[-1]
+
+    applier = PlanApplier(backend, state, NODE, sampler_factory=factory)
+    plan = node_plan([gpu(0, 0), gpu(1, 1)]).model_copy(
+        update={
+            "profiling": ProfilingSpec(
+                frequencies_mhz=[1410], iterations_per_frequency=1, warmup_iterations=0
+            )
+        }
+    )
+    applier.apply(plan)
+    backend.fail[("lock_sm_clock", 1)] = GpuNoPermissionError("insufficient permissions", 1)
+    s0, s1 = session(1), session(2)
+    hello(applier, s0, uuids=["GPU-0"])
+    hello(applier, s1, uuids=["GPU-1"])
+    step_begin(applier, s0)
+    step_begin(applier, s1)
+    assert begin(applier, s0, "forward", 0) == 1410
+    assert begin(applier, s1, "forward", 0) is None
+    report = applier.report()
+    assert report is not None
+    assert [g.status for g in report.gpus] == [GpuStatus.APPLIED, GpuStatus.FAILED]
+    assert report.gpus[1].message == "no_permission: insufficient permissions"
+    assert backend.locked() == {0: 1410}
+    assert [sp.stopped for sp in samplers] == [False, True]
+
+
+def test_reapplying_keeps_profiling_progress_and_a_plan_without_it_ends_it(
+    tmp_path: Path,
+) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1410, 1200], iterations=1, warmup=1))
+    s = run.connect(0)
+    run.iteration(s, 0, stage=0)
+    run.iteration(s, 0, stage=0)
+    sampler = run.samplers[0]
+
+    report = a.apply(run.plan([(0, 0)], [1410, 1200], iterations=1, warmup=1, revision=2))
+    assert report.profiling[0].frequency_index == 1
+    assert run.samplers[0] is sampler and not sampler.stopped
+    assert run.gpus.locked_sm_clock_mhz(0) == 1410
+
+    # Another schedule starts over, from a reset clock.
+    report = a.apply(run.plan([(0, 0)], [1200, 1005], iterations=1, warmup=1, revision=3))
+    assert sampler.stopped and run.samplers[0] is not sampler
+    assert report.profiling[0].frequency_index == 0
+    assert run.gpus.locked_sm_clock_mhz(0) is None
+    assert report.gpus[0].status == GpuStatus.WAITING
+    assert run.iteration(s, 0, stage=0) == [1200] * 4
+
+    # A plan without profiling applies the plan again.
+    plan = NodePlan.model_validate(
+        {**run.plan([(0, 0)], [1410]).model_dump(), "profiling": None, "granularity": "Stage"}
+    )
+    report = a.apply(plan)
+    assert run.samplers[0].stopped
+    assert report.profiling == []
+    assert run.gpus.locked_sm_clock_mhz(0) == 1200  # stage 0's clock in _pipeline()
+    assert report.gpus[0].status == GpuStatus.APPLIED
+
+
+def test_disconnect_during_profiling_resets_and_warms_up_again(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1410, 1200], iterations=2, warmup=1))
+    s = run.connect(0)
+    run.iteration(s, 0, stage=0)  # warm-up
+    run.iteration(s, 0, stage=0)  # measured 1 of 2
+    a.disconnected(s)
+
+    assert run.gpus.locked_sm_clock_mhz(0) is None
+    assert run.state.entries() == []
+    report = a.report()
+    assert report is not None
+    assert report.gpus[0].status == GpuStatus.WAITING
+    assert report.profiling[0].frequency_index == 0
+
+    s = run.connect(0, connection_id=9)
+    run.iteration(s, 0, stage=0)  # warm-up again
+    assert a.report().profiling[0].frequency_index == 0  # type: ignore[union-attr]
+    run.iteration(s, 0, stage=0)  # measured 2 of 2
+    assert a.report().profiling[0].frequency_index == 1  # type: ignore[union-attr]
+    assert run.gpus.locked_sm_clock_mhz(0) == 1410
+
+
+def test_default_samplers_run_in_threads_until_the_plan_goes(
+    backend: FakeBackend, state: ResetState
+) -> None:
+    applier = PlanApplier(backend, state, NODE)
+    plan = node_plan([gpu(0, 0), gpu(2, 1)]).model_copy(
+        update={
+            "profiling": ProfilingSpec(
+                frequencies_mhz=[1410, 1005], iterations_per_frequency=1, warmup_iterations=0
+            )
+        }
+    )
+    applier.apply(plan)
+    names = {t.name for t in threading.enumerate()}
+    assert {"perseus-energy-gpu0", "perseus-energy-gpu2"} <= names
+    applier.clear()
+    names = {t.name for t in threading.enumerate()}
+    assert not {"perseus-energy-gpu0", "perseus-energy-gpu2"} & names

@@ -1,0 +1,497 @@
+"""Profiling: the time and energy of every computation of a training rank, per SM clock.
+
+During a profiling run (``NodePlan.profiling``) the agent walks a schedule of SM clocks on
+each profiled GPU and measures, from the requests of the training process (see
+:mod:`perseus_client`), the time and energy of every forward and backward at each clock, plus
+the GPU's blocking power. The result is a profile in the simple CSV form the planner reads
+(``stage,instruction,frequency,time,energy``, see :mod:`perseus_api.profile`).
+
+Two parts:
+
+* :class:`EnergySampler` reads one GPU's cumulative energy counter every few milliseconds, in
+  a background thread, into a bounded buffer. NVML updates that counter coarsely (tens of
+  milliseconds on some GPUs), far too coarsely to read it at the beginning and end of a
+  computation, so only the points where the counter changes are kept and the energy at any
+  moment is interpolated linearly between them (:meth:`EnergySampler.energy_at`).
+* :class:`StageProfiler` follows one GPU through the clock schedule. The training process's
+  requests are timestamped on receipt (``time.monotonic_ns()``, the sampler's time source):
+  ``step_begin``/``step_end`` delimit an iteration, ``instruction_begin``/``instruction_end``
+  one computation. After every clock change the first ``warmup_iterations`` iterations are
+  dropped, the next ``iterations_per_frequency`` are measured, then the next clock is locked
+  at the next ``step_begin``. Per (instruction, clock) the mean time and energy of a
+  computation are reported; the time of a measured iteration outside computations is
+  blocking (waiting on other stages, or idle), and blocking power is its energy over its
+  time.
+
+The energies of an iteration are computed once the sampler holds a point at or after the
+iteration's end (:meth:`StageProfiler.poll`), so a run is :attr:`StageProfiler.done` at the
+first poll after the counter changed past its last measured iteration. Both classes take
+their time source and, for the sampler, manual sampling (``interval_s=None``) as arguments,
+so tests drive them deterministically.
+
+Limits: the counter is interpolated, so a computation much shorter than the counter's update
+period is measured as the average power around it, and at each edge of a computation the
+interpolation errs by up to (power step) x (sampling or update period) / 4, an error that the
+blocking energy (the iteration's energy minus the computations') absorbs: blocking power is
+accurate when an iteration's blocking time is long against those edges. An iteration longer
+than the sampler's buffer (``capacity`` changes of the counter, about 5 minutes at the default
+5 ms) cannot be resolved and is dropped. The time between ``instruction_begin`` and the GPU
+starting (and between the GPU finishing and ``instruction_end``) counts as computation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from perseus_agent.errors import GpuError
+
+__all__ = [
+    "DEFAULT_SAMPLE_CAPACITY",
+    "DEFAULT_SAMPLE_INTERVAL_S",
+    "PROFILE_COLUMNS",
+    "EnergySampler",
+    "ProfileRow",
+    "StageProfiler",
+    "profile_csv",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLE_INTERVAL_S: Final = 0.005
+DEFAULT_SAMPLE_CAPACITY: Final = 1 << 16
+"""Counter changes kept per GPU: about 5 minutes at the default interval."""
+
+PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
+_INSTRUCTIONS: Final = ("forward", "backward")
+
+InstructionName = Literal["forward", "backward"]
+
+
+class EnergySampler:
+    """Samples of one GPU's cumulative energy counter, interpolated linearly in between.
+
+    Only the points where the counter changes are kept (the first time a new value is read),
+    at the middle of the read, in a buffer of at most ``capacity`` points; the oldest go first.
+    A counter that goes backwards (a reset) drops the history. Thread-safe.
+
+    Args:
+        read_energy_j: Reads the counter (e.g. ``lambda: backend.energy_j(index)``); raises
+            :class:`GpuError` on failure.
+        interval_s: Sampling period of the background thread; ``None`` for manual sampling
+            only (:meth:`start` then does nothing; call :meth:`sample`).
+        capacity: Points kept.
+        time_ns: Time source, ``time.monotonic_ns`` as the local server's receipt times.
+        name: Of the background thread, for logs.
+
+    Raises:
+        ValueError: ``interval_s`` or ``capacity`` is invalid.
+    """
+
+    def __init__(
+        self,
+        read_energy_j: Callable[[], float],
+        *,
+        interval_s: float | None = DEFAULT_SAMPLE_INTERVAL_S,
+        capacity: int = DEFAULT_SAMPLE_CAPACITY,
+        time_ns: Callable[[], int] = time.monotonic_ns,
+        name: str = "perseus-energy-sampler",
+    ) -> None:
+        if interval_s is not None and not (math.isfinite(interval_s) and interval_s > 0):
+            raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s}")
+        if capacity < 2:
+            raise ValueError(f"capacity must be at least 2, got {capacity}")
+        self._read = read_energy_j
+        self.interval_s = interval_s
+        self.capacity = capacity
+        self._time_ns = time_ns
+        self._name = name
+        self._lock = threading.Lock()
+        self._times: list[int] = []
+        self._energies: list[float] = []
+        self._error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def sample(self) -> bool:
+        """Read the counter once, now; ``False`` if the read failed (see :attr:`error`)."""
+        before = self._time_ns()
+        try:
+            energy_j = float(self._read())
+        except GpuError as exc:
+            with self._lock:
+                self._error = exc
+            return False
+        after = self._time_ns()
+        self._add(before + (after - before) // 2, energy_j)
+        return True
+
+    def _add(self, t_ns: int, energy_j: float) -> None:
+        with self._lock:
+            if self._times:
+                last_t, last_e = self._times[-1], self._energies[-1]
+                if t_ns <= last_t or energy_j == last_e:
+                    return  # not newer, or the counter has not been updated since
+                if energy_j < last_e:
+                    log.warning(
+                        "%s: the energy counter went back from %.3f J to %.3f J; restarting",
+                        self._name,
+                        last_e,
+                        energy_j,
+                    )
+                    self._times.clear()
+                    self._energies.clear()
+            self._times.append(t_ns)
+            self._energies.append(energy_j)
+            if len(self._times) >= 2 * self.capacity:
+                del self._times[: -self.capacity]
+                del self._energies[: -self.capacity]
+
+    def start(self) -> None:
+        """Sample every ``interval_s`` in a daemon thread until :meth:`stop` or a read fails."""
+        if self.interval_s is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (if any) and wait for it; it does not start again.
+        :meth:`sample` keeps working."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        assert self.interval_s is not None
+        while not self._stop.is_set():
+            try:
+                ok = self.sample()
+            except Exception as exc:  # a bug, not a GPU error: stop sampling, say why
+                log.exception("%s: reading the energy counter failed", self._name)
+                with self._lock:
+                    self._error = exc
+                ok = False
+            if not ok:
+                log.error("%s: stopped: %s", self._name, self.error)
+                return
+            self._stop.wait(self.interval_s)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the last read failed, if it did (the background thread then stops)."""
+        with self._lock:
+            return self._error
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def span(self) -> tuple[int, int] | None:
+        """Times of the oldest and the newest point kept, if any."""
+        with self._lock:
+            return (self._times[0], self._times[-1]) if self._times else None
+
+    def covers(self, t_ns: int) -> bool:
+        """Whether a point at or after ``t_ns`` is kept (so :meth:`energy_at` can answer)."""
+        with self._lock:
+            return bool(self._times) and self._times[-1] >= t_ns
+
+    def energy_at(self, t_ns: int) -> float | None:
+        """The counter at ``t_ns``, interpolated; ``None`` outside the points kept."""
+        with self._lock:
+            times, energies = self._times, self._energies
+            i = bisect.bisect_left(times, t_ns)
+            if i < len(times) and times[i] == t_ns:
+                return energies[i]
+            if i == 0 or i == len(times):
+                return None
+            t0, t1 = times[i - 1], times[i]
+            e0, e1 = energies[i - 1], energies[i]
+            return e0 + (e1 - e0) * ((t_ns - t0) / (t1 - t0))
+
+
+class ProfileRow(BaseModel):
+    """Mean time and energy of one computation of a stage at one SM clock."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: int = Field(ge=0)
+    instruction: InstructionName
+    frequency_mhz: int = Field(gt=0, description="The SM clock in effect while measured.")
+    time_s: float = Field(description="Mean time of one computation.")
+    energy_j: float = Field(description="Mean energy of one computation.")
+    samples: int = Field(ge=1, description="Computations measured.")
+
+
+def profile_csv(rows: Iterable[ProfileRow]) -> str:
+    """``rows`` in the simple profile CSV form (``stage,instruction,frequency,time,energy``).
+
+    :func:`perseus_api.profile.parse_profile` reads it back exactly when the rows cover stages
+    ``0..n-1``, each with both instructions at two clocks or more.
+    """
+    lines = [",".join(PROFILE_COLUMNS)]
+    lines.extend(
+        f"{r.stage},{r.instruction},{r.frequency_mhz},{r.time_s!r},{r.energy_j!r}" for r in rows
+    )
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class _Open:
+    """The iteration in progress."""
+
+    frequency_index: int
+    warmup: bool
+    begin_ns: int
+    instructions: list[tuple[InstructionName, int, int]] = field(default_factory=list)
+    running: tuple[InstructionName, int] | None = None
+    valid: bool = True
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A measured iteration, waiting for the energy counter to cover it."""
+
+    frequency_mhz: int
+    begin_ns: int
+    end_ns: int
+    instructions: tuple[tuple[InstructionName, int, int], ...]
+
+
+@dataclass
+class _Sum:
+    time_ns: int = 0
+    energy_j: float = 0.0
+    count: int = 0
+
+
+class StageProfiler:
+    """Profiles one GPU running pipeline stage ``stage`` through a schedule of SM clocks.
+
+    Not thread-safe: the caller serialises the calls (the applier holds its lock). The caller
+    also locks the clocks: :meth:`step_begin` says which one the iteration must run at, and
+    :meth:`clock_applied` which one is in effect (a clamped clock is measured as such).
+
+    Args:
+        stage: Pipeline stage of the GPU (the rows' ``stage``).
+        frequencies_mhz: Clocks to measure, in order.
+        iterations_per_frequency: Measured iterations per clock.
+        warmup_iterations: Iterations dropped after each clock change.
+        sampler: The GPU's energy counter.
+
+    Raises:
+        ValueError: An argument is invalid.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        frequencies_mhz: Sequence[int],
+        *,
+        iterations_per_frequency: int,
+        warmup_iterations: int,
+        sampler: EnergySampler,
+    ) -> None:
+        if stage < 0:
+            raise ValueError(f"stage must be >= 0, got {stage}")
+        if not frequencies_mhz or any(f <= 0 for f in frequencies_mhz):
+            raise ValueError(f"need one or more positive clocks, got {list(frequencies_mhz)}")
+        if iterations_per_frequency < 1 or warmup_iterations < 0:
+            raise ValueError(
+                f"need iterations_per_frequency >= 1 and warmup_iterations >= 0, got "
+                f"{iterations_per_frequency} and {warmup_iterations}"
+            )
+        self.stage = stage
+        self.frequencies_mhz: tuple[int, ...] = tuple(frequencies_mhz)
+        self.iterations_per_frequency = iterations_per_frequency
+        self.warmup_iterations = warmup_iterations
+        self.sampler = sampler
+        self.applied_mhz: list[int | None] = [None] * len(self.frequencies_mhz)
+        """Clock in effect for each scheduled clock (differs when clamped), once reached."""
+        self.measured_iterations = 0
+        """Measured iterations whose energies are in the results."""
+        self.dropped_iterations = 0
+        """Iterations that were to be measured but were incomplete or not covered by samples."""
+        self._index = 0
+        self._warmup_left = warmup_iterations
+        self._measured_here = 0
+        self._open: _Open | None = None
+        self._pending: list[_Measured] = []
+        self._sums: dict[tuple[InstructionName, int], _Sum] = {}
+        self._blocking_ns = 0
+        self._blocking_j = 0.0
+
+    # -- progress ------------------------------------------------------------------------------
+
+    @property
+    def frequency_index(self) -> int:
+        """Index of the clock being measured; ``len(frequencies_mhz)`` once all are."""
+        return self._index
+
+    @property
+    def measuring(self) -> bool:
+        """Clocks remain to be measured."""
+        return self._index < len(self.frequencies_mhz)
+
+    @property
+    def done(self) -> bool:
+        """Every clock is measured and every measured iteration's energy computed."""
+        return not self.measuring and not self._pending
+
+    @property
+    def current_frequency_mhz(self) -> int | None:
+        """The scheduled clock being measured, ``None`` once all are."""
+        return self.frequencies_mhz[self._index] if self.measuring else None
+
+    # -- events --------------------------------------------------------------------------------
+
+    def step_begin(self, t_ns: int) -> int | None:
+        """An iteration begins: the scheduled clock it must run at; ``None`` when all are done.
+
+        An iteration that began without ending is dropped.
+        """
+        if not self.measuring:
+            return None
+        if self._open is not None and not self._open.warmup:
+            self.dropped_iterations += 1
+        self._open = _Open(self._index, self._warmup_left > 0, t_ns)
+        return self.frequencies_mhz[self._index]
+
+    def clock_applied(self, clock_mhz: int) -> None:
+        """The clock now in effect for the scheduled clock being measured."""
+        if self.measuring:
+            self.applied_mhz[self._index] = clock_mhz
+
+    def instruction_begin(self, name: str, t_ns: int) -> None:
+        it = self._open
+        if it is None:
+            return
+        if it.running is not None or name not in _INSTRUCTIONS:
+            it.valid = False
+        it.running = (cast(InstructionName, name), t_ns)
+
+    def instruction_end(self, name: str, t_ns: int) -> None:
+        it = self._open
+        if it is None:
+            return
+        if it.running is None or it.running[0] != name or t_ns < it.running[1]:
+            it.valid = False
+        else:
+            it.instructions.append((it.running[0], it.running[1], t_ns))
+        it.running = None
+
+    def step_end(self, t_ns: int) -> bool:
+        """An iteration ends; ``True`` if it was the last to measure (reset the clock now)."""
+        it, self._open = self._open, None
+        if it is None or it.frequency_index != self._index:
+            return False
+        if it.warmup:
+            self._warmup_left -= 1
+            return False
+        applied = self.applied_mhz[self._index]
+        if it.valid and it.running is None and applied is not None and t_ns >= it.begin_ns:
+            self._pending.append(_Measured(applied, it.begin_ns, t_ns, tuple(it.instructions)))
+        else:
+            self.dropped_iterations += 1
+        self._measured_here += 1
+        if self._measured_here >= self.iterations_per_frequency:
+            self._index += 1
+            self._measured_here = 0
+            self._warmup_left = self.warmup_iterations
+        self.poll()
+        return not self.measuring
+
+    def interrupt(self) -> None:
+        """The training process is gone (and the clock reset): drop the iteration in progress
+        and warm up again once the clock is locked again."""
+        if self._open is not None and not self._open.warmup:
+            self.dropped_iterations += 1
+        self._open = None
+        if self.measuring:
+            self._warmup_left = self.warmup_iterations
+
+    def poll(self) -> None:
+        """Compute the energies of the measured iterations the sampler now covers."""
+        waiting: list[_Measured] = []
+        for m in self._pending:
+            if self.sampler.covers(m.end_ns):
+                self._resolve(m)
+            else:
+                waiting.append(m)
+        self._pending = waiting
+
+    def _resolve(self, m: _Measured) -> None:
+        energy_at = self.sampler.energy_at
+        begin_j, end_j = energy_at(m.begin_ns), energy_at(m.end_ns)
+        parts: list[tuple[InstructionName, int, float]] = []
+        covered = begin_j is not None and end_j is not None
+        for name, b, e in m.instructions if covered else ():
+            eb, ee = energy_at(b), energy_at(e)
+            if eb is None or ee is None:
+                covered = False
+                break
+            parts.append((name, e - b, ee - eb))
+        if not covered or begin_j is None or end_j is None:
+            log.warning(
+                "stage %d at %d MHz: an iteration is not covered by energy samples; dropped",
+                self.stage,
+                m.frequency_mhz,
+            )
+            self.dropped_iterations += 1
+            return
+        for name, time_ns, energy_j in parts:
+            s = self._sums.setdefault((name, m.frequency_mhz), _Sum())
+            s.time_ns += time_ns
+            s.energy_j += energy_j
+            s.count += 1
+        self._blocking_ns += (m.end_ns - m.begin_ns) - sum(p[1] for p in parts)
+        self._blocking_j += (end_j - begin_j) - sum(p[2] for p in parts)
+        self.measured_iterations += 1
+
+    # -- results -------------------------------------------------------------------------------
+
+    def rows(self) -> list[ProfileRow]:
+        """Mean time and energy per (instruction, clock) so far: highest clock first, forward
+        before backward at each clock (the order of the bundled profiles)."""
+        rows: list[ProfileRow] = []
+        for clock in sorted({c for _, c in self._sums}, reverse=True):
+            for name in _INSTRUCTIONS:
+                s = self._sums.get((name, clock))
+                if s is None or s.count == 0:
+                    continue
+                rows.append(
+                    ProfileRow(
+                        stage=self.stage,
+                        instruction=name,
+                        frequency_mhz=clock,
+                        time_s=s.time_ns / s.count / 1e9,
+                        energy_j=s.energy_j / s.count,
+                        samples=s.count,
+                    )
+                )
+        return rows
+
+    @property
+    def blocking_power_w(self) -> float | None:
+        """Energy over time of the measured iterations outside computations, if any."""
+        if self._blocking_ns <= 0:
+            return None
+        return self._blocking_j / (self._blocking_ns / 1e9)
+
+    def to_csv(self) -> str:
+        """:meth:`rows` as profile CSV (see :func:`profile_csv`)."""
+        return profile_csv(self.rows())

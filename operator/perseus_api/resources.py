@@ -1,0 +1,211 @@
+"""The Kubernetes objects through which the operator and the node agents talk.
+
+``PerseusNodePlan`` (group ``perseus.energy``, version ``v1alpha1``, plural ``perseusnodeplans``,
+short name ``pnp``) is a namespaced custom resource, one per (job, node), in the job's
+namespace, written by the operator and read by the agent of that node::
+
+    apiVersion: perseus.energy/v1alpha1
+    kind: PerseusNodePlan
+    metadata:
+      name: gpt3-gpu-node-1          # node_plan_name(job, node)
+      namespace: ml                  # the job's namespace (NodePlan.namespace)
+      labels:
+        perseus.energy/node: gpu-node-1   # label_value(node): agents list/watch by this label
+        perseus.energy/job: gpt3          # label_value(job)
+    spec:                            # a NodePlan document (perseus_api.node_plan), field names
+      node: gpu-node-1               # as in the model (snake_case), api_version/kind included
+      job: gpt3
+      revision: 7
+      ...
+    status:                          # written by the node agent only (status subresource)
+      ...
+
+Agents select their plans by the node label across all namespaces (field selectors on custom
+resources are limited to ``metadata.name``/``metadata.namespace``), and check ``spec.node`` too.
+
+``status`` is the agent's report; perseus_api does not depend on the agent, so it is typed
+loosely here (``dict[str, Any]``). Fields, all written together on every update (a JSON merge
+patch; a field that no longer applies is written as null, which removes it):
+
+- ``observedRevision`` (int or null): the ``spec.revision`` the agent last acted on.
+- ``conditions``: a list with one condition of type :data:`CONDITION_APPLIED`, with
+  ``status`` ``"True"``/``"False"``, ``reason`` (:data:`REASON_APPLIED`, :data:`REASON_FAILED`,
+  :data:`REASON_INVALID_SPEC`), ``message`` and ``lastTransitionTime`` (RFC 3339).
+- The fields of the agent's ``NodeReport`` (``perseus_agent.applier``; absent when nothing
+  is applied, e.g. the spec is invalid), among them ``node``, ``job``, ``namespace``,
+  ``revision``, ``granularity``; ``gpus``: per assigned GPU ``uuid``, ``index``, ``plan``,
+  ``stage``, ``dp_rank``, ``rank``, ``target_mhz``, ``applied_mhz``, ``status``
+  (``Applied``, ``Clamped`` to the nearest supported clock, ``Failed``, ``Waiting`` for the
+  training process) and ``message``; ``ranks``: per training rank on the node ``rank``,
+  ``dp_rank``, ``pp_rank``, ``iterations``, ``last_iteration_s`` and ``mean_iteration_s``
+  (seconds); and the results of a profiling run when the spec asks for one.
+
+A GPU is used by one job at a time: when two plans on a node claim the same GPU, the older
+plan keeps it and the newer one reports that GPU ``Failed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from perseus_api.errors import ApiError
+from perseus_api.node_plan import NodePlan
+from perseus_api.plan import API_VERSION
+
+__all__ = [
+    "API_VERSION",
+    "CONDITION_APPLIED",
+    "GROUP",
+    "JOB_LABEL",
+    "NODE_LABEL",
+    "NODE_PLAN_KIND",
+    "NODE_PLAN_PLURAL",
+    "NODE_PLAN_SHORT_NAMES",
+    "NODE_PLAN_SINGULAR",
+    "REASON_APPLIED",
+    "REASON_FAILED",
+    "REASON_INVALID_SPEC",
+    "STATUS_OBSERVED_REVISION",
+    "VERSION",
+    "NodePlanObjectError",
+    "label_value",
+    "node_label_selector",
+    "node_plan_name",
+    "node_plan_object",
+    "object_key",
+    "parse_node_plan_object",
+]
+
+GROUP: Final = "perseus.energy"
+VERSION: Final = "v1alpha1"
+NODE_PLAN_KIND: Final = "PerseusNodePlan"
+NODE_PLAN_PLURAL: Final = "perseusnodeplans"
+NODE_PLAN_SINGULAR: Final = "perseusnodeplan"
+NODE_PLAN_SHORT_NAMES: Final = ("pnp",)
+
+NODE_LABEL: Final = f"{GROUP}/node"
+"""Label of a node plan: the node it is for (``label_value(node)``)."""
+JOB_LABEL: Final = f"{GROUP}/job"
+"""Label of a node plan: the job it belongs to (``label_value(job)``)."""
+
+STATUS_OBSERVED_REVISION: Final = "observedRevision"
+CONDITION_APPLIED: Final = "Applied"
+REASON_APPLIED: Final = "Applied"
+"""Every GPU of the plan is at its clock (or clamped, or waiting for its training process)."""
+REASON_FAILED: Final = "Failed"
+"""At least one GPU could not be set (the condition's message and ``gpus`` say why)."""
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+"""The spec is not a valid NodePlan for this node; nothing is applied."""
+
+assert f"{GROUP}/{VERSION}" == API_VERSION
+
+_MAX_NAME: Final = 253  # DNS-1123 subdomain
+_MAX_LABEL_VALUE: Final = 63
+_HASH_CHARS: Final = 10
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)?$")
+
+
+class NodePlanObjectError(ApiError):
+    """A PerseusNodePlan object is malformed; the message names it (namespace/name)."""
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:_HASH_CHARS]
+
+
+def node_plan_name(job: str, node: str) -> str:
+    """Name of the node plan of ``job`` on ``node``: ``<job>-<node>`` when that is a DNS-1123
+    subdomain (as Kubernetes requires of object names).
+
+    Otherwise (upper case, other characters, too long) the name is the lower-cased pair with
+    every run of other characters than ``[a-z0-9]`` replaced by ``-``, plus a hash of ``job`` and
+    ``node``, so that pairs that sanitize alike still get distinct names. (``job`` ``a`` on node
+    ``b-c`` and ``job`` ``a-b`` on node ``c`` share a name; the operator's jobs do not.)
+    """
+    raw = f"{job}-{node}"
+    if len(raw) <= _MAX_NAME and _DNS_SUBDOMAIN.match(raw):
+        return raw
+    suffix = _digest(f"{job}\0{node}")
+    head = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
+    head = head[: _MAX_NAME - _HASH_CHARS - 1].rstrip("-")
+    return f"{head}-{suffix}" if head else suffix
+
+
+def label_value(value: str) -> str:
+    """``value`` if it is a valid label value, else a stable valid one derived from it.
+
+    Label values are at most 63 characters of ``[A-Za-z0-9_.-]``, starting and ending with an
+    alphanumeric; node names may be longer. Operator and agent both use this function, so the
+    agent's selector matches what the operator writes.
+    """
+    if len(value) <= _MAX_LABEL_VALUE and _LABEL_VALUE.match(value):
+        return value
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)
+    head = cleaned[: _MAX_LABEL_VALUE - _HASH_CHARS - 1].strip("_.-")
+    suffix = _digest(value)
+    return f"{head}-{suffix}" if head else suffix
+
+
+def node_label_selector(node: str) -> str:
+    """Label selector of the node plans of ``node``."""
+    return f"{NODE_LABEL}={label_value(node)}"
+
+
+def node_plan_object(plan: NodePlan) -> dict[str, Any]:
+    """The whole PerseusNodePlan object for ``plan`` (without status), ready to create."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_PLAN_KIND,
+        "metadata": {
+            "name": node_plan_name(plan.job, plan.node),
+            "namespace": plan.namespace,
+            "labels": {NODE_LABEL: label_value(plan.node), JOB_LABEL: label_value(plan.job)},
+        },
+        "spec": plan.model_dump(mode="json"),
+    }
+
+
+def object_key(body: Mapping[str, Any]) -> tuple[str, str]:
+    """``(namespace, name)`` of an object; empty strings where missing."""
+    metadata = body.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return "", ""
+    namespace, name = metadata.get("namespace"), metadata.get("name")
+    return (
+        namespace if isinstance(namespace, str) else "",
+        name if isinstance(name, str) else "",
+    )
+
+
+def parse_node_plan_object(body: Mapping[str, Any]) -> NodePlan:
+    """The NodePlan in a PerseusNodePlan object's spec.
+
+    Raises:
+        NodePlanObjectError: The object has no name or its spec is not a valid NodePlan; the
+            message names the object and says what is wrong, on one line.
+    """
+    namespace, name = object_key(body)
+    where = f"{NODE_PLAN_KIND} {namespace or '?'}/{name or '?'}"
+    if not name:
+        raise NodePlanObjectError(f"{where}: metadata.name is missing")
+    spec = body.get("spec")
+    if not isinstance(spec, Mapping):
+        raise NodePlanObjectError(f"{where}: spec is missing or not an object")
+    try:
+        return NodePlan.model_validate(spec)
+    except ValidationError as exc:
+        raise NodePlanObjectError(f"{where}: invalid spec: {_one_line(exc)}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors(include_url=False):
+        location = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{location}: {error['msg']}" if location else str(error["msg"]))
+    return "; ".join(problems)
