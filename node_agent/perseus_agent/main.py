@@ -25,6 +25,7 @@ so the agent never reads half of it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -35,7 +36,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -339,8 +339,15 @@ def _configure_logging(level: str) -> None:
 
 
 def _default_profile_path() -> Path:
-    ref = resources.files(DEFAULT_PROFILE_PACKAGE) / "profiles" / DEFAULT_PROFILE_FILE
-    return Path(str(ref))
+    # find_spec locates the package without running its __init__, which would load the
+    # planner with numba and scipy (~100 MiB) into an agent that only needs one CSV.
+    spec = importlib.util.find_spec(DEFAULT_PROFILE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise _UsageError(
+            f"the bundled profile (package {DEFAULT_PROFILE_PACKAGE}) is not installed; "
+            "pass --emulated-profile"
+        )
+    return Path(spec.submodule_search_locations[0]) / "profiles" / DEFAULT_PROFILE_FILE
 
 
 def _open_backend(config: _Config) -> GpuBackend:
