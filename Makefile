@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit bench bench-large clean
+.PHONY: demo test lint typecheck unit bench bench-large bench-agent clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ bench: $(STAMP)
 ## The large case: A40, 96 microbatches, 0.1 ms (~65,000 frontier points).
 bench-large: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
+
+## Node agent overhead: hook round trip vs a bare NVML call, agent CPU and RSS.
+bench-agent: $(STAMP)
+	$(BIN)/python benchmarks/agent_overhead.py
 
 clean:
 	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache

@@ -17,10 +17,13 @@ access by running with ``socket_group`` among their supplementary groups
 is bound under a temporary name, given its mode and group, and only then
 renamed into place, so there is no moment at which it is open to everyone.
 
-Threading. The server runs an asyncio loop in a background thread. Handler
-methods run in a thread pool: calls for one session are sequential (one request
-at a time, in order), calls for different sessions may run concurrently, so a
-handler must be thread-safe. Each request's receipt time
+Threading. One thread accepts connections and each connection gets a thread of
+its own (at most ``max_connections``), which reads the connection's requests,
+calls the handler directly and writes each reply: calls for one session are
+sequential (one request at a time, in order), calls for different sessions may
+run concurrently, so a handler must be thread-safe. There is no hand-off
+between threads on a request's path (a training hook waits for its reply, so
+every thread wake-up is latency). Each request's receipt time
 (``time.monotonic_ns()``, taken as soon as its line is read) is passed to the
 handler for profiling.
 
@@ -33,18 +36,17 @@ back as an error reply. Nothing a client sends stops the server.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
 import os
+import select
 import socket
 import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -186,8 +188,37 @@ def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
     return int(pid), int(uid), int(gid)
 
 
+_RECV_BYTES: Final = 65536
+_DISCARD_LIMIT_BYTES: Final = 1 << 20
+_ACCEPT_RETRY_S: Final = 1.0
+
+
+@dataclass(eq=False)
+class _Connection:
+    session: ClientSession
+    sock: socket.socket
+    thread: threading.Thread
+
+
+def _discard_input(sock: socket.socket) -> None:
+    """Read (without blocking) and drop what the peer already sent, before closing.
+
+    On Linux, closing a Unix socket that still holds unread input makes the peer's
+    next read fail with ECONNRESET once it has read what was sent to it, instead of
+    seeing end-of-file; a client must get the last reply and then a clean EOF.
+    """
+    with contextlib.suppress(OSError):  # BlockingIOError: nothing (more) to read
+        sock.setblocking(False)
+        discarded = 0
+        while discarded < _DISCARD_LIMIT_BYTES:
+            data = sock.recv(_RECV_BYTES)
+            if not data:
+                break
+            discarded += len(data)
+
+
 class LocalServer:
-    """Serve the client protocol on a Unix socket, in a background thread.
+    """Serve the client protocol on a Unix socket, in background threads.
 
     Args:
         socket_path: Where to listen; its directory is created (``0o750``, group
@@ -197,8 +228,9 @@ class LocalServer:
         socket_mode: Mode of the socket file; only owner and group bits are sensible.
         socket_group: Group id given to the socket (and to a directory it creates);
             training pods need it as a supplementary group. ``None``: the agent's group.
-        max_connections: Further connections get an error reply and are closed.
-        handler_threads: Size of the pool the handler methods run in.
+        max_connections: Further connections get an error reply and are closed. Each
+            connection has a thread of its own (a node runs at most a few dozen
+            training processes).
 
     A stale socket left at ``socket_path`` by a crashed agent is removed; a live one
     (something accepts connections there) or a file that is not a socket is an error.
@@ -212,7 +244,6 @@ class LocalServer:
         socket_mode: int = DEFAULT_SOCKET_MODE,
         socket_group: int | None = None,
         max_connections: int = 256,
-        handler_threads: int = 16,
     ) -> None:
         if socket_mode & ~0o777:
             raise ValueError(f"socket_mode {socket_mode:#o} has bits beyond 0o777")
@@ -232,20 +263,16 @@ class LocalServer:
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.max_connections = max_connections
-        self.handler_threads = handler_threads
 
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None  # the accept loop
+        self._listener: socket.socket | None = None
+        self._wake_fds: tuple[int, int] | None = None  # pipe that interrupts the accept loop
+        self._stopping = threading.Event()
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
         self._ids = itertools.count(1)
+        # Guards _connections; a connection's socket is shut down or closed only under it.
         self._lock = threading.Lock()
-        self._sessions: dict[int, ClientSession] = {}
-        self._writers: dict[int, asyncio.StreamWriter] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._connections: dict[int, _Connection] = {}
 
     # -- lifecycle
 
@@ -256,45 +283,76 @@ class LocalServer:
     def sessions(self) -> list[ClientSession]:
         """The open connections, oldest first."""
         with self._lock:
-            return list(self._sessions.values())
+            return [conn.session for conn in self._connections.values()]
 
     def start(self) -> None:
         """Create the socket and start serving; raises :class:`LocalServerError` if it cannot."""
         if self._thread is not None:
             raise RuntimeError("LocalServer already started")
-        sock = self._bind()
-        self._ready.clear()
-        self._start_error = None
-        self._executor = ThreadPoolExecutor(self.handler_threads, thread_name_prefix="perseus-rpc")
+        listener = self._bind()
+        try:
+            listener.setblocking(False)
+            self._wake_fds = os.pipe()
+        except OSError as exc:
+            listener.close()
+            self._unlink_socket()
+            raise LocalServerError(f"cannot serve on {self.socket_path}: {exc}") from exc
+        self._listener = listener
+        self._stopping.clear()
         self._thread = threading.Thread(
-            target=self._run, args=(sock,), name="perseus-local-server", daemon=True
+            target=self._accept_loop,
+            args=(listener, self._wake_fds[0]),
+            name="perseus-local-server",
+            daemon=True,
         )
         self._thread.start()
-        self._ready.wait()
-        if self._start_error is not None:
-            self.stop()
-            raise LocalServerError(f"cannot serve on {self.socket_path}: {self._start_error}")
         logger.info("serving Perseus clients on %s", self.socket_path)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Close every connection, stop serving and remove the socket file. Idempotent."""
-        thread, loop, stopping = self._thread, self._loop, self._stopping
+        """Close every connection, stop serving and remove the socket file. Idempotent.
+
+        Waits (up to ``timeout`` in all) for the connections' threads to end, that is
+        for running handler calls and the ``disconnected()`` calls.
+        """
+        thread = self._thread
         if thread is None:
             return
-        if threading.current_thread() is thread:
-            raise RuntimeError("LocalServer.stop() called from the server's own thread")
-        if loop is not None and stopping is not None:
-            with contextlib.suppress(RuntimeError):  # loop already closed
-                loop.call_soon_threadsafe(stopping.set)
+        current = threading.current_thread()
+        with self._lock:
+            own = current is thread or any(c.thread is current for c in self._connections.values())
+        if own:
+            raise RuntimeError("LocalServer.stop() called from one of the server's own threads")
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        if self._wake_fds is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_fds[1], b"\0")
         thread.join(timeout)
-        if thread.is_alive():
+        if thread.is_alive():  # pragma: no cover - the accept loop does not block elsewhere
             logger.warning("local server thread did not stop within %.1f s", timeout)
-        if self._executor is not None:
-            # Waits for the last disconnected() calls; running handlers are not interrupted.
-            self._executor.shutdown(wait=True, cancel_futures=False)
-            self._executor = None
+        if self._listener is not None:
+            self._listener.close()  # no new connections from here on
+            self._listener = None
+        with self._lock:
+            connections = list(self._connections.values())
+            for conn in connections:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # unblocks its thread's recv/send
+        for conn in connections:
+            conn.thread.join(max(0.0, deadline - time.monotonic()))
+            if conn.thread.is_alive():
+                logger.warning(
+                    "connection %d still busy in the handler after %.1f s; not waiting for it",
+                    conn.session.connection_id,
+                    timeout,
+                )
+        if self._wake_fds is not None:
+            for fd in self._wake_fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_fds = None
         self._unlink_socket()
-        self._thread = self._loop = self._stopping = None
+        self._thread = None
 
     def __enter__(self) -> LocalServer:
         self.start()
@@ -397,99 +455,108 @@ class LocalServer:
             logger.warning("cannot remove socket %s: %s", self.socket_path, exc)
         self._socket_id = None
 
-    # -- event loop
+    # -- connections
 
-    def _run(self, sock: socket.socket) -> None:
+    def _accept_loop(self, listener: socket.socket, wake_fd: int) -> None:
+        poller = select.poll()
+        poller.register(listener, select.POLLIN)
+        poller.register(wake_fd, select.POLLIN)
         try:
-            asyncio.run(self._main(sock))
-        except BaseException as exc:  # pragma: no cover - logged, the thread just ends
-            if not self._ready.is_set():
-                self._start_error = exc
-            else:
-                logger.exception("local server loop failed")
-        finally:
-            sock.close()
-            self._ready.set()
+            while not self._stopping.is_set():
+                ready = {fd for fd, _ in poller.poll()}
+                if wake_fd in ready or self._stopping.is_set():
+                    break
+                self._accept_pending(listener)
+        except Exception:  # pragma: no cover - logged, the thread just ends
+            logger.exception("local server accept loop failed")
 
-    async def _main(self, sock: socket.socket) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
-        try:
-            server = await asyncio.start_unix_server(
-                self._serve, sock=sock, limit=MAX_MESSAGE_BYTES - 1
-            )
-        except Exception as exc:
-            self._start_error = exc
-            return
-        finally:
-            self._ready.set()
-        try:
-            await self._stopping.wait()
-        finally:
-            server.close()
-            for writer in list(self._writers.values()):
-                writer.close()
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=2.0)
+    def _accept_pending(self, listener: socket.socket) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:  # out of file descriptors, ...: the client waits in the backlog
+                logger.warning("cannot accept a connection on %s: %s", self.socket_path, exc)
+                self._stopping.wait(_ACCEPT_RETRY_S)
+                return
+            self._admit(sock)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        pid, uid, gid = _peer_credentials(writer.get_extra_info("socket"))
+    def _admit(self, sock: socket.socket) -> None:
+        pid, uid, gid = _peer_credentials(sock)
         session = ClientSession(next(self._ids), pid, uid, gid, time.monotonic_ns())
         cid = session.connection_id
-        if len(self._writers) >= self.max_connections:
-            logger.warning("refusing connection %d (pid %s): too many connections", cid, pid)
-            await self._send(writer, encode_reply(error_reply("too many connections")))
-            writer.close()
-            return
-        self._tasks.add(task)
-        self._writers[cid] = writer
+        thread = threading.Thread(
+            target=self._serve, args=(sock, session), name=f"perseus-client-{cid}", daemon=True
+        )
         with self._lock:
-            self._sessions[cid] = session
+            full = len(self._connections) >= self.max_connections
+            if not full:
+                self._connections[cid] = _Connection(session, sock, thread)
+        if full:
+            logger.warning("refusing connection %d (pid %s): too many connections", cid, pid)
+            self._refuse_connection(sock, "too many connections")
+            return
+        try:
+            sock.setblocking(True)
+            thread.start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            logger.error("cannot serve connection %d (pid %s): %s", cid, pid, exc)
+            with self._lock:
+                self._connections.pop(cid, None)
+            self._refuse_connection(sock, "the agent cannot serve another connection now")
+            return
         logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
+
+    @staticmethod
+    def _refuse_connection(sock: socket.socket, message: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)  # never let a client block the accept loop
+            sock.send(encode_reply(error_reply(message)))
+        _discard_input(sock)
+        sock.close()
+
+    def _serve(self, sock: socket.socket, session: ClientSession) -> None:
+        """Serve one connection until EOF, an oversized line, a send failure or stop()."""
+        cid = session.connection_id
+        buffer = b""
         try:
             while True:
-                try:
-                    line = await reader.readuntil(b"\n")
-                except asyncio.IncompleteReadError:
-                    break  # EOF (a partial last line is dropped)
-                except asyncio.LimitOverrunError:
-                    logger.warning("connection %d sent an oversized message; closing it", cid)
-                    reply = error_reply(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
-                    await self._send(writer, encode_reply(reply))
+                end = buffer.find(b"\n") + 1
+                if not end:
+                    if len(buffer) >= MAX_MESSAGE_BYTES:
+                        self._oversized(sock, cid)
+                        break
+                    data = sock.recv(_RECV_BYTES)
+                    if not data:
+                        break  # EOF (a partial last line is dropped)
+                    buffer += data
+                    continue
+                if end > MAX_MESSAGE_BYTES:
+                    self._oversized(sock, cid)
                     break
                 received_ns = time.monotonic_ns()
-                if not await self._send(writer, await self._handle(session, line, received_ns)):
-                    break
-        except (ConnectionError, OSError) as exc:
+                line, buffer = buffer[:end], buffer[end:]
+                sock.sendall(self._handle(session, line, received_ns))
+        except OSError as exc:
             logger.debug("connection %d: %s", cid, exc)
+        except Exception:  # pragma: no cover - _handle catches the handler's exceptions
+            logger.exception("connection %d failed", cid)
         finally:
-            self._tasks.discard(task)
-            self._writers.pop(cid, None)
             with self._lock:
-                self._sessions.pop(cid, None)
-            writer.close()
+                self._connections.pop(cid, None)
+                _discard_input(sock)
+                sock.close()
             if session.hello is not None:
-                self._submit(self._disconnected, session)
+                self._disconnected(session)
             logger.debug("connection %d closed", cid)
 
     @staticmethod
-    async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:
-        try:
-            writer.write(data)
-            await writer.drain()
-        except (ConnectionError, OSError):
-            return False
-        return True
-
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        executor = self._executor
-        if executor is not None:
-            with contextlib.suppress(RuntimeError):  # shut down already
-                executor.submit(fn, *args)
-                return
-        fn(*args)
+    def _oversized(sock: socket.socket, cid: int) -> None:
+        logger.warning("connection %d sent an oversized message; closing it", cid)
+        sock.sendall(encode_reply(error_reply(f"message exceeds {MAX_MESSAGE_BYTES} bytes")))
 
     def _disconnected(self, session: ClientSession) -> None:
         try:
@@ -497,7 +564,7 @@ class LocalServer:
         except Exception:
             logger.exception("handler.disconnected failed for connection %d", session.connection_id)
 
-    async def _handle(self, session: ClientSession, line: bytes, received_ns: int) -> bytes:
+    def _handle(self, session: ClientSession, line: bytes, received_ns: int) -> bytes:
         """The encoded reply to one request line."""
         cid = session.connection_id
         try:
@@ -517,8 +584,7 @@ class LocalServer:
         if msg["op"] == OP_HELLO:
             session.hello = msg
         try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, method, session, msg, received_ns)
+            result = method(session, msg, received_ns)
             reply = dict(result) if result is not None else {}
         except RequestError as exc:
             return self._refuse(session, op, str(exc))

@@ -1,8 +1,10 @@
-"""The agent's Unix-socket server: protocol handling, robustness, socket file and permissions."""
+"""The agent's Unix-socket server: protocol handling, robustness, socket file and permissions,
+threads (one per connection, all of them ended by stop())."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -55,6 +57,8 @@ class Handler:
         self.disconnected_event = threading.Event()
         self.fail: dict[str, BaseException] = {}
         self.barrier: threading.Barrier | None = None
+        self.gate: threading.Event | None = None  # instruction_begin waits for it
+        self.entered = threading.Event()  # instruction_begin was called
         self.clock_reply: Any = None
 
     def _record(self, op: str, session: ClientSession, msg: Mapping[str, Any], ns: int) -> None:
@@ -80,8 +84,11 @@ class Handler:
         self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
     ) -> dict[str, Any]:
         self._record("instruction_begin", session, msg, received_ns)
+        self.entered.set()
         if self.barrier is not None:
             self.barrier.wait()
+        if self.gate is not None:
+            assert self.gate.wait(10)
         if self.clock_reply is not None:
             return {"sm_clock_mhz": self.clock_reply}
         return {"sm_clock_mhz": 1410 if msg["name"] == "forward" else 1200}
@@ -125,6 +132,23 @@ class Raw:
     def close(self) -> None:
         self.file.close()
         self.sock.close()
+
+
+def _server_threads() -> set[threading.Thread]:
+    return {
+        t for t in threading.enumerate() if t.name.startswith(("perseus-local", "perseus-client"))
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak() -> Iterator[None]:
+    """Every test must leave no server thread behind (each one stops its servers)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while _server_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _server_threads() - before
 
 
 @pytest.fixture
@@ -442,3 +466,147 @@ def test_stop_leaves_a_foreign_socket(sock_dir: Path, handler: Handler) -> None:
     srv.stop()
     assert path.exists()
     foreign.close()
+
+
+def test_requests_on_one_connection_are_handled_in_order(raw: Raw, handler: Handler) -> None:
+    # Pipelined: all lines in one write; each reply still comes in order, one per request.
+    lines = [HELLO] + [{"op": "step_begin", "step": i} for i in range(50)]
+    raw.send(b"".join(json.dumps(m).encode() + b"\n" for m in lines))
+    replies = [raw.reply() for _ in lines]
+    assert all(r["ok"] is True for r in replies)
+    assert [c[2].get("step") for c in handler.calls[1:]] == list(range(50))
+    stamps = [c[3] for c in handler.calls]
+    assert stamps == sorted(stamps)
+
+
+def test_request_split_across_writes(raw: Raw, handler: Handler) -> None:
+    data = json.dumps(HELLO).encode() + b"\n" + b'{"op": "step_begin", "step": 4}\n'
+    for i in range(0, len(data), 7):
+        raw.send(data[i : i + 7])
+        time.sleep(0.001)
+    assert raw.reply()["ok"] is True
+    assert raw.reply() == {"ok": True}
+    assert handler.ops() == ["hello", "step_begin"]
+
+
+def test_much_oversized_input_gets_the_reply_then_eof(server: LocalServer, raw: Raw) -> None:
+    # Far more than one read: the reply must still arrive, then a clean EOF (no reset).
+    sender = threading.Thread(target=raw.send, args=(b"x" * 100_000,))
+    sender.start()
+    reply = raw.reply()
+    assert reply["ok"] is False and "exceeds" in reply["error"]
+    sender.join(5)
+    assert raw.at_eof()
+
+
+def test_each_connection_has_its_own_thread(server: LocalServer, handler: Handler) -> None:
+    clients = [Raw(server.socket_path) for _ in range(3)]
+    for rank, client in enumerate(clients):
+        assert client.ask({**HELLO, "rank": rank})["ok"] is True
+    assert len(_server_threads()) == 1 + 3  # the accept loop and one per connection
+    clients[0].close()
+    deadline = time.monotonic() + 5
+    while len(server.sessions()) > 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s.rank for s in server.sessions()] == [1, 2]
+    assert len(_server_threads()) == 1 + 2
+    for client in clients[1:]:
+        client.close()
+
+
+def test_busy_handler_does_not_block_other_sessions(server: LocalServer, handler: Handler) -> None:
+    handler.gate = threading.Event()
+    slow, fast = Raw(server.socket_path), Raw(server.socket_path)
+    assert slow.ask(HELLO)["ok"] is True
+    assert fast.ask({**HELLO, "rank": 1})["ok"] is True
+    slow.send(b'{"op": "instruction_begin", "name": "forward"}\n')
+    assert handler.entered.wait(5)
+    assert fast.ask({"op": "step_begin", "step": 0}) == {"ok": True}  # while slow's call waits
+    handler.gate.set()
+    assert slow.reply() == {"ok": True, "sm_clock_mhz": 1410}
+    slow.close()
+    fast.close()
+
+
+def test_max_connections_frees_slots(sock_dir: Path, handler: Handler) -> None:
+    with LocalServer(sock_dir / "a.sock", handler, max_connections=2) as srv:
+        first, second = Raw(srv.socket_path), Raw(srv.socket_path)
+        assert first.ask(HELLO)["ok"] is True and second.ask(HELLO)["ok"] is True
+        first.close()
+        deadline = time.monotonic() + 5
+        while len(srv.sessions()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        third = Raw(srv.socket_path)
+        assert third.ask(HELLO)["ok"] is True
+        second.close()
+        third.close()
+
+
+def test_stop_is_prompt_with_idle_and_half_sent_connections(
+    sock_dir: Path, handler: Handler
+) -> None:
+    before = set(threading.enumerate())
+    srv = LocalServer(sock_dir / "a.sock", handler)
+    srv.start()
+    clients = [Raw(srv.socket_path) for _ in range(5)]
+    for rank, client in enumerate(clients):
+        assert client.ask({**HELLO, "rank": rank})["ok"] is True
+    clients[0].send(b'{"op": "step_begin", ')  # a partial line: its thread waits for the rest
+    silent = Raw(srv.socket_path)  # connected, never said hello
+    deadline = time.monotonic() + 5
+    while len(srv.sessions()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - started < 1.0
+    assert set(threading.enumerate()) - before == set()
+    assert sorted(handler.disconnects) == [1, 2, 3, 4, 5]  # once each, not the silent one
+    assert srv.sessions() == []
+    for client in [*clients, silent]:
+        assert client.at_eof()
+        client.close()
+
+
+def test_stop_does_not_wait_forever_for_a_stuck_handler(
+    sock_dir: Path, handler: Handler, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler.gate = threading.Event()
+    srv = LocalServer(sock_dir / "a.sock", handler)
+    srv.start()
+    client = Raw(srv.socket_path)
+    assert client.ask(HELLO)["ok"] is True
+    client.send(b'{"op": "instruction_begin", "name": "forward"}\n')
+    assert handler.entered.wait(5)
+    with caplog.at_level(logging.WARNING, logger="perseus_agent.local_server"):
+        started = time.monotonic()
+        srv.stop(timeout=0.2)
+        assert time.monotonic() - started < 1.0
+    assert any("still busy in the handler" in r.message for r in caplog.records)
+    assert not srv.running and not srv.socket_path.exists()
+    handler.gate.set()  # the call returns, its reply cannot be sent, the thread ends
+    assert handler.disconnected_event.wait(5)
+    assert handler.disconnects == [1]
+    assert client.at_eof()
+    client.close()
+
+
+def test_stop_from_a_handler_is_refused(sock_dir: Path) -> None:
+    errors: list[BaseException] = []
+
+    class Stopper(Handler):
+        def step_begin(
+            self, session: ClientSession, msg: StepBeginRequest, received_ns: int
+        ) -> None:
+            try:
+                srv.stop()  # would wait for its own thread
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    srv = LocalServer(sock_dir / "a.sock", Stopper())
+    with srv:
+        client = Raw(srv.socket_path)
+        assert client.ask(HELLO)["ok"] is True
+        assert client.ask({"op": "step_begin", "step": 0}) == {"ok": True}
+        assert srv.running
+        client.close()
+    assert len(errors) == 1 and "own threads" in str(errors[0])
