@@ -137,3 +137,31 @@ class Agent:
             self.proc.kill()
             self.proc.wait(timeout=TIMEOUT_S)
         self.proc = None
+
+
+def run_emulated_rank(
+    agent: Agent,
+    *,
+    stage: int,
+    stages: int,
+    microbatches: int,
+    steps: int,
+    time_scale: float,
+    blocking_power_w: float,
+    timeout_s: float = 120.0,
+) -> None:
+    """Run ``python -m perseus_agent.emulated_rank`` as rank 0 on the agent's GPU 0."""
+    subprocess.run(
+        [
+            sys.executable, "-m", "perseus_agent.emulated_rank",
+            f"--state-file={agent.gpu_state}", f"--num-gpus={agent.num_gpus}",
+            f"--node-name={NODE}", f"--profile={PROFILE}",
+            f"--blocking-power={blocking_power_w}", f"--stage={stage}", f"--stages={stages}",
+            f"--microbatches={microbatches}", f"--steps={steps}", "--rank=0",
+            f"--socket={agent.socket_dir / 'agent.sock'}", f"--time-scale={time_scale}",
+        ],
+        env=source_env(),
+        check=True,
+        capture_output=True,
+        timeout=timeout_s,
+    )  # fmt: skip

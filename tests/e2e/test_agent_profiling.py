@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agent_process import NODE, PROFILE, Agent, source_env, wait_for, write_atomically
+from agent_process import NODE, PROFILE, Agent, run_emulated_rank, wait_for, write_atomically
 from factories import pipeline_plan_fields
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api.profile import load_profile, parse_profile
@@ -82,20 +80,16 @@ def test_agent_profiles_an_emulated_rank_over_three_clocks(agent: Agent) -> None
     write_atomically(agent.plan_file, json.dumps(profiling_plan()))
     agent.start()
     steps = len(CLOCKS) * (WARMUP + MEASURED) + 2
-    subprocess.run(
-        [
-            sys.executable, "-m", "perseus_agent.emulated_rank",
-            f"--state-file={agent.gpu_state}", "--num-gpus=1", f"--node-name={NODE}",
-            f"--profile={PROFILE}", f"--blocking-power={BLOCKING_POWER_W}",
-            f"--stage={STAGE}", f"--stages={STAGES}", f"--microbatches={MICROBATCHES}",
-            f"--steps={steps}", "--rank=0", f"--socket={agent.socket_dir / 'agent.sock'}",
-            f"--time-scale={TIME_SCALE}",
-        ],
-        env=source_env(),
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
+    run_emulated_rank(
+        agent,
+        stage=STAGE,
+        stages=STAGES,
+        microbatches=MICROBATCHES,
+        steps=steps,
+        time_scale=TIME_SCALE,
+        blocking_power_w=BLOCKING_POWER_W,
+        timeout_s=60,
+    )
     wait_for(lambda: DONE.search(agent.log) is not None, "the profile", agent)
     log = agent.log
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agent_process import PROFILE, Agent, source_env, wait_for, write_atomically
+from agent_process import PROFILE, Agent, run_emulated_rank, wait_for, write_atomically
 from factories import pipeline_plan_fields
 from perseus_api.profile import load_profile
 from perseus_api.schedule import Schedule, stage_instruction_order
@@ -92,20 +90,15 @@ def run_rank(agent: Agent, seconds: float) -> tuple[float, float]:
     """Train for about ``seconds``; return the wall-clock window it ran in."""
     steps = max(10, int(seconds / busy_time_and_energy(1410)[0]))
     start = time.time()
-    subprocess.run(
-        [
-            sys.executable, "-m", "perseus_agent.emulated_rank",
-            f"--state-file={agent.gpu_state}", "--num-gpus=1", "--node-name=n1",
-            f"--profile={PROFILE}", f"--blocking-power={BLOCKING_POWER_W}",
-            f"--stage={STAGE}", f"--stages={STAGES}", f"--microbatches={MICROBATCHES}",
-            f"--steps={steps}", "--rank=0", f"--socket={agent.socket_dir / 'agent.sock'}",
-            f"--time-scale={TIME_SCALE}",
-        ],
-        env=source_env(),
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )  # fmt: skip
+    run_emulated_rank(
+        agent,
+        stage=STAGE,
+        stages=STAGES,
+        microbatches=MICROBATCHES,
+        steps=steps,
+        time_scale=TIME_SCALE,
+        blocking_power_w=BLOCKING_POWER_W,
+    )
     return start, time.time()
 
 
