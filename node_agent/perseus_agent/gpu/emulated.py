@@ -417,17 +417,21 @@ class EmulatedBackend(GpuBackend):
 
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[_Transaction]:
-        """The current state, under the thread lock (and the file lock when writing).
+        """The current state, under the thread lock and the file lock (shared for reads).
 
         A write transaction that sets ``dirty`` is saved to the state file when its body
-        completes; a body that raises saves nothing.
+        completes; a body that raises saves nothing. Readers hold the shared lock while they
+        read the clock too: a reader that saw the state before another process's change, but
+        read the time after it, would count the old power past the change, and the energy
+        counter would then appear to go back.
         """
         with self._lock:
             if self._state_file is None:
                 yield _Transaction(self._gpus)
                 return
             if not write:
-                yield _Transaction(self._read_state())
+                with self._file_lock(shared=True):
+                    yield _Transaction(self._read_state())
                 return
             with self._file_lock():
                 txn = _Transaction(self._read_state())
@@ -441,13 +445,13 @@ class EmulatedBackend(GpuBackend):
         return self._state_file.with_name(self._state_file.name + ".lock")
 
     @contextmanager
-    def _file_lock(self) -> Iterator[None]:
+    def _file_lock(self, *, shared: bool = False) -> Iterator[None]:
         try:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise GpuError(f"cannot open emulated GPU lock file {self._lock_path}: {exc}") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing the last descriptor releases the flock

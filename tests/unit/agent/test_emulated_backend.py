@@ -531,3 +531,36 @@ def test_lock_survives_sigkill_of_the_agent_process(a100: Profile, tmp_path: Pat
     assert restarted.sm_clock_mhz(1) == 1005
     assert restarted.sm_clock_mhz(0) == 1410
     assert restarted.reset_sm_clock(1)
+
+
+def test_energy_counter_never_goes_back_while_another_process_changes_activity(
+    tmp_path: Path,
+) -> None:
+    """A reader racing a writer in another process must not see the counter decrease."""
+    state = tmp_path / "gpus.json"
+    reader = EmulatedBackend.from_csv(1, A100_PROFILE, blocking_power_w=80.0, state_file=state)
+    code = (
+        "import sys, time\n"
+        "from perseus_agent.gpu.emulated import EmulatedBackend\n"
+        f"gpu = EmulatedBackend.from_csv(1, {str(A100_PROFILE)!r}, blocking_power_w=80.0,"
+        f" state_file={str(state)!r})\n"
+        "end = time.monotonic() + 2.0\n"
+        "while time.monotonic() < end:\n"
+        "    gpu.set_activity(0, 0, 'forward')\n"
+        "    gpu.set_activity(0, None, None)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "operator"), str(REPO_ROOT / "node_agent")]),
+    }
+    writer = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        previous = reader.energy_j(0)
+        while writer.poll() is None:
+            now = reader.energy_j(0)
+            assert now >= previous, f"energy went back from {previous} J to {now} J"
+            previous = now
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode in (0, -9)
