@@ -111,12 +111,17 @@ def test_agent_profiles_an_emulated_rank_over_three_clocks(agent: Agent) -> None
         for clock, time_s, energy_j in zip(CLOCKS, m.times_s, m.energies_j, strict=True):
             k = list(t.frequencies_mhz).index(clock)
             want_s, want_j = t.times_s[k] * TIME_SCALE, t.energies_j[k] * TIME_SCALE
-            # A little longer: the requests' round trips and the rank marking the GPU busy
-            # and idle through the shared state file.
-            assert want_s <= time_s <= want_s + 0.025, (name, clock, time_s, want_s)
-            assert energy_j == pytest.approx(want_j, rel=0.15), (name, clock, energy_j, want_j)
-        # Lower clocks: less energy, as in the profile the GPU follows.
-        assert list(m.energies_j) == sorted(m.energies_j, reverse=True)
+            # Never shorter than the computation, and not less energy; longer by the requests'
+            # round trips and the rank's sleep overshooting, by how much depends on the
+            # machine's load (tens of milliseconds seen in CI). So check the power, which that
+            # does not change much: the GPU draws the profile's power while it computes.
+            assert want_s <= time_s, (name, clock, time_s, want_s)
+            assert energy_j >= 0.97 * want_j, (name, clock, energy_j, want_j)
+            power_w, want_w = energy_j / time_s, want_j / want_s
+            assert power_w == pytest.approx(want_w, rel=0.15), (name, clock, power_w, want_w)
+        # Lower clocks: lower power, as in the profile the GPU follows.
+        powers_w = list(m.energies_j / m.times_s)
+        assert powers_w == sorted(powers_w, reverse=True)
 
     # Profiling is over: the GPU is back at its default clock, nothing is recorded.
     gpu = EmulatedBackend.from_csv(
