@@ -49,11 +49,29 @@ def wait_for(condition: Callable[[], bool], what: str, agent: Agent | None = Non
     pytest.fail(f"timed out waiting for {what}" + (f":\n{agent.log}" if agent else ""))
 
 
-class Agent:
-    """One ``perseus-node-agent --standalone`` process over emulated GPUs."""
+def locked_clocks(gpu_state: Path, num_gpus: int = NUM_GPUS) -> list[int | None]:
+    """The SM clock lock of each emulated GPU, read from the shared hardware state."""
+    from perseus_agent.gpu.emulated import EmulatedBackend
 
-    def __init__(self, workdir: Path, socket_dir: Path, num_gpus: int = NUM_GPUS) -> None:
+    gpus = EmulatedBackend.from_csv(
+        num_gpus, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=gpu_state
+    )
+    return [gpus.locked_sm_clock_mhz(i) for i in range(num_gpus)]
+
+
+class Agent:
+    """One ``perseus-node-agent`` process over emulated GPUs: standalone on ``plan_file``, or
+    in Kubernetes mode when given a kubeconfig."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        socket_dir: Path,
+        num_gpus: int = NUM_GPUS,
+        kubeconfig: Path | None = None,
+    ) -> None:
         self.num_gpus = num_gpus
+        self.kubeconfig = kubeconfig
         self.workdir = workdir
         self.socket_dir = socket_dir
         self.plan_file = workdir / "plan.json"
@@ -68,18 +86,25 @@ class Agent:
     def log(self) -> str:
         return self.log_file.read_text() if self.log_file.exists() else ""
 
+    def clocks(self) -> list[int | None]:
+        return locked_clocks(self.gpu_state, self.num_gpus)
+
     def start(self) -> None:
         self.starts += 1
         self.log_file = self.workdir / f"agent-{self.starts}.log"
         env = source_env()
+        mode = (
+            ["--standalone", f"--plan-file={self.plan_file}"]
+            if self.kubeconfig is None
+            else [f"--kubeconfig={self.kubeconfig}", "--report-interval=0.2"]
+        )
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
                     "perseus_agent.main",
-                    "--standalone",
-                    f"--plan-file={self.plan_file}",
+                    *mode,
                     "--gpu-backend=emulated",
                     f"--emulated-gpus={self.num_gpus}",
                     f"--emulated-state-file={self.gpu_state}",

@@ -18,11 +18,10 @@ import pytest
 
 from agent_process import (
     NODE,
-    NUM_GPUS,
-    PROFILE,
     REPO_ROOT,
     TIMEOUT_S,
     Agent,
+    locked_clocks,
     wait_for,
     write_atomically,
 )
@@ -59,14 +58,6 @@ def plan_document(
             for i in gpus
         ],
     }
-
-
-def locked_clocks(gpu_state: Path) -> list[int | None]:
-    """The SM clock lock of each emulated GPU, read from the shared hardware state."""
-    gpus = emulated.EmulatedBackend.from_csv(
-        NUM_GPUS, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=gpu_state
-    )
-    return [gpus.locked_sm_clock_mhz(i) for i in range(NUM_GPUS)]
 
 
 @pytest.fixture

@@ -10,20 +10,16 @@ import logging
 import queue
 import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fakes import FakeBackend
 
-from agent_process import NODE, NUM_GPUS, PROFILE, TIMEOUT_S, source_env, wait_for
+from agent_process import NODE, TIMEOUT_S, Agent, wait_for
 from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus
 from perseus_agent.kube import (
@@ -533,77 +529,6 @@ def test_report_writer_patches_the_status_subresource(
 # -- the agent process in Kubernetes mode ----------------------------------------------------------
 
 
-class KubeAgent:
-    """``perseus-node-agent`` in Kubernetes mode over emulated GPUs, as a subprocess."""
-
-    def __init__(self, workdir: Path, socket_dir: Path, kubeconfig: Path) -> None:
-        self.workdir = workdir
-        self.socket = socket_dir / "agent.sock"
-        self.gpu_state = workdir / "gpus.json"
-        self.log_file = workdir / "agent.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        with self.log_file.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "perseus_agent.main",
-                    f"--kubeconfig={kubeconfig}",
-                    f"--node-name={NODE}",
-                    "--gpu-backend=emulated",
-                    f"--emulated-gpus={NUM_GPUS}",
-                    f"--emulated-state-file={self.gpu_state}",
-                    "--metrics-port=0",
-                    "--metrics-address=127.0.0.1",
-                    f"--socket-dir={socket_dir}",
-                    f"--state-dir={workdir / 'state'}",
-                    "--report-interval=0.2",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=source_env(),
-                cwd=workdir,
-            )
-
-    @property
-    def log(self) -> str:
-        return self.log_file.read_text()
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def clocks(self) -> list[int | None]:
-        gpus = emulated.EmulatedBackend.from_csv(
-            NUM_GPUS, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=self.gpu_state
-        )
-        return [gpus.locked_sm_clock_mhz(i) for i in range(NUM_GPUS)]
-
-    def wait(self, condition: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            if not self.running():
-                pytest.fail(f"agent exited waiting for {what}:\n{self.log}")
-            time.sleep(0.05)
-        pytest.fail(f"timed out waiting for {what}:\n{self.log}")
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=TIMEOUT_S)
-        finally:
-            self.proc = None
-
-    def kill_if_running(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=TIMEOUT_S)
-        self.proc = None
-
-
 @pytest.fixture
 def socket_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pna-"))  # AF_UNIX paths are short
@@ -615,8 +540,10 @@ def test_agent_applies_reports_and_resets_plans_from_the_api(
     api_server: KmockServer, tmp_path: Path, socket_dir: Path
 ) -> None:
     with closing_api(custom_objects(api_server, tmp_path)) as api:
-        agent = KubeAgent(tmp_path, socket_dir / "run", tmp_path / f"kubeconfig-{api_server.port}")
+        kubeconfig = tmp_path / f"kubeconfig-{api_server.port}"
+        agent = Agent(tmp_path, socket_dir / "run", kubeconfig=kubeconfig)
         try:
+            agent.start()
             _drive_agent(agent, api, api_server)
         finally:
             agent.kill_if_running()
@@ -628,10 +555,10 @@ def _status_of(server: KmockServer, name: str) -> dict[str, Any]:
     return status
 
 
-def _drive_agent(agent: KubeAgent, api: Any, server: KmockServer) -> None:
+def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
     create(api, resources.node_plan_object(node_plan()))
-    agent.wait(lambda: agent.clocks() == [1200, 1005], "the plan's clocks")
-    agent.wait(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 1, "a report")
+    wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks", agent)
+    wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 1, "a report", agent)
     status = _status_of(server, "gpt3-n1")
     assert [(g["index"], g["status"], g["applied_mhz"]) for g in status["gpus"]] == [
         (0, "Applied", 1200),
@@ -640,10 +567,10 @@ def _drive_agent(agent: KubeAgent, api: Any, server: KmockServer) -> None:
     assert status["conditions"][0]["status"] == "True"
 
     # A training process calls in: its iteration times are reported periodically.
-    agent.wait(agent.socket.exists, "the local socket")
+    wait_for((agent.socket_dir / "agent.sock").exists, "the local socket", agent)
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(5)
-        sock.connect(str(agent.socket))
+        sock.connect(str(agent.socket_dir / "agent.sock"))
         stream = sock.makefile("rwb")
         for msg in (
             {
@@ -663,7 +590,7 @@ def _drive_agent(agent: KubeAgent, api: Any, server: KmockServer) -> None:
             stream.write(json.dumps(msg).encode() + b"\n")
             stream.flush()
             assert json.loads(stream.readline())["ok"] is True
-        agent.wait(lambda: bool(_status_of(server, "gpt3-n1").get("ranks")), "iteration times")
+        wait_for(lambda: bool(_status_of(server, "gpt3-n1").get("ranks")), "iteration times", agent)
     [rank] = _status_of(server, "gpt3-n1")["ranks"]
     assert (rank["rank"], rank["dp_rank"], rank["pp_rank"], rank["iterations"]) == (0, 0, 0, 1)
 
@@ -673,30 +600,32 @@ def _drive_agent(agent: KubeAgent, api: Any, server: KmockServer) -> None:
     # A new revision is applied and reported.
     new = node_plan(revision=2, stage_mhz=(900, 1005)).model_dump(mode="json")
     patch(api, "ml", "gpt3-n1", {"spec": new})
-    agent.wait(lambda: agent.clocks() == [900, 1005], "the new revision's clocks")
-    agent.wait(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 2, "a report")
+    wait_for(lambda: agent.clocks() == [900, 1005], "the new revision's clocks", agent)
+    wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 2, "a report", agent)
 
     # A malformed plan is reported on its object; the agent and the other plan go on.
     bad = resources.node_plan_object(node_plan(job="bad"))
     bad["spec"]["assignments"][0]["stage"] = 7
     create(api, bad)
-    agent.wait(
-        lambda: bool(_status_of(server, "bad-n1").get("conditions")), "the bad plan's report"
+    wait_for(
+        lambda: bool(_status_of(server, "bad-n1").get("conditions")),
+        "the bad plan's report",
+        agent,
     )
     [condition] = _status_of(server, "bad-n1")["conditions"]
     assert (condition["status"], condition["reason"]) == ("False", "InvalidSpec")
     assert "PerseusNodePlan ml/bad-n1: invalid spec: " in condition["message"]
     assert "is at stage 7 but plan 'tmin' has 2 stages" in condition["message"]
-    assert agent.running() and agent.clocks() == [900, 1005]
+    assert agent.proc is not None and agent.proc.poll() is None and agent.clocks() == [900, 1005]
 
     # Deleting the plan resets its GPUs.
     delete(api, "ml", "gpt3-n1")
-    agent.wait(lambda: agent.clocks() == [None, None], "the reset")
+    wait_for(lambda: agent.clocks() == [None, None], "the reset", agent)
     assert _status_of(server, "other-n2") == {}
 
     # SIGTERM resets everything, then the agent exits with status 0.
     create(api, resources.node_plan_object(node_plan(revision=3)))
-    agent.wait(lambda: agent.clocks() == [1200, 1005], "the plan's clocks again")
+    wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks again", agent)
     assert agent.stop() == 0
     assert agent.clocks() == [None, None]
     assert "every clock this agent changed is reset" in agent.log
