@@ -173,6 +173,7 @@ def run_emulated_rank(
     steps: int,
     time_scale: float,
     blocking_power_w: float,
+    bubble_s: float = 0.0,
     timeout_s: float = 120.0,
 ) -> None:
     """Run ``python -m perseus_agent.emulated_rank`` as rank 0 on the agent's GPU 0."""
@@ -184,6 +185,7 @@ def run_emulated_rank(
             f"--blocking-power={blocking_power_w}", f"--stage={stage}", f"--stages={stages}",
             f"--microbatches={microbatches}", f"--steps={steps}", "--rank=0",
             f"--socket={agent.socket_dir / 'agent.sock'}", f"--time-scale={time_scale}",
+            f"--bubble-s={bubble_s}",
         ],
         env=source_env(),
         check=True,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from perseus_api.schedule import stage_instruction_order
+
 
 def pipeline_plan_fields(num_stages: int = 2, num_microbatches: int = 2) -> dict[str, Any]:
     """Fields of a valid ``PipelinePlan`` with every clock set."""
@@ -27,8 +29,7 @@ def pipeline_plan_fields(num_stages: int = 2, num_microbatches: int = 2) -> dict
                 "frequency_mhz": 1410,
                 "instructions": [
                     {"instruction": kind, "microbatch": m, "frequency_mhz": 1200}
-                    for m in range(num_microbatches)
-                    for kind in ("forward", "backward")
+                    for kind, m in stage_instruction_order("1f1b", num_stages, num_microbatches, s)
                 ],
             }
             for s in range(num_stages)

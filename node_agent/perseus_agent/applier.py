@@ -139,7 +139,14 @@ class GpuProfilingReport(_Report):
         "the profile CSV the planner reads.",
     )
     blocking_power_w: float | None = Field(
-        default=None, description="Once done: power outside computations in measured iterations."
+        default=None,
+        description="Once done: power outside computations in measured iterations; null when "
+        "they spent too little time there to measure it.",
+    )
+    blocking_s: float = Field(
+        default=0.0,
+        description="Time outside computations over the measured iterations (the weight of "
+        "blocking_power_w when combining GPUs).",
     )
 
 
@@ -916,6 +923,7 @@ def _profiling_report(g: _Gpu, p: StageProfiler) -> GpuProfilingReport:
         done=done,
         rows=p.rows() if done else [],
         blocking_power_w=p.blocking_power_w if done else None,
+        blocking_s=p.blocking_s if done else 0.0,
     )
 
 

@@ -8,7 +8,9 @@ measured at the clock now in effect (scaled by ``--time-scale`` so tests run
 fast). The GPU's energy counter, read by the node agent, then reflects the
 plan the agent applied.
 
-Waiting on other stages is not modelled here: a multi-rank harness adds it.
+Waiting on other stages is modelled only as ``--bubble-s``: an idle wait (the GPU at
+blocking power) at the start of every iteration, as a stage waits for its first input; a
+multi-rank harness models the real dependencies.
 
 Usage::
 
@@ -41,13 +43,19 @@ def run_rank(
     steps: int,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
     time_scale: float = 1.0,
+    bubble_s: float = 0.0,
 ) -> list[float]:
-    """Run ``steps`` iterations; return each one's wall time in seconds."""
+    """Run ``steps`` iterations; return each one's wall time in seconds.
+
+    ``bubble_s``: idle (blocked) time at the start of each iteration, not scaled.
+    """
     order = stage_instruction_order(schedule, num_stages, num_microbatches, stage)
     step_times_s = []
     for step in range(steps):
         start_s = time.monotonic()
         client.on_step_begin(step)
+        if bubble_s > 0:
+            time.sleep(bubble_s)
         for instruction, microbatch in order:
             client.on_instruction_begin(instruction, microbatch)
             gpu.set_activity(gpu_index, stage, instruction)
@@ -75,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--socket", type=Path, default=None, help="agent socket")
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--bubble-s", type=float, default=0.0, help="idle time at each iteration's start"
+    )
     args = parser.parse_args(argv)
     try:
         gpu = EmulatedBackend.from_csv(
@@ -101,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             schedule=schedule,
             time_scale=args.time_scale,
+            bubble_s=args.bubble_s,
         )
     print(" ".join(f"{t:.6f}" for t in times))
     return 0

@@ -523,6 +523,21 @@ def invalid_status(
     }
 
 
+def stopped_status(revision: int | None, *, reset_ok: bool) -> dict[str, Any]:
+    """The ``status`` of a node plan whose agent stopped (its clocks reset, if ``reset_ok``)."""
+    if reset_ok:
+        message = (
+            "the node agent stopped and reset every GPU clock of this plan; "
+            "it applies the plan again when it restarts"
+        )
+    else:
+        message = (
+            "the node agent stopped but could not reset every GPU clock it changed on this "
+            "node (see the agent's log); it resets them when it restarts"
+        )
+    return invalid_status(message, revision, reason=resources.REASON_AGENT_STOPPED)
+
+
 def _condition(ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {
         "type": resources.CONDITION_APPLIED,

@@ -65,6 +65,7 @@ DEFAULT_BLOCKING_POWER_W: Final = 83.64
 DEFAULT_EMULATED_GPUS: Final = 8
 SOCKET_NAME: Final = "agent.sock"
 PLAN_POLL_S: Final = 1.0
+STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the grace period
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
 EVENT_POLL_S: Final = 0.5
@@ -420,6 +421,7 @@ class _Agent:
         applier: PlanApplier | None = None
         jobs: JobPlans | None = None
         plans: _Plans | None = None
+        writer: ReportWriter | None = None
         try:
             try:
                 reset_state = ResetState(config.state_dir)
@@ -437,11 +439,14 @@ class _Agent:
                         applier.managed_gpus,
                     )
                 else:
-                    from perseus_agent.kube import JobPlans
+                    from perseus_agent.kube import JobPlans, ReportWriter, custom_objects_api
 
                     metrics = AgentMetrics(config.node_name)
                     plans = jobs = JobPlans(backend, reset_state, config.node_name, metrics)
                     devices, managed = jobs.devices, jobs.managed_gpus
+                    # Lives until the shutdown has reset the clocks, to report that.
+                    writer = ReportWriter(custom_objects_api(api_client))
+                    writer.start()
             except (GpuError, OSError) as exc:
                 raise _StartupError(
                     f"cannot reset the clocks left by a previous run: {exc}"
@@ -470,14 +475,15 @@ class _Agent:
             servers.append(self._start_local_server(handler))
 
             if jobs is not None:
-                self._run_kubernetes(jobs, api_client, health)
+                assert writer is not None
+                self._run_kubernetes(jobs, api_client, writer, health)
             else:
                 assert applier is not None and initial_plan is not None
                 self._run_standalone(applier, initial_plan, signature, health)
         finally:
-            _close_api_client(api_client)
             health.stop()
-            ok = self._shutdown(backend, plans, servers)
+            ok = self._shutdown(backend, plans, servers, jobs, writer)
+            _close_api_client(api_client)
         if not ok:
             return _fail("some GPU clocks could not be reset (see the log)", EXIT_FAILURE)
         log.info("stopped; every clock this agent changed is reset")
@@ -506,9 +512,11 @@ class _Agent:
             if not self._stop.is_set():
                 self._poll_plan(applier)
 
-    def _run_kubernetes(self, jobs: JobPlans, api_client: Any, health: Health) -> None:
+    def _run_kubernetes(
+        self, jobs: JobPlans, api_client: Any, writer: ReportWriter, health: Health
+    ) -> None:
         """Apply and report this node's PerseusNodePlans until SIGTERM/SIGINT."""
-        from perseus_agent.kube import NodePlanSource, ReportWriter, custom_objects_api
+        from perseus_agent.kube import NodePlanSource, custom_objects_api
 
         config = self.config
         api = custom_objects_api(api_client)
@@ -524,7 +532,6 @@ class _Agent:
             events.put(_PlanEvent("invalid", (namespace, name), message=message, revision=revision))
 
         source = NodePlanSource(api, config.node_name, on_plan, on_delete, on_invalid)
-        writer = ReportWriter(api)
         invalid: dict[tuple[str, str], dict[str, Any]] = {}
         log.info(
             "node %s: %d GPU(s) via %s; watching PerseusNodePlans labelled %s in all namespaces",
@@ -533,7 +540,6 @@ class _Agent:
             config.backend,
             source.selector,
         )
-        writer.start()
         source.start()
         interval_s = config.report_interval_s
         next_report = time.monotonic() + interval_s
@@ -560,7 +566,6 @@ class _Agent:
                         writer.submit(*key, status)
         finally:
             source.stop()
-            writer.stop(timeout_s=2.0)
 
     def _on_plan_event(
         self,
@@ -641,7 +646,10 @@ class _Agent:
         backend: GpuBackend,
         applier: _Plans | None,
         servers: list[_Server],
+        jobs: JobPlans | None = None,
+        writer: ReportWriter | None = None,
     ) -> bool:
+        """Reset every clock; in Kubernetes mode, then mark each plan's status as stopped."""
         ok = True
         # The local server first: no training process may lock a clock after the reset.
         for server in reversed(servers):
@@ -649,6 +657,11 @@ class _Agent:
                 server.stop()
             except Exception:
                 log.exception("error while stopping %s", type(server).__name__)
+        revisions: dict[tuple[str, str], int | None] = {}
+        if jobs is not None:
+            for key in jobs.objects():
+                report = jobs.report(key)
+                revisions[key] = None if report is None else report.revision
         if applier is not None:
             try:
                 applier.clear()
@@ -659,6 +672,12 @@ class _Agent:
             backend.close()
         except GpuError as exc:
             log.warning("error while closing the GPU library: %s", exc)
+        if writer is not None:
+            from perseus_agent.kube import stopped_status
+
+            for key, revision in revisions.items():
+                writer.submit(*key, stopped_status(revision, reset_ok=ok))
+            writer.stop(timeout_s=STOP_REPORT_TIMEOUT_S)
         return ok
 
 

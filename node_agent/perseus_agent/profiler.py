@@ -33,7 +33,10 @@ Limits: the counter is interpolated, so a computation much shorter than the coun
 period is measured as the average power around it, and at each edge of a computation the
 interpolation errs by up to (power step) x (sampling or update period) / 4, an error that the
 blocking energy (the iteration's energy minus the computations') absorbs: blocking power is
-accurate when an iteration's blocking time is long against those edges. An iteration longer
+accurate when an iteration's blocking time is long against those edges. So it is reported
+only when the measured iterations spent at least :data:`MIN_BLOCKING_FRACTION` of their time
+outside computations (a rank that never waits, e.g. a single-stage pipeline, gives none) and
+the blocking energy came out positive. An iteration longer
 than the sampler's buffer (``capacity`` changes of the counter, about 5 minutes at the default
 5 ms) cannot be resolved and is dropped. The time between ``instruction_begin`` and the GPU
 starting (and between the GPU finishing and ``instruction_end``) counts as computation.
@@ -57,6 +60,7 @@ from perseus_agent.errors import GpuError
 __all__ = [
     "DEFAULT_SAMPLE_CAPACITY",
     "DEFAULT_SAMPLE_INTERVAL_S",
+    "MIN_BLOCKING_FRACTION",
     "PROFILE_COLUMNS",
     "EnergySampler",
     "ProfileRow",
@@ -69,6 +73,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLE_INTERVAL_S: Final = 0.005
 DEFAULT_SAMPLE_CAPACITY: Final = 1 << 16
 """Counter changes kept per GPU: about 5 minutes at the default interval."""
+MIN_BLOCKING_FRACTION: Final = 0.02
+"""Least share of the measured iterations' time outside computations to report blocking power."""
 
 PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
 _INSTRUCTIONS: Final = ("forward", "backward")
@@ -334,6 +340,7 @@ class StageProfiler:
         self._sums: dict[tuple[InstructionName, int], _Sum] = {}
         self._blocking_ns = 0
         self._blocking_j = 0.0
+        self._iterations_ns = 0
 
     # -- progress ------------------------------------------------------------------------------
 
@@ -458,6 +465,7 @@ class StageProfiler:
             s.time_ns += time_ns
             s.energy_j += energy_j
             s.count += 1
+        self._iterations_ns += m.end_ns - m.begin_ns
         self._blocking_ns += (m.end_ns - m.begin_ns) - sum(p[1] for p in parts)
         self._blocking_j += (end_j - begin_j) - sum(p[2] for p in parts)
         self.measured_iterations += 1
@@ -487,10 +495,22 @@ class StageProfiler:
 
     @property
     def blocking_power_w(self) -> float | None:
-        """Energy over time of the measured iterations outside computations, if any."""
-        if self._blocking_ns <= 0:
+        """Energy over time of the measured iterations outside computations.
+
+        ``None`` when that time is under :data:`MIN_BLOCKING_FRACTION` of the measured
+        iterations' time (too short to tell from the counter's interpolation error) or the
+        energy is not positive.
+        """
+        if self._blocking_ns <= MIN_BLOCKING_FRACTION * self._iterations_ns:
+            return None
+        if self._blocking_j <= 0 or self._blocking_ns <= 0:
             return None
         return self._blocking_j / (self._blocking_ns / 1e9)
+
+    @property
+    def blocking_s(self) -> float:
+        """Time outside computations over the measured iterations, in seconds."""
+        return self._blocking_ns / 1e9
 
     def to_csv(self) -> str:
         """:meth:`rows` as profile CSV (see :func:`profile_csv`)."""

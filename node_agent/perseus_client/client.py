@@ -5,6 +5,21 @@ agent is missing, refuses, is too slow or answers garbage, the client logs one
 warning (logger ``perseus_client``) and its hooks become no-ops that return at
 once; it tries to reconnect at most every ``retry_interval_s`` seconds, so a
 restarted agent is picked up. It logs one warning per outage, not per call.
+
+Two ways to talk to the agent:
+
+* synchronous (default): each hook waits for the agent's reply, so
+  :meth:`PerseusClient.on_instruction_begin` returns the SM clock now in effect;
+  a hook costs one socket round trip.
+* ``pipelined=True``: hooks send their request and return without waiting; the
+  replies are read, without blocking, at later hooks (errors are logged as in
+  synchronous mode). A hook then costs about one ``send`` system call, and
+  ``on_instruction_begin`` returns ``None``. The agent still applies each clock
+  in order, a fraction of a millisecond after the hook returns: the same
+  fire-and-forget model as a frequency controller fed through a queue. At most
+  ``max_outstanding`` replies may be pending; a hook that would exceed that waits
+  for the oldest (up to ``reply_timeout_s``), so a stuck agent is detected and
+  dropped as in synchronous mode.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from types import TracebackType
@@ -28,6 +44,7 @@ logger = logging.getLogger("perseus_client")
 DEFAULT_CONNECT_TIMEOUT_S: Final = 0.05
 DEFAULT_REPLY_TIMEOUT_S: Final = 0.2
 DEFAULT_RETRY_INTERVAL_S: Final = 30.0
+DEFAULT_MAX_OUTSTANDING: Final = 64
 
 _UUID_PREFIXES: Final = ("GPU-", "MIG-")
 _MSG_NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, not SIGPIPE, on a dead agent
@@ -75,6 +92,9 @@ class PerseusClient:
         synchronize: Called before each instruction hook while connected, e.g.
             ``torch.cuda.synchronize``, so that a clock change lines up with the
             GPU work instead of the CPU's run-ahead. Not called while disconnected.
+        pipelined: Send hooks without waiting for their replies (see the module
+            docstring); ``on_instruction_begin`` then returns ``None``.
+        max_outstanding: With ``pipelined``, the most replies that may be pending.
 
     Thread-safe: hooks from several threads are serialized. Connects lazily, at
     the first hook. After :meth:`close` every hook is a no-op.
@@ -94,7 +114,11 @@ class PerseusClient:
         reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
         synchronize: Callable[[], object] | None = None,
+        pipelined: bool = False,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
     ) -> None:
+        if max_outstanding < 1:
+            raise ValueError(f"max_outstanding must be at least 1, got {max_outstanding}")
         env = os.environ
         if socket_path is None:
             socket_path = env.get(protocol.SOCKET_ENV) or protocol.DEFAULT_SOCKET_PATH
@@ -109,6 +133,8 @@ class PerseusClient:
         self.reply_timeout_s = reply_timeout_s
         self.retry_interval_s = retry_interval_s
         self.synchronize = synchronize
+        self.pipelined = pipelined
+        self.max_outstanding = max_outstanding
 
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -118,6 +144,10 @@ class PerseusClient:
         self._error_reply_warned = False  # one warning per connection
         self._misuse_warned = False
         self._connections = 0
+        # Pipelined mode: ops whose replies are still to come, oldest first, and the bytes
+        # of replies received but not yet parsed.
+        self._pending_ops: deque[str] = deque()
+        self._received = b""
         _clients.add(self)
 
     # -- state
@@ -168,10 +198,35 @@ class PerseusClient:
             self.on_instruction_end(name)
 
     def close(self) -> None:
-        """Disconnect for good; later hooks do nothing."""
+        """Disconnect for good; later hooks do nothing.
+
+        In pipelined mode, first waits (up to ``reply_timeout_s``) for the pending replies,
+        so that every hook sent has been handled by the agent.
+        """
         with self._lock:
+            self._flush()
             self._closed = True
             self._drop()
+
+    def flush(self) -> bool:
+        """Wait until the agent has answered every hook sent (pipelined mode).
+
+        Returns whether it has, within ``reply_timeout_s`` per reply; a stuck agent's
+        connection is dropped as in any hook. Synchronous mode has nothing pending.
+        """
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
+        if self._sock is None:
+            return not self._pending_ops
+        try:
+            while self._pending_ops:
+                self._read_replies(self._sock, block=True)
+        except Exception as exc:
+            self._fail(f"waiting for replies failed: {_reason(exc)}")
+            return False
+        return True
 
     def __enter__(self) -> PerseusClient:
         return self
@@ -222,17 +277,73 @@ class PerseusClient:
         assert sock is not None
         op = str(request["op"])
         try:
+            if self.pipelined:
+                self._send_pipelined(sock, protocol.encode_request(request), op)
+                return None
             reply = self._roundtrip(sock, protocol.encode_request(request), op)
         except Exception as exc:  # OSError, ProtocolError, or anything leaving the stream unsure
             self._fail(f"{op} failed: {_reason(exc)}")
             return None
-        if not reply["ok"]:
-            if not self._error_reply_warned:
-                self._error_reply_warned = True
-                logger.warning("Perseus agent refused %s: %s", op, reply["error"])
-            else:
-                logger.debug("Perseus agent refused %s: %s", op, reply["error"])
+        self._check_reply(reply, op)
         return reply
+
+    def _check_reply(self, reply: Reply, op: str) -> None:
+        if reply["ok"]:
+            return
+        if not self._error_reply_warned:
+            self._error_reply_warned = True
+            logger.warning("Perseus agent refused %s: %s", op, reply["error"])
+        else:
+            logger.debug("Perseus agent refused %s: %s", op, reply["error"])
+
+    def _send_pipelined(self, sock: socket.socket, data: bytes, op: str) -> None:
+        """Send without waiting for the reply; first read what replies have arrived."""
+        self._read_replies(sock, block=False)
+        if len(self._pending_ops) >= self.max_outstanding:
+            self._read_replies(sock, block=True)
+        sock.settimeout(self.reply_timeout_s)
+        sock.sendall(data, _MSG_NOSIGNAL)
+        self._pending_ops.append(op)
+
+    def _read_replies(self, sock: socket.socket, *, block: bool) -> None:
+        """Handle the replies that have arrived; with ``block``, wait for at least one."""
+        deadline = time.monotonic() + self.reply_timeout_s
+        handled = 0
+        while self._pending_ops:
+            end = self._received.find(b"\n") + 1
+            if end:
+                line, self._received = self._received[:end], self._received[end:]
+                op = self._pending_ops.popleft()
+                self._check_reply(protocol.decode_reply(line, op), op)
+                handled += 1
+                continue
+            if len(self._received) > protocol.MAX_MESSAGE_BYTES:
+                raise ProtocolError("reply too long")
+            if block and not handled:
+                remaining = deadline - time.monotonic()
+                stuck = TimeoutError(
+                    f"{len(self._pending_ops)} replies pending for "
+                    f"{self.reply_timeout_s * 1000:.0f} ms"
+                )
+                if remaining <= 0:
+                    raise stuck
+                sock.settimeout(remaining)
+                try:
+                    chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
+                except TimeoutError:
+                    raise stuck from None
+            else:
+                # Timeout 0, not MSG_DONTWAIT: with a timeout set, Python polls before recv.
+                sock.settimeout(0)
+                try:
+                    chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
+                except BlockingIOError:
+                    return
+            if not chunk:
+                raise ConnectionResetError("agent closed the connection")
+            self._received += chunk
+        if self._received:
+            raise ProtocolError("reply without a request")
 
     def _roundtrip(self, sock: socket.socket, data: bytes, op: str) -> Reply:
         deadline = time.monotonic() + self.reply_timeout_s
@@ -312,6 +423,8 @@ class PerseusClient:
         )
 
     def _drop(self) -> None:
+        self._pending_ops.clear()
+        self._received = b""
         if self._sock is not None:
             with suppress(OSError):
                 self._sock.close()

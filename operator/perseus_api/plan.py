@@ -14,6 +14,8 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from perseus_api.schedule import stage_instruction_order
+
 API_VERSION: Final = "perseus.energy/v1alpha1"
 
 
@@ -97,5 +99,17 @@ class PipelinePlan(_Model):
                 raise ValueError(
                     f"stage {s.stage} lists {len(s.instructions)} computations, expected "
                     f"{2 * self.num_microbatches} (a forward and a backward per microbatch)"
+                )
+            # Agents follow this order to know which computation comes next.
+            order = stage_instruction_order(
+                self.schedule, self.num_stages, self.num_microbatches, s.stage
+            )
+            listed = [(i.instruction, i.microbatch) for i in s.instructions]
+            if listed != order:
+                k = next(k for k, (a, b) in enumerate(zip(listed, order, strict=True)) if a != b)
+                raise ValueError(
+                    f"stage {s.stage} must list its computations in {self.schedule} order: "
+                    f"computation {k} is {listed[k][0]} of microbatch {listed[k][1]}, expected "
+                    f"{order[k][0]} of microbatch {order[k][1]}"
                 )
         return self

@@ -30,7 +30,8 @@ patch; a field that no longer applies is written as null, which removes it):
 - ``observedRevision`` (int or null): the ``spec.revision`` the agent last acted on.
 - ``conditions``: a list with one condition of type :data:`CONDITION_APPLIED`, with
   ``status`` ``"True"``/``"False"``, ``reason`` (:data:`REASON_APPLIED`, :data:`REASON_FAILED`,
-  :data:`REASON_INVALID_SPEC`), ``message`` and ``lastTransitionTime`` (RFC 3339).
+  :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED`), ``message`` and
+  ``lastTransitionTime`` (RFC 3339).
 - The fields of the agent's ``NodeReport`` (``perseus_agent.applier``; absent when nothing
   is applied, e.g. the spec is invalid), among them ``node``, ``job``, ``namespace``,
   ``revision``, ``granularity``; ``gpus``: per assigned GPU ``uuid``, ``index``, ``plan``,
@@ -67,6 +68,7 @@ __all__ = [
     "NODE_PLAN_PLURAL",
     "NODE_PLAN_SHORT_NAMES",
     "NODE_PLAN_SINGULAR",
+    "REASON_AGENT_STOPPED",
     "REASON_APPLIED",
     "REASON_FAILED",
     "REASON_INVALID_SPEC",
@@ -101,6 +103,8 @@ REASON_FAILED: Final = "Failed"
 """At least one GPU could not be set (the condition's message and ``gpus`` say why)."""
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 """The spec is not a valid NodePlan for this node; nothing is applied."""
+REASON_AGENT_STOPPED: Final = "AgentStopped"
+"""The node agent stopped and reset the plan's clocks; it applies the plan again on restart."""
 
 assert f"{GROUP}/{VERSION}" == API_VERSION
 

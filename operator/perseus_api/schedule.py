@@ -34,10 +34,10 @@ class Schedule(StrEnum):
 
 
 def stage_instruction_order(
-    schedule: Schedule, num_stages: int, num_microbatches: int, stage: int
+    schedule: Schedule | str, num_stages: int, num_microbatches: int, stage: int
 ) -> list[tuple[str, int]]:
     """Return ``(instruction, microbatch)`` in the order ``stage`` executes them."""
-    if schedule is Schedule.GPIPE:
+    if Schedule.parse(schedule) is Schedule.GPIPE:
         return [(FORWARD, m) for m in range(num_microbatches)] + [
             (BACKWARD, m) for m in range(num_microbatches)
         ]

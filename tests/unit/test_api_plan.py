@@ -34,6 +34,18 @@ def test_each_stage_lists_a_forward_and_backward_per_microbatch() -> None:
         PipelinePlan.model_validate(fields)
 
 
+def test_each_stage_lists_its_computations_in_schedule_order() -> None:
+    fields = pipeline_plan_fields()
+    swapped = fields["stages"][0]["instructions"]
+    swapped[1], swapped[2] = swapped[2], swapped[1]  # F0 B0 F1 B1 instead of F0 F1 B0 B1
+    with pytest.raises(
+        ValidationError,
+        match="stage 0 must list its computations in 1f1b order: computation 1 is backward of "
+        "microbatch 0, expected forward of microbatch 1",
+    ):
+        PipelinePlan.model_validate(fields)
+
+
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [

@@ -17,8 +17,10 @@ and asks :meth:`instruction_time_s` how long an instruction takes at the current
 agent side uses the :class:`GpuBackend` methods.
 
 Hardware state is in memory by default. With ``state_file`` it lives in a JSON file shared by
-every process that opens it: every read refreshes from the file and every change rewrites it
-atomically (temporary file + rename) under an ``fcntl.flock`` on a sidecar ``<file>.lock``.
+every process that opens it: every change rewrites it atomically (temporary file + rename)
+under an ``fcntl.flock`` on a sidecar ``<file>.lock``, and every read checks, under that lock,
+whether the file was replaced since this process last read or wrote it (inode, mtime, size)
+and decodes it again only then.
 So a clock lock survives the agent process being killed, and a restarted agent or an emulated
 training rank in another process sees the same hardware. Faults injected with
 :meth:`inject_fault` are part of that shared state too.
@@ -183,6 +185,9 @@ class EmulatedBackend(GpuBackend):
 
         self._state_file = None if state_file is None else Path(state_file)
         self._gpus: list[_GpuState] = []
+        # The decoded state file and the (inode, mtime, size) it was decoded from: a lock call
+        # that finds the file unchanged skips reading and decoding JSON (most of its cost).
+        self._cached: tuple[tuple[int, int, int], list[_GpuState]] | None = None
         if self._state_file is None:
             now = clock()
             self._gpus = [_GpuState(last_change_s=now) for _ in range(num_gpus)]
@@ -435,7 +440,11 @@ class EmulatedBackend(GpuBackend):
                 return
             with self._file_lock():
                 txn = _Transaction(self._read_state())
-                yield txn
+                try:
+                    yield txn
+                except BaseException:
+                    self._cached = None  # the body may have changed the cached objects
+                    raise
                 if txn.dirty:
                     self._write_state(txn.gpus)
 
@@ -469,13 +478,19 @@ class EmulatedBackend(GpuBackend):
         path = self._state_file
         assert path is not None
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            with path.open("rb") as f:
+                key = _file_key(os.fstat(f.fileno()))
+                if self._cached is not None and self._cached[0] == key:
+                    return self._cached[1]
+                raw = json.loads(f.read().decode("utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise GpuError(f"cannot read emulated GPU state file {path}: {exc}") from exc
         try:
-            return self._decode(raw)
+            gpus = self._decode(raw)
         except (KeyError, TypeError, ValueError) as exc:
             raise GpuError(f"emulated GPU state file {path} is invalid: {exc}") from exc
+        self._cached = (key, gpus)
+        return gpus
 
     def _write_state(self, gpus: list[_GpuState]) -> None:
         path = self._state_file
@@ -486,12 +501,16 @@ class EmulatedBackend(GpuBackend):
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     f.write(text)
+                    f.flush()
+                    key = _file_key(os.fstat(f.fileno()))
                 Path(tmp).replace(path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
+                self._cached = None
                 raise
         except OSError as exc:
             raise GpuError(f"cannot write emulated GPU state file {path}: {exc}") from exc
+        self._cached = (key, gpus)
 
     def _encode(self, gpus: list[_GpuState]) -> dict[str, Any]:
         return {
@@ -560,6 +579,12 @@ class EmulatedBackend(GpuBackend):
             activity=activity,
             fault=fault,
         )
+
+
+def _file_key(st: os.stat_result) -> tuple[int, int, int]:
+    # Every write is a new file renamed into place, so the inode alone changes with each
+    # write while the old one is still linked; mtime and size guard against inode reuse.
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _number(value: Any, what: str) -> float:

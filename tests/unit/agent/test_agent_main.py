@@ -406,3 +406,53 @@ def test_training_process_switches_clocks_and_sigterm_resets_them(agent: Agent) 
         assert agent.stop(signal.SIGTERM) == 0  # with the training process still connected
         assert stream.readline() == b""  # the agent closed the connection
     assert locked_clocks(agent.gpu_state) == [None, None]
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_pipelined_client_drives_the_plan_like_a_synchronous_one(
+    agent: Agent, pipelined: bool
+) -> None:
+    """Hooks sent without waiting for replies are applied in order: the same clocks, the same
+    iteration count, no schedule mismatch."""
+    from perseus_client import PerseusClient
+
+    agent.plan_file.write_text(json.dumps(plan_document(granularity="Instruction")))
+    agent.start()
+    wait_for((agent.socket_dir / "agent.sock").exists, "the local socket", agent)
+    client = PerseusClient(
+        agent.socket_dir / "agent.sock",
+        rank=0,
+        gpu_uuids=[f"GPU-emu-{NODE}-0"],
+        job="gpt3",
+        namespace="ml",
+        connect_timeout_s=5,
+        reply_timeout_s=5,
+        pipelined=pipelined,
+    )
+    steps = 20
+    with client:
+        for step in range(steps):
+            with client.step(step):
+                # Stage 0 of 1F1B with 2 stages and 2 microbatches.
+                for name, microbatch in (("forward", 0), ("forward", 1), ("backward", 0)):
+                    with client.instruction(name, microbatch):
+                        pass
+                clock = client.on_instruction_begin("backward", 1)
+                assert clock == (None if pipelined else 1200)
+                client.on_instruction_end("backward")
+        assert client.flush()
+        assert locked_clocks(agent.gpu_state) == [1200, None]  # backward 1 of the last step
+        assert client.connections == 1
+    wait_for(lambda: locked_clocks(agent.gpu_state) == [None, None], "the reset", agent)
+    count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job="gpt3")
+    assert count == [float(steps)]
+    # Forward 0 runs at 1110 MHz, the rest at 1200: two changes per step, plus the reset
+    # when the training process went away.
+    assert agent.metric("perseus_gpu_clock_changes_total", gpu="0") == [2.0 * steps + 1]
+    errors = [
+        line
+        for line in agent.get("/metrics").splitlines()
+        if line.startswith("perseus_agent_apply_errors_total") and not line.endswith(" 0.0")
+    ]
+    assert errors == []  # no schedule mismatch, nothing else
+    assert agent.stop() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -502,6 +503,120 @@ def test_after_fork_reconnects_with_own_session(server: LocalServer, handler: Ha
 
 # ---------------------------------------------------------------------------
 # Protocol
+
+
+# ---------------------------------------------------------------------------
+# Pipelined mode
+
+
+def test_pipelined_hooks_arrive_in_order_and_close_waits_for_them(
+    server: LocalServer, handler: Handler
+) -> None:
+    client = make_client(server.socket_path, pipelined=True, max_outstanding=4)
+    expected = ["hello"]
+    for step in range(20):
+        with client.step(step):
+            for mb in range(3):
+                with client.instruction("forward", mb) as clock:
+                    assert clock is None  # not waited for
+                with client.instruction("backward", mb):
+                    pass
+        expected += ["step_begin"] + ["instruction_begin", "instruction_end"] * 6 + ["step_end"]
+    assert client.flush()  # every hook sent has been handled
+    assert handler.ops() == expected
+    client.on_step_begin(20)
+    client.close()  # waits for the pending replies too
+    assert handler.ops() == [*expected, "step_begin"]
+    assert client.connections == 1
+    begins = [c[2] for c in handler.calls if c[0] == "instruction_begin"]
+    assert begins[:2] == [
+        {"op": "instruction_begin", "name": "forward", "microbatch": 0},
+        {"op": "instruction_begin", "name": "backward", "microbatch": 0},
+    ]
+
+
+def test_pipelined_error_replies_are_logged_once_and_keep_the_connection(
+    server: LocalServer, handler: Handler, logs: pytest.LogCaptureFixture
+) -> None:
+    handler.fail["step_begin"] = RequestError("no plan yet")
+    with make_client(server.socket_path, pipelined=True) as client:
+        for step in range(5):
+            client.on_step_begin(step)
+            client.on_instruction_begin("forward")
+        client.on_step_end(4)
+        assert client.connected
+    assert handler.ops().count("step_begin") == 5
+    (warning,) = warnings(logs)
+    assert "refused step_begin: no plan yet" in warning
+
+
+def test_pipelined_hooks_give_up_on_a_stuck_agent(
+    sock_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(sock_path))
+    listener.listen(1)
+    hello_done = threading.Event()
+
+    def serve() -> None:  # answers hello, then reads requests and never answers again
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall(b'{"ok": true}\n')
+        hello_done.set()
+        conn.settimeout(5)
+        with contextlib.suppress(OSError):
+            while conn.recv(4096):
+                pass
+        conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        client = PerseusClient(
+            sock_path, pipelined=True, max_outstanding=3, reply_timeout_s=0.1, connect_timeout_s=2
+        )
+        for step in range(3):
+            client.on_step_begin(step)  # sent, not waited for
+        assert client.connected
+        begin = time.perf_counter()
+        client.on_step_begin(3)  # 3 pending: waits for one, times out, drops the connection
+        assert time.perf_counter() - begin < 2.0
+        assert not client.connected
+        client.on_step_begin(4)  # a no-op now
+        (warning,) = warnings(logs)
+        assert "3 replies pending" in warning
+        client.close()
+    finally:
+        thread.join(10)
+        listener.close()
+
+
+def test_pipelined_client_notices_a_dead_agent_and_reconnects(
+    sock_path: Path, handler: Handler, logs: pytest.LogCaptureFixture
+) -> None:
+    first = LocalServer(sock_path, handler)
+    first.start()
+    client = make_client(sock_path, pipelined=True, retry_interval_s=0.2)
+    client.on_step_begin(0)
+    first.stop()
+    deadline = time.monotonic() + 5
+    while client.connected and time.monotonic() < deadline:
+        client.on_step_begin(1)  # fails on send or on reading the closed connection
+        time.sleep(0.01)
+    assert not client.connected
+    second = Handler()
+    with LocalServer(sock_path, second):
+        while "step_begin" not in second.ops() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            client.on_step_begin(2)
+        client.close()
+    assert second.ops()[:2] == ["hello", "step_begin"]
+    assert any("Reconnected" in w for w in warnings(logs))
+
+
+def test_max_outstanding_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_outstanding"):
+        PerseusClient("/nonexistent", pipelined=True, max_outstanding=0)
 
 
 def test_request_builders_encode_and_decode() -> None:

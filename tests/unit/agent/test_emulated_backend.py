@@ -370,6 +370,37 @@ def test_state_file_is_shared_between_instances(
     assert [g["uuid"] for g in state["gpus"]] == ["GPU-emu-node-a-0", "GPU-emu-node-a-1"]
 
 
+def test_state_file_is_decoded_again_only_after_it_changes(
+    a100: Profile, clock: FakeClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state_file = tmp_path / "gpus.json"
+    agent = make(a100, clock, state_file=state_file)
+    rank = make(a100, clock, state_file=state_file)
+    decodes: list[int] = []
+    decode = agent._decode
+    monkeypatch.setattr(agent, "_decode", lambda raw: decodes.append(1) or decode(raw))
+
+    assert agent.sm_clock_mhz(0) == 1410
+    first = len(decodes)
+    for _ in range(5):
+        assert agent.sm_clock_mhz(0) == 1410
+        assert not agent.reset_sm_clock(0)
+    assert len(decodes) == first  # unchanged file: no JSON decode
+
+    assert agent.lock_sm_clock(0, 1005)  # its own write refreshes the cache
+    assert agent.sm_clock_mhz(0) == 1005
+    assert len(decodes) == first
+
+    assert rank.lock_sm_clock(0, 1200)  # another process's write is seen
+    assert agent.sm_clock_mhz(0) == 1200
+    assert len(decodes) == first + 1
+
+    # An in-place rewrite (same inode) is seen too.
+    text = state_file.read_text()
+    state_file.write_text(text.replace('"locked_sm_clock_mhz": 1200', '"locked_sm_clock_mhz": 855'))
+    assert agent.sm_clock_mhz(0) == 855
+
+
 def test_lock_survives_a_new_instance_until_reset(
     a100: Profile, clock: FakeClock, tmp_path: Path
 ) -> None:

@@ -626,6 +626,14 @@ def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
     # SIGTERM resets everything, then the agent exits with status 0.
     create(api, resources.node_plan_object(node_plan(revision=3)))
     wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks again", agent)
+    wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 3, "a report", agent)
     assert agent.stop() == 0
     assert agent.clocks() == [None, None]
     assert "every clock this agent changed is reset" in agent.log
+    # ... and the plan's status no longer claims its clocks are applied.
+    status = _status_of(server, "gpt3-n1")
+    [condition] = status["conditions"]
+    assert (condition["status"], condition["reason"]) == ("False", "AgentStopped")
+    assert "reset every GPU clock of this plan" in condition["message"]
+    assert status["observedRevision"] == 3 and status.get("gpus") is None
+    assert _status_of(server, "bad-n1")["conditions"][0]["reason"] == "InvalidSpec"

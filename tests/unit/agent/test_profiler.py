@@ -351,6 +351,23 @@ def test_energy_is_interpolated_at_the_request_times(gpus: EmulatedBackend, sim:
     assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
 
 
+@pytest.mark.parametrize("bubble_ns", [0, 20_000])
+def test_no_blocking_power_from_a_rank_that_hardly_waits(
+    gpus: EmulatedBackend, sim: SimTime, bubble_ns: int
+) -> None:
+    """A rank that (nearly) never waits gives no blocking power: its few microseconds outside
+    computations would be all interpolation error of a counter sampled every 1.7 ms."""
+    p = make_profiler(manual_sampler(gpus, sim), (1410, 1005), iterations=2, warmup=1)
+    rank = Rank(p, gpus, sim, sample_every_ns=1_700_000)
+    while p.measuring:
+        rank.iteration(bubble_ns=bubble_ns)
+    rank.advance(2 * MS)
+    p.poll()
+    assert p.done and p.rows()
+    assert p.blocking_power_w is None
+    assert p.blocking_s == pytest.approx(4 * 5 * bubble_ns / 1e9, abs=1e-12)
+
+
 def test_an_iteration_waits_for_a_sample_after_its_end(gpus: EmulatedBackend, sim: SimTime) -> None:
     p = make_profiler(manual_sampler(gpus, sim), (1410, 1200), iterations=1, warmup=0)
     rank = Rank(p, gpus, sim, sample_every_ns=50 * MS, sample_on_change=False)
