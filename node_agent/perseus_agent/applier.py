@@ -28,7 +28,7 @@ import logging
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
@@ -801,20 +801,31 @@ class PlanApplier:
         process begins an iteration."""
         index = g.info.index
         sampler = self._sampler_factory(g.info, lambda: self._backend.energy_j(index))
+        clocks = list(spec.frequencies_mhz)
+        error: GpuError | None = None
+        try:  # learn the supported clocks now, not on the training process's critical path
+            clocks = _distinct_nearest(clocks, lambda clock: self._nearest_clock(index, clock))
+        except GpuError as exc:
+            error = exc
+        if len(clocks) < len(spec.frequencies_mhz):
+            log.info(
+                "GPU %d: profiling %d of %d scheduled clocks; the others are measured already "
+                "at the same nearest supported clock",
+                index,
+                len(clocks),
+                len(spec.frequencies_mhz),
+            )
         g.profiler = StageProfiler(
             g.assignment.stage,
-            spec.frequencies_mhz,
+            clocks,
             iterations_per_frequency=spec.iterations_per_frequency,
             warmup_iterations=spec.warmup_iterations,
             sampler=sampler,
         )
         if old is not None:
             g.session = old.session
-        try:  # learn the supported clocks now, not on the training process's critical path
-            for clock in spec.frequencies_mhz:
-                self._nearest_clock(index, clock)
-        except GpuError as exc:
-            self._fail(g, exc.reason, str(exc), None)
+        if error is not None:
+            self._fail(g, error.reason, str(error), None)
             return
         # No clock of an earlier plan may leak into the measurements.
         self._reset_clock(index)
@@ -907,6 +918,19 @@ def _default_sampler(gpu: GpuInfo, read_energy_j: Callable[[], float]) -> Energy
 def _stop_sampling(g: _Gpu) -> None:
     if g.profiler is not None:
         g.profiler.sampler.stop()
+
+
+def _distinct_nearest(clocks: Sequence[int], nearest: Callable[[int], int]) -> list[int]:
+    """The scheduled clocks whose nearest supported clock differs from every earlier one's: a
+    sweep wider than the GPU's range would otherwise measure its top clock again and again."""
+    seen: set[int] = set()
+    kept = []
+    for clock in clocks:
+        supported = nearest(clock)
+        if supported not in seen:
+            seen.add(supported)
+            kept.append(clock)
+    return kept
 
 
 def _profiling_report(g: _Gpu, p: StageProfiler) -> GpuProfilingReport:

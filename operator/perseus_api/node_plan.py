@@ -53,7 +53,8 @@ class ProfilingSpec(_Model):
     The agent locks ``frequencies_mhz`` one after the other, in the order given, which must be
     strictly descending (highest clock first: the job starts close to its default clock and
     slows down step by step). A clock the GPU does not support is measured at the nearest
-    supported one, and reported so.
+    supported one, and reported so; a clock whose nearest supported one is that of an earlier
+    scheduled clock is skipped, so a sweep may be wider than the GPU's range.
 
     After every clock change the first ``warmup_iterations`` iterations are dropped; the next
     ``iterations_per_frequency`` are measured.

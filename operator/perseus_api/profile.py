@@ -131,6 +131,12 @@ class Profile:
         frequencies_mhz.setflags(write=False)
         object.__setattr__(self, "_frequencies_mhz", frequencies_mhz)
 
+    def __reduce__(
+        self,
+    ) -> tuple[type[Profile], tuple[str, int, dict[tuple[int, str], Measurements]]]:
+        # Pickled to and from planner worker processes; a mappingproxy does not pickle.
+        return (Profile, (self.source, self.num_stages, dict(self.measurements)))
+
     def get(self, stage: int, instruction: str) -> Measurements:
         """Return the measurements of ``instruction`` (case-insensitive) on ``stage``."""
         key = (stage, instruction.lower())

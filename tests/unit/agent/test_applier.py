@@ -756,6 +756,24 @@ def test_profiling_clamps_unsupported_clocks_and_reports_them(tmp_path: Path) ->
     assert profile_rows(report, 0) == expected_profile(0, [1410, 1005], samples=2)
 
 
+def test_profiling_skips_clocks_that_clamp_to_one_already_scheduled(tmp_path: Path) -> None:
+    """A sweep wider than the GPU's range measures the GPU's top clock once, not once per
+    scheduled clock above it."""
+    run = Profiling(tmp_path)
+    a = run.applier
+    report = a.apply(run.plan([(0, 0)], [2100, 1800, 1410, 1200], iterations=1, warmup=0))
+    (p,) = report.profiling
+    assert p.frequencies_mhz == [2100, 1200]
+    s = run.connect(0)
+    assert run.iteration(s, 0, stage=0) == [1410] * 4
+    assert run.iteration(s, 0, stage=0) == [1200] * 4
+    report = a.report()
+    assert report is not None
+    (p,) = report.profiling
+    assert p.done and p.applied_mhz == [1410, 1200]
+    assert profile_rows(report, 0) == expected_profile(0, [1410, 1200], samples=2)
+
+
 def test_clamped_profiling_clock_is_reported_while_measured(tmp_path: Path) -> None:
     run = Profiling(tmp_path)
     a = run.applier

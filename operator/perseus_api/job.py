@@ -1,0 +1,449 @@
+"""The ``PerseusJob`` custom resource: what users write, and what the operator reports.
+
+These pydantic models are the single definition of the resource: the CRD in ``crds/`` is
+generated from them (:mod:`perseus_api.crd`), the operator parses every object it sees with
+them, and the samples in ``crds/samples/`` are tested against both. Field names are the
+Kubernetes camelCase ones on the wire (``pipelineStages``); in Python they are snake_case.
+
+Rules that span several fields are written twice on purpose: as CEL rules (the ``*_RULES``
+constants, enforced by the API server, so ``kubectl apply`` fails at once) and as
+pydantic validators (so the operator, tests and tools reject the same objects with the same
+message when no API server checks them).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from perseus_api.plan import API_VERSION, Granularity
+
+JOB_KIND: Final = "PerseusJob"
+JOB_PLURAL: Final = "perseusjobs"
+JOB_SINGULAR: Final = "perseusjob"
+JOB_SHORT_NAMES: Final = ("pj",)
+
+
+class _Spec(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_enum_values=False,
+    )
+
+
+def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    """``json_schema_extra`` carrying CEL rules (rule, message) into the generated CRD."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+# -- spec ------------------------------------------------------------------------------------------
+
+
+class WorkloadKind(StrEnum):
+    PYTORCH_JOB = "PyTorchJob"
+    JOB_SET = "JobSet"
+    TRAIN_JOB = "TrainJob"
+    PODS = "Pods"
+
+
+REQUIREMENT_RULES: Final = (
+    (
+        "self.operator in ['In', 'NotIn'] ? has(self.values) && size(self.values) > 0 "
+        ": !has(self.values) || size(self.values) == 0",
+        "operators In and NotIn need values; Exists and DoesNotExist take none",
+    ),
+)
+SELECTOR_RULES: Final = (
+    (
+        "(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+        "(has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+        "a pod selector must have matchLabels or matchExpressions",
+    ),
+)
+
+
+class LabelSelectorRequirement(_Spec):
+    model_config = ConfigDict(json_schema_extra=_rules(*REQUIREMENT_RULES))
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values_fit_operator(self) -> LabelSelectorRequirement:
+        needs_values = self.operator in ("In", "NotIn")
+        if needs_values != bool(self.values):
+            raise ValueError(
+                f"{REQUIREMENT_RULES[0][1]} (got {self.operator} with {len(self.values)} values)"
+            )
+        return self
+
+
+class LabelSelector(_Spec):
+    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*SELECTOR_RULES))
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> LabelSelector:
+        if not self.match_labels and not self.match_expressions:
+            raise ValueError(SELECTOR_RULES[0][1])
+        return self
+
+
+WORKLOAD_RULES: Final = (
+    (
+        "self.kind == 'Pods' ? has(self.podSelector) && !has(self.name) "
+        ": has(self.name) && !has(self.podSelector)",
+        "kind Pods needs podSelector (and no name); other kinds need name (and no podSelector)",
+    ),
+)
+
+
+class Workload(_Spec):
+    """The training workload whose GPUs Perseus manages (in the PerseusJob's namespace)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*WORKLOAD_RULES))
+
+    kind: WorkloadKind = Field(description="PyTorchJob, JobSet, TrainJob, or Pods by selector.")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name of the PyTorchJob, JobSet or TrainJob.",
+    )
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="For kind Pods: the training pods."
+    )
+
+    @model_validator(mode="after")
+    def _identified(self) -> Workload:
+        if self.kind == WorkloadKind.PODS:
+            if self.pod_selector is None or self.name is not None:
+                raise ValueError(WORKLOAD_RULES[0][1])
+        elif self.name is None or self.pod_selector is not None:
+            raise ValueError(WORKLOAD_RULES[0][1])
+        return self
+
+
+class ScheduleName(StrEnum):
+    ONE_F_ONE_B = "1F1B"
+    GPIPE = "GPipe"
+
+
+PARALLELISM_RULES: Final = (
+    (
+        "self.schedule != '1F1B' || self.microbatches >= self.pipelineStages",
+        "1F1B needs at least as many microbatches as pipeline stages",
+    ),
+)
+
+
+class Parallelism(_Spec):
+    """How the training job is split across GPUs: ``dataParallel x pipelineStages x
+    tensorParallel`` ranks, one GPU each."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*PARALLELISM_RULES))
+
+    pipeline_stages: int = Field(ge=2, le=256, description="Pipeline-parallel degree.")
+    data_parallel: int = Field(default=1, ge=1, le=65536, description="Data-parallel replicas.")
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree.")
+    microbatches: int = Field(ge=1, le=4096, description="Microbatches per iteration.")
+    schedule: ScheduleName = Field(default=ScheduleName.ONE_F_ONE_B)
+
+    @model_validator(mode="after")
+    def _schedulable(self) -> Parallelism:
+        if self.schedule == ScheduleName.ONE_F_ONE_B and self.microbatches < self.pipeline_stages:
+            raise ValueError(
+                f"{PARALLELISM_RULES[0][1]} (got {self.microbatches} microbatches for "
+                f"{self.pipeline_stages} stages)"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.pipeline_stages * self.tensor_parallel
+
+
+class RankOrder(StrEnum):
+    """Which parallel dimension varies fastest with the global rank, fastest first."""
+
+    TP_DP_PP = "tp-dp-pp"  # Megatron-LM and DeepSpeed default: rank = (pp*DP + dp)*TP + tp
+    TP_PP_DP = "tp-pp-dp"  # rank = (dp*PP + pp)*TP + tp
+
+
+class RankMapping(_Spec):
+    """Where to read each training process's global rank.
+
+    A pod runs one process per GPU it requests (``nvidia.com/gpu``); process ``local`` of
+    the pod with node rank ``n`` has global rank ``n * gpusPerPod + local`` and runs on the
+    node's GPU ``local`` (pods own whole GPUs in device order, as the NVIDIA device plugin
+    exposes them). The node rank comes from the workload's own convention (PyTorchJob
+    replica index, JobSet/TrainJob completion index), or for kind Pods from ``nodeRankLabel``
+    or the ``nodeRankEnv`` variable of the first container.
+    """
+
+    order: RankOrder = Field(default=RankOrder.TP_DP_PP)
+    node_rank_label: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=317,
+        description="Pod label holding the pod's node rank (kind Pods).",
+    )
+    node_rank_env: str = Field(
+        default="JOB_COMPLETION_INDEX",
+        min_length=1,
+        max_length=253,
+        description="Container environment variable holding the node rank (kind Pods), "
+        "when nodeRankLabel is not set.",
+    )
+    gpus_per_pod: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Training processes (GPUs) per pod; default: the pod's nvidia.com/gpu.",
+    )
+
+
+class Mode(StrEnum):
+    OBSERVE = "Observe"  # plan and report the expected savings; change no clock
+    INTRINSIC = "Intrinsic"  # run the T_min plan: no slowdown, intrinsic bloat removed
+    STRAGGLER_AWARE = "StragglerAware"  # T_min plan, re-targeted around stragglers
+
+
+FREQUENCY_RULES: Final = (("self.minMHz <= self.maxMHz", "minMHz must not exceed maxMHz"),)
+
+
+class FrequencyRange(_Spec):
+    """SM clocks Perseus may use (profiled and planned), in MHz."""
+
+    model_config = ConfigDict(
+        alias_generator=None, json_schema_extra=_rules(*FREQUENCY_RULES), populate_by_name=True
+    )
+
+    min_mhz: int = Field(alias="minMHz", ge=100, le=5000)
+    max_mhz: int = Field(alias="maxMHz", ge=100, le=5000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FrequencyRange:
+        if self.min_mhz > self.max_mhz:
+            raise ValueError(f"{FREQUENCY_RULES[0][1]} (got {self.min_mhz} > {self.max_mhz})")
+        return self
+
+
+class Policy(_Spec):
+    """The energy policy of the job."""
+
+    mode: Mode = Field(default=Mode.STRAGGLER_AWARE)
+    granularity: Granularity = Field(
+        default=Granularity.INSTRUCTION,
+        description="Stage: one locked clock per GPU, no code change. Instruction: the clock "
+        "switches at every forward/backward; the training loop calls perseus_client.",
+    )
+    max_slowdown: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=0.5,
+        description="Fraction of T_min the job may slow down to save more energy (0: none).",
+    )
+    frequency_mhz: FrequencyRange | None = Field(
+        default=None, alias="frequencyMHz", description="Clamp of the SM clocks used."
+    )
+    blocking_power_watts: float | None = Field(
+        default=None,
+        gt=0,
+        le=2000,
+        description="GPU power while blocked on communication; measured when unset.",
+    )
+
+
+class ProfileRef(_Spec):
+    """A stored profile (the planner's CSV) to use instead of profiling."""
+
+    config_map_name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="profile.csv", min_length=1, max_length=253)
+
+
+class Profiling(_Spec):
+    """How the job is profiled before planning."""
+
+    profile_ref: ProfileRef | None = Field(
+        default=None, description="Reuse this profile and skip profiling."
+    )
+    iterations_per_frequency: int = Field(default=5, ge=1, le=100)
+    warmup_iterations: int = Field(
+        default=2, ge=0, le=100, description="Dropped after every clock change."
+    )
+    frequency_step_mhz: int = Field(
+        default=15,
+        alias="frequencyStepMHz",
+        ge=1,
+        le=1000,
+        description="Spacing of the profiled clocks.",
+    )
+
+
+STRAGGLER_RULES: Final = (
+    (
+        "self.recoveryThreshold < self.slowdownThreshold",
+        "recoveryThreshold must be below slowdownThreshold (hysteresis)",
+    ),
+)
+
+
+class Stragglers(_Spec):
+    """When a data-parallel replica counts as a straggler, and when it has recovered.
+
+    A replica straggles when its iteration time, over ``windowIterations`` iterations, is at
+    least ``slowdownThreshold`` times the others' for ``persistenceReports`` reports in a row;
+    it has recovered when it is below ``recoveryThreshold`` times for as long.
+    """
+
+    model_config = ConfigDict(json_schema_extra=_rules(*STRAGGLER_RULES))
+
+    slowdown_threshold: float = Field(default=1.05, gt=1.0, le=10.0)
+    recovery_threshold: float = Field(default=1.02, ge=1.0, le=10.0)
+    window_iterations: int = Field(default=10, ge=1, le=10000)
+    persistence_reports: int = Field(default=3, ge=1, le=100)
+    warmup_iterations: int = Field(
+        default=5, ge=0, le=100000, description="Iterations ignored after a rank (re)starts."
+    )
+    stale_after_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Telemetry older than this marks its node Degraded, not a straggler.",
+    )
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> Stragglers:
+        if not self.recovery_threshold < self.slowdown_threshold:
+            raise ValueError(
+                f"{STRAGGLER_RULES[0][1]} (got {self.recovery_threshold} >= "
+                f"{self.slowdown_threshold})"
+            )
+        return self
+
+
+class PerseusJobSpec(_Spec):
+    workload: Workload
+    parallelism: Parallelism
+    rank_mapping: RankMapping = Field(default_factory=RankMapping)
+    policy: Policy = Field(default_factory=Policy)
+    profiling: Profiling = Field(default_factory=Profiling)
+    stragglers: Stragglers = Field(default_factory=Stragglers)
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    PROFILING = "Profiling"
+    OPTIMIZING = "Optimizing"
+    RUNNING = "Running"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+class ConditionType(StrEnum):
+    PROFILED = "Profiled"
+    OPTIMIZED = "Optimized"
+    PLAN_APPLIED = "PlanApplied"
+    STRAGGLER_DETECTED = "StragglerDetected"
+    DEGRADED = "Degraded"
+
+
+class _Status(_Spec):
+    model_config = ConfigDict(frozen=False, extra="ignore")
+
+
+class Condition(_Status):
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1)
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class FrontierSummary(_Status):
+    t_min_seconds: float
+    t_star_seconds: float
+    t_max_seconds: float
+    points: int
+    profile_config_map: str = Field(description="ConfigMap holding the profile planned from.")
+
+
+class PlanStatus(_Status):
+    target_iteration_seconds: float
+    expected_savings_ratio: float = Field(
+        description="Expected energy saved vs. all GPUs at max clock, at the same throughput."
+    )
+    revision: int
+
+
+class StragglerStatus(_Status):
+    data_parallel_rank: int
+    node: str
+    slowdown: float = Field(description="T'/T: the straggler's iteration time over the others'.")
+    since: str
+
+
+class PerseusJobStatus(_Status):
+    phase: Phase = Phase.PENDING
+    observed_generation: int | None = None
+    revision: int = Field(default=0, description="Last revision of the node plans written.")
+    message: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+    frontier: FrontierSummary | None = None
+    plan: PlanStatus | None = None
+    stragglers: list[StragglerStatus] = Field(default_factory=list)
+    nodes: list[str] = Field(default_factory=list, description="Nodes running the workload.")
+
+
+PRINTER_COLUMNS: Final = (
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.policy.mode"},
+    {
+        "name": "Target T",
+        "type": "number",
+        "jsonPath": ".status.plan.targetIterationSeconds",
+        "description": "Target iteration time, seconds.",
+    },
+    {
+        "name": "Expected savings",
+        "type": "number",
+        "jsonPath": ".status.plan.expectedSavingsRatio",
+        "description": "Expected energy saved vs. all GPUs at max clock (fraction).",
+    },
+    {
+        "name": "Stragglers",
+        "type": "string",
+        "jsonPath": ".status.stragglers[*].dataParallelRank",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+)
+
+
+class PerseusJob(_Spec):
+    """A whole ``PerseusJob`` object as the API server returns it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
+    kind: Literal["PerseusJob"] = JOB_KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: PerseusJobSpec
+    status: PerseusJobStatus = Field(default_factory=PerseusJobStatus)

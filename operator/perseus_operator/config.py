@@ -1,0 +1,66 @@
+"""Operator settings: ``PERSEUS_OPERATOR_*`` environment variables, read once at start-up."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final
+
+PREFIX: Final = "PERSEUS_OPERATOR_"
+
+
+class ConfigError(ValueError):
+    """A setting has a value the operator cannot use; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Settings of the operator process. Each field is ``PERSEUS_OPERATOR_<FIELD>``."""
+
+    reconcile_interval_s: float = 5.0
+    """How often each job's progress (profiling, telemetry, stragglers) is checked."""
+    planner_timeout_s: float = 600.0
+    """Longest a frontier may take to solve before the job fails with a clear message."""
+    planner_workers: int = 1
+    """Worker processes that solve frontiers (each solve uses one core)."""
+    release_timeout_s: float = 60.0
+    """On deletion, how long to wait for the agents to reset the job's GPUs."""
+    metrics_port: int = 8080
+    """Port of ``/metrics``; 0 disables it."""
+    metrics_address: str = "0.0.0.0"
+    kubeconfig: str = ""
+    """Path of a kubeconfig; empty: the pod's service account (in-cluster)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        """Read the settings; unset ones keep their defaults.
+
+        Raises:
+            ConfigError: a value does not parse or is out of range.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = PREFIX + f.name.upper()
+            raw = env.get(key)
+            if raw is None or raw == "":
+                continue
+            kind = type(getattr(cls, f.name))
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+        config = cls(**values)  # type: ignore[arg-type]
+        config.check()
+        return config
+
+    def check(self) -> None:
+        positive = ("reconcile_interval_s", "planner_timeout_s", "release_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.planner_workers < 1:
+            raise ConfigError(f"{PREFIX}PLANNER_WORKERS must be >= 1, got {self.planner_workers}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"{PREFIX}METRICS_PORT must be 0..65535, got {self.metrics_port}")

@@ -1,0 +1,215 @@
+"""The operator's only module that talks to the Kubernetes API (besides kopf itself).
+
+Objects travel as plain dicts in the API's own (camelCase) form, so the pure modules read
+them exactly as ``kubectl get -o json`` shows them. Calls are blocking; :class:`KubeClient`
+runs each in a worker thread so the event loop never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+from perseus_api import resources
+from perseus_api.errors import ApiError
+from perseus_api.job import JOB_KIND, WorkloadKind
+
+T = TypeVar("T")
+
+WORKLOAD_RESOURCES: Final = {
+    WorkloadKind.PYTORCH_JOB: ("kubeflow.org", "v1", "pytorchjobs"),
+    WorkloadKind.JOB_SET: ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+    WorkloadKind.TRAIN_JOB: ("trainer.kubeflow.org", "v1alpha1", "trainjobs"),
+}
+"""Group, version and plural of the workload kinds that are custom resources."""
+
+
+class KubeError(ApiError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def load_api_client(kubeconfig: str) -> Any:
+    """A ``kubernetes.client.ApiClient`` from ``kubeconfig``, else the in-cluster account.
+
+    Raises:
+        KubeError: the configuration cannot be loaded.
+    """
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    try:
+        if kubeconfig:
+            config.load_kube_config(
+                config_file=kubeconfig, client_configuration=configuration, persist_config=False
+            )
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+    except Exception as exc:
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
+        raise KubeError(f"cannot load the {where}: {exc}") from None
+    return client.ApiClient(configuration)
+
+
+def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
+    """An owner reference to the PerseusJob ``job``: its objects go when it goes."""
+    metadata = job.get("metadata") or {}
+    return {
+        "apiVersion": resources.API_VERSION,
+        "kind": JOB_KIND,
+        "name": metadata.get("name", ""),
+        "uid": metadata.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+class KubeClient:
+    """Async facade over the blocking ``kubernetes`` client for what the operator needs."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self._core = client.CoreV1Api(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
+        self._api_client = api_client
+
+    def close(self) -> None:
+        self._api_client.close()
+
+    # -- pods and workloads --
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return await self._items(
+            lambda: self._core.list_namespaced_pod(
+                namespace, label_selector=selector, _preload_content=False
+            )
+        )
+
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None:
+        """The workload object, or None when it (or its kind's CRD) does not exist."""
+        group, version, plural = WORKLOAD_RESOURCES[kind]
+        return await self._get(
+            lambda: self._custom.get_namespaced_custom_object(
+                group, version, namespace, plural, name, _preload_content=False
+            )
+        )
+
+    # -- config maps --
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._get(
+            lambda: self._core.read_namespaced_config_map(name, namespace, _preload_content=False)
+        )
+
+    async def put_config_map(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, str],
+        owner: Mapping[str, Any],
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "ownerReferences": [dict(owner)],
+                "annotations": dict(annotations or {}),
+            },
+            "data": dict(data),
+        }
+        existing = await self.get_config_map(namespace, name)
+        if existing is None:
+            await self._call(lambda: self._core.create_namespaced_config_map(namespace, body))
+        else:
+            await self._call(lambda: self._core.patch_namespaced_config_map(name, namespace, body))
+
+    # -- node plans --
+
+    async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        selector = f"{resources.JOB_LABEL}={resources.label_value(job)}"
+        return await self._items(
+            lambda: self._custom.list_namespaced_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                resources.NODE_PLAN_PLURAL,
+                label_selector=selector,
+                _preload_content=False,
+            )
+        )
+
+    async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        """Create the node plan, or replace the spec of the existing one."""
+        namespace, name = resources.object_key(body)
+        obj = {**body, "metadata": {**body["metadata"], "ownerReferences": [dict(owner)]}}
+        args = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL)
+        try:
+            await self._call(lambda: self._custom.create_namespaced_custom_object(*args, obj))
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            patch = {"metadata": {"labels": obj["metadata"]["labels"]}, "spec": obj["spec"]}
+            await self._call(
+                lambda: self._custom.patch_namespaced_custom_object(*args, name, patch)
+            )
+
+    async def delete_node_plan(self, namespace: str, name: str) -> None:
+        args = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+        try:
+            await self._call(lambda: self._custom.delete_namespaced_custom_object(*args))
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    # -- plumbing --
+
+    async def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
+        response = await self._call(call)
+        items = _json(response).get("items") or []
+        return [i for i in items if isinstance(i, dict)]
+
+    async def _get(self, call: Callable[[], Any]) -> dict[str, Any] | None:
+        try:
+            return _json(await self._call(call))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def _call(self, call: Callable[[], T]) -> T:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return await asyncio.to_thread(call)
+        except ApiException as exc:
+            raise KubeError(_api_message(exc), exc.status) from None
+        except OSError as exc:  # urllib3 connection errors are OSErrors too
+            raise KubeError(f"Kubernetes API unreachable: {exc}") from None
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data = getattr(response, "data", response)
+    if isinstance(data, bytes | str):
+        parsed = json.loads(data)
+        return parsed if isinstance(parsed, dict) else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _api_message(exc: Any) -> str:
+    try:
+        body = json.loads(exc.body)
+        message = body.get("message") or exc.reason
+    except (TypeError, ValueError, AttributeError):
+        message = exc.reason
+    return f"HTTP {exc.status}: {message}"

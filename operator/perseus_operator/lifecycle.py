@@ -1,0 +1,735 @@
+"""One reconcile step of a PerseusJob: observe, decide, write, report.
+
+The kopf handlers call :func:`reconcile` on every change of the job and on a timer. Each call
+reads what it needs (pods, node plans and their agent reports, the stored profile), moves the
+job along ``Pending → Profiling → Optimizing → Running → Completed/Failed`` as far as it can,
+writes node plans and ConfigMaps, and returns the new status plus the events to emit. All the
+state that must survive an operator restart is in the cluster: the phase and plan revision in
+the status, the profile in a ConfigMap owned by the job, the plans in PerseusNodePlans. What
+is kept in memory (:class:`JobMemo`: the solved frontier, the straggler detector) is rebuilt
+from those when missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final, Literal, Protocol
+
+from pydantic import ValidationError
+
+from perseus_api import resources
+from perseus_api.job import (
+    Condition,
+    ConditionType,
+    FrontierSummary,
+    Mode,
+    PerseusJobSpec,
+    PerseusJobStatus,
+    Phase,
+    PlanStatus,
+    StragglerStatus,
+    WorkloadKind,
+)
+from perseus_api.node_plan import NodePlan
+from perseus_api.plan import (
+    Granularity,
+    InstructionClock,
+    PipelinePlan,
+    PlanEstimate,
+    PlanObjective,
+    StagePlan,
+)
+from perseus_api.schedule import stage_instruction_order
+from perseus_operator.planning import (
+    RETARGETED_PLAN,
+    TMIN_PLAN,
+    PlanningError,
+    PlanningInput,
+    applies_clocks,
+    choose_plan,
+    expected_savings_ratio,
+    gather_profile,
+    get_node_plans,
+    get_profiling_spec,
+)
+from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
+from perseus_operator.workloads import (
+    RankPlacement,
+    WorkloadError,
+    matches,
+    pod_selector,
+    resolve_ranks,
+    workload_failed,
+    workload_finished,
+)
+from perseus_planner import Frontier
+
+PROFILE_KEY: Final = "profile.csv"
+BLOCKING_POWER_KEY: Final = "blockingPowerWatts"
+PIPELINE_KEY: Final = "pipeline"
+
+
+class JobIO(Protocol):
+    """The cluster as the reconcile step sees it (:class:`~perseus_operator.kube.KubeClient`)."""
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
+
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None: ...
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    async def put_config_map(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, str],
+        owner: Mapping[str, Any],
+        annotations: Mapping[str, str] | None = None,
+    ) -> None: ...
+
+    async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]: ...
+
+    async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None: ...
+
+    async def delete_node_plan(self, namespace: str, name: str) -> None: ...
+
+
+class Planner(Protocol):
+    """Solves frontiers off the event loop (a process pool with a time limit)."""
+
+    async def solve(self, request: PlanningInput) -> Frontier: ...
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to emit on the job."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class JobMemo:
+    """In-memory state of one job; everything here can be rebuilt from the cluster."""
+
+    frontier: Frontier | None = None
+    frontier_key: str = ""
+    detector: StragglerDetector | None = None
+    detector_key: str = ""
+    retarget_s: float | None = None
+    """The straggler target the current plans were written for (None: T_min for all)."""
+
+
+@dataclass
+class Outcome:
+    status: PerseusJobStatus
+    events: list[Event] = field(default_factory=list)
+    retry_soon: bool = False
+
+
+@dataclass(frozen=True)
+class JobRef:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    owner: Mapping[str, Any]
+
+
+def profile_config_map_name(job: str) -> str:
+    return f"{job}-profile"
+
+
+def now_rfc3339() -> str:
+    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+async def reconcile(
+    body: Mapping[str, Any],
+    io: JobIO,
+    planner: Planner,
+    memo: JobMemo,
+    *,
+    now_s: float | None = None,
+) -> Outcome:
+    """Advance the job as far as the cluster allows; never raises for the job's own problems
+    (they become the status' message, conditions and events)."""
+    from perseus_operator.kube import owner_reference
+
+    metadata = body.get("metadata") or {}
+    ref = JobRef(
+        namespace=str(metadata.get("namespace") or "default"),
+        name=str(metadata.get("name") or ""),
+        uid=str(metadata.get("uid") or ""),
+        generation=int(metadata.get("generation") or 0),
+        owner=owner_reference(body),
+    )
+    try:
+        status = PerseusJobStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
+    step = _Step(ref, status, io, planner, memo, time.monotonic() if now_s is None else now_s)
+    try:
+        spec = PerseusJobSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        step.fail("InvalidSpec", f"invalid spec: {_one_line(exc)}")
+        return step.outcome()
+    await step.run(spec)
+    return step.outcome()
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in error["loc"])
+        parts.append(f"{where}: {error['msg']}" if where else str(error["msg"]))
+    return "; ".join(parts)
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+
+class _Step:
+    def __init__(
+        self,
+        ref: JobRef,
+        status: PerseusJobStatus,
+        io: JobIO,
+        planner: Planner,
+        memo: JobMemo,
+        now_s: float,
+    ) -> None:
+        self.ref = ref
+        self.status = status.model_copy(deep=True)
+        self.before = status
+        self.io = io
+        self.planner = planner
+        self.memo = memo
+        self.now_s = now_s
+        self.events: list[Event] = []
+        self.retry_soon = False
+
+    def outcome(self) -> Outcome:
+        if self.status.phase != self.before.phase:
+            self.event("Normal", "Phase", f"{self.before.phase.value} → {self.status.phase.value}")
+        return Outcome(self.status, self.events, self.retry_soon)
+
+    # -- status helpers --
+
+    def event(self, kind: str, reason: str, message: str) -> None:
+        self.events.append(Event(kind, reason, message))
+
+    def condition(self, kind: ConditionType, ok: bool, reason: str, message: str = "") -> None:
+        value: Literal["True", "False"] = "True" if ok else "False"
+        for c in self.status.conditions:
+            if c.type == kind:
+                if c.status != value:
+                    c.last_transition_time = now_rfc3339()
+                c.status, c.reason, c.message = value, reason, message
+                c.observed_generation = self.ref.generation
+                return
+        self.status.conditions.append(
+            Condition(
+                type=kind,
+                status=value,
+                reason=reason,
+                message=message,
+                lastTransitionTime=now_rfc3339(),
+                observedGeneration=self.ref.generation,
+            )
+        )
+
+    def fail(self, reason: str, message: str) -> None:
+        if self.status.phase != Phase.FAILED or self.status.message != message:
+            self.event("Warning", reason, message)
+        self.status.phase = Phase.FAILED
+        self.status.message = message
+        self.status.observed_generation = self.ref.generation
+        self.condition(ConditionType.DEGRADED, True, reason, message)
+
+    # -- phases --
+
+    async def run(self, spec: PerseusJobSpec) -> None:
+        status = self.status
+        if status.observed_generation != self.ref.generation:
+            self._spec_changed(spec)
+        if status.phase in (Phase.COMPLETED, Phase.FAILED):
+            return
+        pods, ranks = await self._resolve(spec)
+        if ranks is None:
+            return
+        finished = workload_finished(pods)
+        failure = workload_failed(pods)
+        if finished or failure is not None:
+            await self._release_plans()
+            if failure is not None:
+                self.fail("WorkloadFailed", failure)
+            else:
+                status.phase = Phase.COMPLETED
+                status.message = "the workload finished; every GPU clock was reset"
+            return
+        if status.phase == Phase.PENDING:
+            await self._start(spec, ranks)
+        if status.phase == Phase.PROFILING:
+            await self._profile(spec, ranks)
+        if status.phase == Phase.OPTIMIZING:
+            await self._optimize(spec, ranks)
+        if status.phase == Phase.RUNNING:
+            await self._run(spec, ranks)
+
+    def _spec_changed(self, spec: PerseusJobSpec) -> None:
+        """A new generation: plan again (the profile is reused when it still fits)."""
+        status = self.status
+        if status.phase == Phase.COMPLETED:
+            return
+        if status.observed_generation is not None:
+            self.event("Normal", "SpecChanged", "spec changed; planning again")
+        status.phase = Phase.PENDING
+        status.observed_generation = self.ref.generation
+        status.message = ""
+        status.conditions = [
+            c for c in status.conditions if c.type != ConditionType.DEGRADED or c.status != "True"
+        ]
+        self.memo.detector = None
+
+    async def _resolve(
+        self, spec: PerseusJobSpec
+    ) -> tuple[list[dict[str, Any]], tuple[RankPlacement, ...] | None]:
+        workload = spec.workload
+        if workload.kind != WorkloadKind.PODS:
+            assert workload.name is not None
+            found = await self.io.get_workload(self.ref.namespace, workload.kind, workload.name)
+            if found is None:
+                self._wait(
+                    "WorkloadNotFound",
+                    f"{workload.kind.value} {self.ref.namespace}/{workload.name} does not exist "
+                    "(yet); waiting for it",
+                )
+                return [], None
+        pods = await self.io.list_pods(self.ref.namespace, pod_selector(workload))
+        if workload.pod_selector is not None:  # the API's filtering is trusted, and checked
+            selector = workload.pod_selector
+            pods = [p for p in pods if matches(selector, _labels(p))]
+        try:
+            resolution = resolve_ranks(pods, workload, spec.parallelism, spec.rank_mapping)
+        except WorkloadError as exc:
+            self.fail("InvalidWorkload", str(exc))
+            return pods, None
+        if resolution.waiting is not None:
+            if self.status.phase in (Phase.PENDING,):
+                self._wait("WaitingForPods", resolution.waiting)
+                return pods, None
+            # Running jobs whose pods are rescheduled keep their plans until they come back.
+            self.condition(ConditionType.DEGRADED, True, "WaitingForPods", resolution.waiting)
+            return pods, None
+        self.status.nodes = sorted({r.node for r in resolution.ranks})
+        return pods, resolution.ranks
+
+    def _wait(self, reason: str, message: str) -> None:
+        self.status.message = message
+        self.condition(ConditionType.DEGRADED, False, reason, message)
+
+    async def _start(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        profile = await self._stored_profile(spec)
+        if profile is not None:
+            self.status.phase = Phase.OPTIMIZING
+            self.condition(ConditionType.PROFILED, True, "ProfileFound", profile[2])
+            return
+        if spec.profiling.profile_ref is not None:
+            return  # _stored_profile failed the job with the reason
+        self.status.revision += 1
+        plans = {TMIN_PLAN: profiling_placeholder_plan(spec)}
+        node_plans = get_node_plans(
+            namespace=self.ref.namespace,
+            job=self.ref.name,
+            revision=self.status.revision,
+            granularity=Granularity.INSTRUCTION,
+            ranks=ranks,
+            plans=plans,
+            plan_of_replica={},
+            profiling=get_profiling_spec(spec.policy, spec.profiling),
+        )
+        await self._write_node_plans(node_plans)
+        clocks = len(get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz)
+        self.status.phase = Phase.PROFILING
+        self.status.message = f"profiling {clocks} SM clocks on {len(ranks)} GPUs"
+        self.condition(ConditionType.PROFILED, False, "Profiling", self.status.message)
+
+    async def _stored_profile(self, spec: PerseusJobSpec) -> tuple[str, float | None, str] | None:
+        """(CSV, blocking power, ConfigMap name) of a profile to plan from, if one exists."""
+        ref = spec.profiling.profile_ref
+        name = ref.config_map_name if ref else profile_config_map_name(self.ref.name)
+        key = ref.key if ref else PROFILE_KEY
+        cm = await self.io.get_config_map(self.ref.namespace, name)
+        if cm is None:
+            if ref is not None:
+                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} does not exist")
+            return None
+        data = cm.get("data") or {}
+        csv_text = data.get(key)
+        if not isinstance(csv_text, str):
+            if ref is not None:
+                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} has no key {key!r}")
+            return None
+        if ref is None and data.get(PIPELINE_KEY) != _pipeline_key(spec):
+            return None  # profiled for another pipeline: profile again
+        blocking = data.get(BLOCKING_POWER_KEY)
+        try:
+            blocking_w = float(blocking) if blocking else None
+        except ValueError:
+            blocking_w = None
+        return csv_text, blocking_w, name
+
+    async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        reports = [
+            r
+            for p in plans
+            for r in ((p.get("status") or {}).get("profiling") or [])
+            if isinstance(r, Mapping)
+        ]
+        stages = spec.parallelism.pipeline_stages
+        done_stages = {int(r.get("stage", -1)) for r in reports if r.get("done")}
+        if len(done_stages & set(range(stages))) < stages:
+            self.status.message = (
+                f"profiling: {len(done_stages)} of {stages} pipeline stages measured"
+            )
+            return
+        try:
+            gathered = gather_profile(reports, stages)
+        except PlanningError as exc:
+            self.fail("ProfilingFailed", str(exc))
+            return
+        data = {PROFILE_KEY: gathered.csv_text, PIPELINE_KEY: _pipeline_key(spec)}
+        if gathered.blocking_power_w is not None:
+            data[BLOCKING_POWER_KEY] = f"{gathered.blocking_power_w:.6g}"
+        name = profile_config_map_name(self.ref.name)
+        await self.io.put_config_map(self.ref.namespace, name, data, self.ref.owner)
+        self.status.phase = Phase.OPTIMIZING
+        message = f"profile of {gathered.gpus} GPUs stored in ConfigMap {name}"
+        self.condition(ConditionType.PROFILED, True, "Profiled", message)
+        self.event("Normal", "Profiled", message)
+
+    async def _frontier(self, spec: PerseusJobSpec) -> tuple[Frontier, str] | None:
+        profile = await self._stored_profile(spec)
+        if profile is None:
+            if self.status.phase != Phase.FAILED:
+                self.status.phase = Phase.PENDING  # the profile is gone: measure again
+            return None
+        csv_text, measured_w, cm_name = profile
+        blocking_w = spec.policy.blocking_power_watts or measured_w
+        if blocking_w is None:
+            self.fail(
+                "BlockingPowerUnknown",
+                "the profile has no measured blocking power; set policy.blockingPowerWatts",
+            )
+            return None
+        request = PlanningInput(
+            profile_csv=csv_text,
+            profile_source=f"ConfigMap {self.ref.namespace}/{cm_name}",
+            schedule=spec.parallelism.schedule,
+            num_stages=spec.parallelism.pipeline_stages,
+            num_microbatches=spec.parallelism.microbatches,
+            blocking_power_w=blocking_w,
+            frequency_mhz=spec.policy.frequency_mhz,
+        )
+        key = _digest(repr(request))
+        if self.memo.frontier is None or self.memo.frontier_key != key:
+            try:
+                self.memo.frontier = await self.planner.solve(request)
+            except PlanningError as exc:
+                self.fail("PlanningFailed", str(exc))
+                return None
+            self.memo.frontier_key = key
+        return self.memo.frontier, cm_name
+
+    async def _optimize(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        solved = await self._frontier(spec)
+        if solved is None:
+            return
+        frontier, cm_name = solved
+        t_min = float(frontier.times_s[frontier.t_min_index])
+        self.status.frontier = FrontierSummary(
+            tMinSeconds=t_min,
+            tStarSeconds=float(frontier.times_s[frontier.t_star_index]),
+            tMaxSeconds=float(frontier.times_s[0]),
+            points=len(frontier),
+            profileConfigMap=cm_name,
+        )
+        self.condition(
+            ConditionType.OPTIMIZED, True, "Optimized", f"frontier of {len(frontier)} points"
+        )
+        self.memo.retarget_s = None
+        await self._write_plans(spec, ranks, frontier, {})
+        self.status.phase = Phase.RUNNING
+
+    async def _write_plans(
+        self,
+        spec: PerseusJobSpec,
+        ranks: Sequence[RankPlacement],
+        frontier: Frontier,
+        stragglers: Mapping[int, Any],
+    ) -> None:
+        """Plans for the current target: T_min (or the slowdown budget) for every replica, or,
+        with stragglers, the straggler target for the others."""
+        tmin = choose_plan(frontier, spec.policy)
+        plans = {TMIN_PLAN: tmin}
+        plan_of_replica: dict[int, str] = {}
+        target = self.memo.retarget_s
+        current = tmin
+        if target is not None and stragglers:
+            retargeted = choose_plan(frontier, spec.policy, straggler_target_s=target)
+            plans[RETARGETED_PLAN] = retargeted
+            dp = spec.parallelism.data_parallel
+            plan_of_replica = {d: RETARGETED_PLAN for d in range(dp) if d not in stragglers}
+            current = retargeted
+        self.status.revision += 1
+        estimate = _estimate(current)
+        self.status.plan = PlanStatus(
+            targetIterationSeconds=estimate.iteration_time_s,
+            expectedSavingsRatio=expected_savings_ratio(current),
+            revision=self.status.revision,
+        )
+        if not applies_clocks(spec.policy):
+            await self._release_plans()
+            self.status.message = "Observe mode: plans computed, no clock changed"
+            self.condition(ConditionType.PLAN_APPLIED, False, "Observe", self.status.message)
+            return
+        node_plans = get_node_plans(
+            namespace=self.ref.namespace,
+            job=self.ref.name,
+            revision=self.status.revision,
+            granularity=spec.policy.granularity,
+            ranks=ranks,
+            plans=plans,
+            plan_of_replica=plan_of_replica,
+        )
+        await self._write_node_plans(node_plans)
+        self.status.message = (
+            f"plan revision {self.status.revision}: target {estimate.iteration_time_s:.4g} s, "
+            f"expected savings {expected_savings_ratio(current):.1%}"
+        )
+        self.event("Normal", "PlanWritten", self.status.message)
+
+    async def _run(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        solved = await self._frontier(spec)
+        if solved is None:
+            return
+        frontier, _ = solved
+        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        if applies_clocks(spec.policy):
+            self._applied_condition(plans)
+        samples = rank_samples(plans, ranks)
+        detector = self._detector(spec)
+        verdict = detector.observe(samples, self.now_s)
+        self._report_stragglers(verdict)
+        if spec.policy.mode != Mode.STRAGGLER_AWARE or not verdict.changed:
+            return
+        self.memo.retarget_s = verdict.target_s if verdict.stragglers else None
+        await self._write_plans(spec, ranks, frontier, verdict.stragglers)
+
+    def _detector(self, spec: PerseusJobSpec) -> StragglerDetector:
+        key = spec.stragglers.model_dump_json()
+        if self.memo.detector is None or self.memo.detector_key != key:
+            self.memo.detector = StragglerDetector(spec.stragglers)
+            self.memo.detector_key = key
+        return self.memo.detector
+
+    def _report_stragglers(self, verdict: StragglerVerdict) -> None:
+        previous = {s.data_parallel_rank: s for s in self.status.stragglers}
+        self.status.stragglers = [
+            StragglerStatus(
+                dataParallelRank=s.dp_rank,
+                node=s.node,
+                slowdown=round(s.slowdown, 4),
+                since=previous[s.dp_rank].since if s.dp_rank in previous else now_rfc3339(),
+            )
+            for s in sorted(verdict.stragglers.values(), key=lambda s: s.dp_rank)
+        ]
+        for dp in sorted(set(verdict.stragglers) - set(previous)):
+            s = verdict.stragglers[dp]
+            self.event(
+                "Warning",
+                "StragglerDetected",
+                f"data-parallel replica {dp} on node {s.node} is {s.slowdown:.3f}x slower",
+            )
+        for dp in sorted(set(previous) - set(verdict.stragglers)):
+            self.event("Normal", "StragglerRecovered", f"data-parallel replica {dp} recovered")
+        if verdict.stragglers:
+            names = ", ".join(str(d) for d in sorted(verdict.stragglers))
+            self.condition(
+                ConditionType.STRAGGLER_DETECTED, True, "Straggler", f"replica(s) {names}"
+            )
+        else:
+            self.condition(ConditionType.STRAGGLER_DETECTED, False, "NoStraggler")
+        if verdict.degraded_nodes:
+            nodes = ", ".join(sorted(verdict.degraded_nodes))
+            self.condition(
+                ConditionType.DEGRADED, True, "StaleTelemetry", f"no recent reports from {nodes}"
+            )
+        elif any(
+            c.type == ConditionType.DEGRADED and c.reason == "StaleTelemetry" and c.status == "True"
+            for c in self.status.conditions
+        ):
+            self.condition(ConditionType.DEGRADED, False, "TelemetryRecovered")
+
+    def _applied_condition(self, plans: Sequence[Mapping[str, Any]]) -> None:
+        revision = self.status.revision
+        behind, failed = [], []
+        for p in plans:
+            status = p.get("status") or {}
+            node = (p.get("spec") or {}).get("node", "?")
+            if status.get(resources.STATUS_OBSERVED_REVISION) != revision:
+                behind.append(node)
+                continue
+            for c in status.get("conditions") or ():
+                if c.get("type") == resources.CONDITION_APPLIED and c.get("status") != "True":
+                    failed.append(f"{node}: {c.get('message', '')}")
+        if failed:
+            self.condition(ConditionType.PLAN_APPLIED, False, "ApplyFailed", "; ".join(failed))
+        elif behind:
+            message = f"waiting for the agents of {', '.join(sorted(behind))}"
+            self.condition(ConditionType.PLAN_APPLIED, False, "Pending", message)
+        else:
+            self.condition(
+                ConditionType.PLAN_APPLIED, True, "Applied", f"revision {revision} on all nodes"
+            )
+
+    # -- writing --
+
+    async def _write_node_plans(self, node_plans: Mapping[str, NodePlan]) -> None:
+        existing = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        wanted = {resources.node_plan_name(p.job, p.node) for p in node_plans.values()}
+        for plan in node_plans.values():
+            await self.io.put_node_plan(resources.node_plan_object(plan), self.ref.owner)
+        for obj in existing:
+            namespace, name = resources.object_key(obj)
+            if name not in wanted:
+                await self.io.delete_node_plan(namespace, name)
+
+    async def _release_plans(self) -> None:
+        for obj in await self.io.list_node_plans(self.ref.namespace, self.ref.name):
+            await self.io.delete_node_plan(*resources.object_key(obj))
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return labels if isinstance(labels, Mapping) else {}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _pipeline_key(spec: PerseusJobSpec) -> str:
+    """What a stored profile was measured for: the pipeline's stages (and clocks swept)."""
+    p = spec.parallelism
+    clamp = spec.policy.frequency_mhz
+    span = f"{clamp.min_mhz}-{clamp.max_mhz}" if clamp else "default"
+    return f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
+
+
+def _estimate(plan: PipelinePlan) -> PlanEstimate:
+    if plan.granularity == Granularity.INSTRUCTION:
+        return plan.instruction_estimate
+    return plan.stage_estimate
+
+
+def rank_samples(
+    plans: Sequence[Mapping[str, Any]], ranks: Sequence[RankPlacement]
+) -> list[RankSample]:
+    """The straggler detector's input from the agents' reports in the node plans' status."""
+    placed = {r.rank: r for r in ranks}
+    samples = []
+    for plan in plans:
+        status = plan.get("status") or {}
+        node = (plan.get("spec") or {}).get("node", "")
+        reported_at = _reported_at_s(plan)
+        for report in status.get("ranks") or ():
+            if not isinstance(report, Mapping):
+                continue
+            try:
+                rank = int(report["rank"])
+                mean_s = float(report["mean_iteration_s"])
+                iterations = int(report["iterations"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            where = placed.get(rank)
+            if where is None or not math.isfinite(mean_s) or mean_s <= 0:
+                continue
+            samples.append(
+                RankSample(
+                    rank=rank,
+                    dp_rank=where.dp_rank,
+                    pp_rank=where.pp_rank,
+                    node=node or where.node,
+                    iterations=iterations,
+                    mean_iteration_s=mean_s,
+                    reported_at_s=reported_at,
+                )
+            )
+    return samples
+
+
+def _reported_at_s(plan: Mapping[str, Any]) -> float:
+    """When the agent last wrote the report, as monotonic-comparable seconds (``now`` if the
+    agent does not say: staleness then comes from the report's ``reportedAt``, when present)."""
+    status = plan.get("status") or {}
+    stamp = status.get("reported_at") or status.get("reportedAt")
+    if isinstance(stamp, str):
+        try:
+            when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return time.monotonic()
+        return time.monotonic() - max(0.0, (datetime.now(tz=UTC) - when).total_seconds())
+    return time.monotonic()
+
+
+def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
+    """A plan that only says which computations each stage runs, for profiling node plans
+    (the agents measure instead of applying it)."""
+    p = spec.parallelism
+    schedule = p.schedule.value.lower()
+    clock = get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz[0]
+    estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
+    return PipelinePlan(
+        schedule=schedule,
+        num_stages=p.pipeline_stages,
+        num_microbatches=p.microbatches,
+        granularity=Granularity.INSTRUCTION,
+        objective=PlanObjective.MIN_TIME,
+        unit_time_s=0.001,
+        blocking_power_w=1.0,
+        t_min_s=1.0,
+        t_star_s=1.0,
+        baseline_iteration_time_s=1.0,
+        instruction_estimate=estimate,
+        stage_estimate=estimate,
+        stages=[
+            StagePlan(
+                stage=s,
+                frequency_mhz=clock,
+                instructions=[
+                    InstructionClock(instruction=kind, microbatch=m, frequency_mhz=clock)
+                    for kind, m in stage_instruction_order(
+                        schedule, p.pipeline_stages, p.microbatches, s
+                    )
+                ],
+            )
+            for s in range(p.pipeline_stages)
+        ],
+    )

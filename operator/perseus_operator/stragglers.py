@@ -1,0 +1,450 @@
+"""Straggler detection: which data-parallel replica is persistently slow, and by how much.
+
+Perseus re-targets the healthy pipelines of a job to the iteration time ``T'`` of its slowest
+replica: since data-parallel replicas synchronise every iteration, running the others faster
+than ``T'`` only wastes energy. This module decides, from the node agents' reports, when a
+replica is a straggler, what ``T'`` is, and when plans must be rewritten. It is pure and
+deterministic (no clock, no I/O): the operator passes the samples and ``now_s`` of each report
+round, and persists :meth:`StragglerDetector.to_state` to resume after a restart.
+
+A replica's iteration time is the maximum over its ranks' ``mean_iteration_s`` (the slowest
+stage gates the whole pipeline), counting only ranks past warm-up with fresh telemetry. The
+reference time ``T`` is the median of the replicas' times, so one slow replica does not move
+it. Decisions need ``persistenceReports`` rounds in a row on the same side of a threshold,
+and the thresholds differ for entering and leaving the straggler state (hysteresis), so noise,
+checkpoint spikes and restarts do not make plans flap.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Final
+
+from perseus_api.job import Stragglers
+
+STATE_VERSION: Final = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankSample:
+    """One rank's latest telemetry, as reported by the agent of its node.
+
+    ``iterations`` counts iterations since the rank (re)started; ``mean_iteration_s`` is the
+    agent's mean iteration time over its last few iterations, in seconds; ``reported_at_s`` is
+    when the agent measured it, in seconds on the same clock as the detector's ``now_s``.
+    """
+
+    rank: int
+    dp_rank: int
+    pp_rank: int
+    node: str
+    iterations: int
+    mean_iteration_s: float
+    reported_at_s: float
+
+    def __post_init__(self) -> None:
+        for name, value in (
+            ("rank", self.rank),
+            ("dp_rank", self.dp_rank),
+            ("pp_rank", self.pp_rank),
+            ("iterations", self.iterations),
+        ):
+            if value < 0:
+                raise ValueError(f"rank sample: {name} must be >= 0, got {value}")
+        if not self.node:
+            raise ValueError(f"rank sample of rank {self.rank}: node must not be empty")
+        if not (math.isfinite(self.mean_iteration_s) and self.mean_iteration_s >= 0):
+            raise ValueError(
+                f"rank sample of rank {self.rank}: mean_iteration_s must be finite and >= 0, "
+                f"got {self.mean_iteration_s}"
+            )
+        if not math.isfinite(self.reported_at_s):
+            raise ValueError(
+                f"rank sample of rank {self.rank}: reported_at_s must be finite, "
+                f"got {self.reported_at_s}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    """A replica flagged as straggler.
+
+    ``node`` hosts its slowest rank; ``iteration_s`` is its smoothed iteration time in seconds
+    (mean of its last ``persistenceReports`` times); ``slowdown`` is that over the baseline;
+    ``since_s`` is the ``now_s`` of the round that flagged it.
+    """
+
+    dp_rank: int
+    node: str
+    slowdown: float
+    since_s: float
+    iteration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerVerdict:
+    """The outcome of one report round.
+
+    ``target_s`` (``T'``, seconds) is the slowest straggler's iteration time, which the other
+    replicas should be re-targeted to; ``None`` without stragglers. ``baseline_s`` (``T``,
+    seconds) is the median of the measured replicas' times; ``None`` with fewer than two.
+    ``degraded_nodes`` have stale telemetry: their replicas are neither flagged nor measured.
+    ``changed`` says plans must be rewritten: the straggler set changed, or ``target_s`` moved
+    by more than the retarget tolerance since the last verdict that changed.
+    """
+
+    stragglers: dict[int, Straggler]
+    target_s: float | None
+    baseline_s: float | None
+    degraded_nodes: frozenset[str]
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Replica:
+    """What the detector remembers about one replica between rounds."""
+
+    slow_streak: int = 0
+    fast_streak: int = 0
+    recent_s: tuple[float, ...] = ()
+    flagged: bool = False
+    since_s: float | None = None
+    node: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _ReplicaRound:
+    """One round's view of a replica: ``time_s`` is None when no rank is past warm-up."""
+
+    stale: bool
+    time_s: float | None = None
+    node: str | None = None
+
+
+class _Side(Enum):
+    SLOW = "slow"
+    BETWEEN = "between"
+    FAST = "fast"
+
+
+@dataclass(slots=True)
+class _Published:
+    """The straggler set and target of the last verdict that changed plans."""
+
+    dp_ranks: frozenset[int] = field(default_factory=frozenset)
+    target_s: float | None = None
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+
+
+def _check_round(samples: Sequence[RankSample], now_s: float) -> None:
+    if not math.isfinite(now_s):
+        raise ValueError(f"now_s must be finite, got {now_s}")
+    seen: set[int] = set()
+    for sample in samples:
+        if sample.rank in seen:
+            raise ValueError(f"rank {sample.rank} reported twice in one round")
+        seen.add(sample.rank)
+
+
+def _is_stale(sample: RankSample, now_s: float, stale_after_s: float) -> bool:
+    return now_s - sample.reported_at_s > stale_after_s
+
+
+def _summarize(
+    samples: Sequence[RankSample], now_s: float, settings: Stragglers
+) -> tuple[dict[int, _ReplicaRound], frozenset[str]]:
+    """Per-replica view of the round, and the nodes whose telemetry is stale."""
+    by_replica: dict[int, list[RankSample]] = {}
+    for sample in samples:
+        by_replica.setdefault(sample.dp_rank, []).append(sample)
+    degraded = frozenset(
+        s.node for s in samples if _is_stale(s, now_s, settings.stale_after_seconds)
+    )
+    rounds: dict[int, _ReplicaRound] = {}
+    for dp_rank, ranks in sorted(by_replica.items()):
+        if any(_is_stale(s, now_s, settings.stale_after_seconds) for s in ranks):
+            rounds[dp_rank] = _ReplicaRound(stale=True)
+            continue
+        warm = [s for s in ranks if s.iterations > settings.warmup_iterations]
+        if not warm:
+            rounds[dp_rank] = _ReplicaRound(stale=False)
+            continue
+        # Ties go to the lowest rank so the reported node is deterministic.
+        slowest = max(warm, key=lambda s: (s.mean_iteration_s, -s.rank))
+        rounds[dp_rank] = _ReplicaRound(
+            stale=False, time_s=slowest.mean_iteration_s, node=slowest.node
+        )
+    return rounds, degraded
+
+
+def _restarted(samples: Sequence[RankSample], iterations: Mapping[int, int]) -> frozenset[int]:
+    """Replicas with a rank whose iteration count went down since the last round."""
+    return frozenset(
+        s.dp_rank for s in samples if s.rank in iterations and s.iterations < iterations[s.rank]
+    )
+
+
+def _side(time_s: float, baseline_s: float, settings: Stragglers) -> _Side:
+    ratio = time_s / baseline_s
+    if ratio >= settings.slowdown_threshold:
+        return _Side.SLOW
+    if ratio < settings.recovery_threshold:
+        return _Side.FAST
+    return _Side.BETWEEN
+
+
+def _advance(
+    replica: _Replica,
+    time_s: float,
+    node: str | None,
+    baseline_s: float,
+    now_s: float,
+    settings: Stragglers,
+) -> _Replica:
+    """The replica's memory after a round that measured it at ``time_s`` seconds."""
+    persistence = settings.persistence_reports
+    side = _side(time_s, baseline_s, settings)
+    # A round between the thresholds breaks both streaks: it is evidence for neither change.
+    slow = replica.slow_streak + 1 if side is _Side.SLOW else 0
+    fast = replica.fast_streak + 1 if side is _Side.FAST else 0
+    flagged, since_s = replica.flagged, replica.since_s
+    if not flagged and slow >= persistence:
+        flagged, since_s = True, now_s
+    elif flagged and fast >= persistence:
+        flagged, since_s = False, None
+    # A straggler's fast rounds are pending evidence of recovery, not a new target: letting
+    # them into T' would rewrite plans on the way out, just before recovery rewrites them again.
+    pending_recovery = flagged and side is _Side.FAST
+    recent_s = replica.recent_s if pending_recovery else (*replica.recent_s, time_s)[-persistence:]
+    return _Replica(
+        slow_streak=slow,
+        fast_streak=fast,
+        recent_s=recent_s,
+        flagged=flagged,
+        since_s=since_s,
+        node=node,
+    )
+
+
+def _smoothed_s(replica: _Replica) -> float:
+    return statistics.fmean(replica.recent_s)
+
+
+def _plans_change(
+    published: _Published, dp_ranks: frozenset[int], target_s: float | None, tolerance: float
+) -> bool:
+    if dp_ranks != published.dp_ranks:
+        return True
+    if target_s is None or published.target_s is None:
+        return False
+    return abs(target_s - published.target_s) > tolerance * published.target_s
+
+
+# -- the detector ----------------------------------------------------------------------------------
+
+
+class StragglerDetector:
+    """Turns report rounds into straggler verdicts, remembering streaks between rounds.
+
+    ``samples`` of a round must hold the latest report of every rank of the job (stale ones
+    included: staleness is how a silent node shows). A replica with no sample at all is taken
+    to be gone (the job was resized) and forgotten.
+    """
+
+    def __init__(self, settings: Stragglers, *, retarget_tolerance: float = 0.02) -> None:
+        if not (math.isfinite(retarget_tolerance) and retarget_tolerance >= 0):
+            raise ValueError(
+                f"retarget_tolerance must be finite and >= 0, got {retarget_tolerance}"
+            )
+        self._settings = settings
+        self._tolerance = retarget_tolerance
+        self._iterations: dict[int, int] = {}
+        self._replicas: dict[int, _Replica] = {}
+        self._published = _Published()
+
+    @property
+    def settings(self) -> Stragglers:
+        return self._settings
+
+    def observe(self, samples: Sequence[RankSample], now_s: float) -> StragglerVerdict:
+        """Fold one report round (``now_s`` in seconds, same clock as the samples) in."""
+        _check_round(samples, now_s)
+        settings = self._settings
+        restarted = _restarted(samples, self._iterations)
+        self._iterations = {s.rank: s.iterations for s in samples}
+        rounds, degraded = _summarize(samples, now_s, settings)
+
+        replicas: dict[int, _Replica] = {}
+        for dp_rank, round_ in rounds.items():
+            previous = self._replicas.get(dp_rank, _Replica())
+            if round_.stale:
+                # Nothing known about it can be trusted any more, including a straggler flag.
+                previous = _Replica()
+            elif dp_rank in restarted:
+                # Evidence from before a restart says nothing about the new process.
+                previous = replace(previous, slow_streak=0, fast_streak=0)
+            replicas[dp_rank] = previous
+
+        times_s = {dp: r.time_s for dp, r in rounds.items() if r.time_s is not None}
+        baseline_s: float | None = None
+        if len(times_s) >= 2:
+            baseline_s = statistics.median(times_s.values())
+        if baseline_s is None or baseline_s <= 0:
+            # No reference, no straggler: start over once there is one again.
+            baseline_s = None
+            replicas = {dp: _Replica() for dp in replicas}
+        else:
+            for dp_rank, time_s in times_s.items():
+                replicas[dp_rank] = _advance(
+                    replicas[dp_rank], time_s, rounds[dp_rank].node, baseline_s, now_s, settings
+                )
+        self._replicas = replicas
+
+        stragglers: dict[int, Straggler] = {}
+        if baseline_s is not None:
+            for dp_rank, replica in sorted(replicas.items()):
+                if not replica.flagged:
+                    continue
+                assert replica.node is not None and replica.since_s is not None
+                iteration_s = _smoothed_s(replica)
+                stragglers[dp_rank] = Straggler(
+                    dp_rank=dp_rank,
+                    node=replica.node,
+                    slowdown=iteration_s / baseline_s,
+                    since_s=replica.since_s,
+                    iteration_s=iteration_s,
+                )
+        target_s = max((s.iteration_s for s in stragglers.values()), default=None)
+
+        dp_ranks = frozenset(stragglers)
+        changed = _plans_change(self._published, dp_ranks, target_s, self._tolerance)
+        if changed:
+            self._published = _Published(dp_ranks=dp_ranks, target_s=target_s)
+        return StragglerVerdict(
+            stragglers=stragglers,
+            target_s=target_s,
+            baseline_s=baseline_s,
+            degraded_nodes=degraded,
+            changed=changed,
+        )
+
+    # -- persistence -------------------------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """The detector's memory as a JSON-serializable dict (settings are not included)."""
+        return {
+            "version": STATE_VERSION,
+            "iterations": {str(rank): n for rank, n in sorted(self._iterations.items())},
+            "replicas": {
+                str(dp_rank): {
+                    "slowStreak": r.slow_streak,
+                    "fastStreak": r.fast_streak,
+                    "recentSeconds": list(r.recent_s),
+                    "flagged": r.flagged,
+                    "sinceSeconds": r.since_s,
+                    "node": r.node,
+                }
+                for dp_rank, r in sorted(self._replicas.items())
+            },
+            "published": {
+                "dpRanks": sorted(self._published.dp_ranks),
+                "targetSeconds": self._published.target_s,
+            },
+        }
+
+    @classmethod
+    def from_state(
+        cls,
+        settings: Stragglers,
+        state: Mapping[str, Any],
+        *,
+        retarget_tolerance: float = 0.02,
+    ) -> StragglerDetector:
+        """A detector that resumes where the one that wrote ``state`` left off."""
+        detector = cls(settings, retarget_tolerance=retarget_tolerance)
+        try:
+            if state["version"] != STATE_VERSION:
+                raise ValueError(f"unsupported state version {state['version']!r}")
+            detector._iterations = {
+                _index(k): _count(v) for k, v in _mapping(state["iterations"]).items()
+            }
+            detector._replicas = {
+                _index(k): _replica_from_state(v, settings.persistence_reports)
+                for k, v in _mapping(state["replicas"]).items()
+            }
+            published = _mapping(state["published"])
+            detector._published = _Published(
+                dp_ranks=frozenset(_index(v) for v in _sequence(published["dpRanks"])),
+                target_s=_optional_seconds(published["targetSeconds"]),
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed straggler detector state: {error!r}") from error
+        return detector
+
+
+# -- state parsing -----------------------------------------------------------------------------
+
+
+def _mapping(value: object) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping in straggler state, got {value!r}")
+    return value
+
+
+def _sequence(value: object) -> Sequence[object]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"expected a list in straggler state, got {value!r}")
+    return value
+
+
+def _index(value: object) -> int:
+    number = int(value) if isinstance(value, str) and value.isdigit() else value
+    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        raise ValueError(f"expected a non-negative index in straggler state, got {value!r}")
+    return number
+
+
+def _count(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative count in straggler state, got {value!r}")
+    return value
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"expected finite seconds in straggler state, got {value!r}")
+    return float(value)
+
+
+def _optional_seconds(value: object) -> float | None:
+    return None if value is None else _seconds(value)
+
+
+def _replica_from_state(value: object, persistence: int) -> _Replica:
+    raw = _mapping(value)
+    node = raw["node"]
+    if node is not None and not isinstance(node, str):
+        raise ValueError(f"expected a node name in straggler state, got {node!r}")
+    flagged = raw["flagged"]
+    if not isinstance(flagged, bool):
+        raise ValueError(f"expected a boolean flag in straggler state, got {flagged!r}")
+    replica = _Replica(
+        slow_streak=_count(raw["slowStreak"]),
+        fast_streak=_count(raw["fastStreak"]),
+        # Settings may have shrunk persistenceReports since the state was written.
+        recent_s=tuple(_seconds(v) for v in _sequence(raw["recentSeconds"]))[-persistence:],
+        flagged=flagged,
+        since_s=_optional_seconds(raw["sinceSeconds"]),
+        node=node,
+    )
+    if replica.flagged and (
+        replica.node is None or replica.since_s is None or not replica.recent_s
+    ):
+        raise ValueError("straggler state: a flagged replica needs node, since and recent times")
+    return replica
