@@ -8,6 +8,7 @@ project's components need:
   changes) and a ``resourceVersion`` that increases with every write (kmock stamps none of them,
   so e.g. kopf's JSON patches that test ``/metadata/resourceVersion`` fail);
 - a failed JSON-patch ``test`` operation is HTTP 422, not 500; a create answers 201, not 200;
+- ``metadata.generateName`` gives a created object a unique name (kopf's events use it);
 - list responses carry ``kind``/``apiVersion`` and a real ``metadata.resourceVersion``;
 - the ``status`` subresource: a patch of ``.../status`` changes only ``status``, a patch of the
   object itself never changes ``status`` (kmock merges whatever it is sent into the object);
@@ -130,6 +131,8 @@ class Emulator(kmock.KubernetesEmulator):
         metadata = body.setdefault("metadata", {})
         if request.namespace and not metadata.get("namespace"):
             metadata["namespace"] = request.namespace
+        if not metadata.get("name") and metadata.get("generateName"):
+            metadata["name"] = f"{metadata['generateName']}{uuid.uuid4().hex[:5]}"
         now = datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         metadata.update(
             uid=str(uuid.uuid4()),

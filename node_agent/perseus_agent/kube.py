@@ -508,6 +508,9 @@ def report_status(report: NodeReport, denied: Sequence[GpuReport] = ()) -> dict[
     return {
         **report.model_dump(mode="json"),
         resources.STATUS_OBSERVED_REVISION: report.revision,
+        # Changes with every periodic report, so that each is written: the operator tells a
+        # live agent from a dead one by it.
+        resources.STATUS_REPORTED_AT: _now_rfc3339(),
         "conditions": [condition],
     }
 

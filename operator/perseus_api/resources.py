@@ -28,6 +28,8 @@ loosely here (``dict[str, Any]``). Fields, all written together on every update 
 patch; a field that no longer applies is written as null, which removes it):
 
 - ``observedRevision`` (int or null): the ``spec.revision`` the agent last acted on.
+- ``reportedAt`` (RFC 3339): when the agent wrote this report; rewritten every report interval
+  while the agent lives, so a stale one means a dead or cut-off agent.
 - ``conditions``: a list with one condition of type :data:`CONDITION_APPLIED`, with
   ``status`` ``"True"``/``"False"``, ``reason`` (:data:`REASON_APPLIED`, :data:`REASON_FAILED`,
   :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED`), ``message`` and
@@ -73,6 +75,7 @@ __all__ = [
     "REASON_FAILED",
     "REASON_INVALID_SPEC",
     "STATUS_OBSERVED_REVISION",
+    "STATUS_REPORTED_AT",
     "VERSION",
     "NodePlanObjectError",
     "label_value",
@@ -96,6 +99,8 @@ JOB_LABEL: Final = f"{GROUP}/job"
 """Label of a node plan: the job it belongs to (``label_value(job)``)."""
 
 STATUS_OBSERVED_REVISION: Final = "observedRevision"
+STATUS_REPORTED_AT: Final = "reportedAt"
+"""When the agent wrote the report (RFC 3339); a live agent rewrites it every report interval."""
 CONDITION_APPLIED: Final = "Applied"
 REASON_APPLIED: Final = "Applied"
 """Every GPU of the plan is at its clock (or clamped, or waiting for its training process)."""

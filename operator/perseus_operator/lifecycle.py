@@ -13,6 +13,7 @@ from those when missing.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,7 @@ from perseus_api.plan import (
     StagePlan,
 )
 from perseus_api.schedule import stage_instruction_order
+from perseus_operator.metrics import max_iterations
 from perseus_operator.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
@@ -72,6 +74,8 @@ from perseus_planner import Frontier
 PROFILE_KEY: Final = "profile.csv"
 BLOCKING_POWER_KEY: Final = "blockingPowerWatts"
 PIPELINE_KEY: Final = "pipeline"
+STRAGGLER_STATE_ANNOTATION: Final = f"{resources.GROUP}/straggler-state"
+"""The straggler detector's memory, so a restarted operator neither forgets nor re-detects."""
 
 
 class JobIO(Protocol):
@@ -126,13 +130,21 @@ class JobMemo:
     detector_key: str = ""
     retarget_s: float | None = None
     """The straggler target the current plans were written for (None: T_min for all)."""
+    plan: PipelinePlan | None = None
+    """The plan of the healthy replicas now (for the savings metrics)."""
 
 
 @dataclass
 class Outcome:
     status: PerseusJobStatus
     events: list[Event] = field(default_factory=list)
-    retry_soon: bool = False
+    plan: PipelinePlan | None = None
+    """The plan now in effect (for metrics)."""
+    iterations: int = 0
+    """Most iterations a rank of the job has reported."""
+    new_stragglers: int = 0
+    detector_state: str | None = None
+    """JSON for :data:`STRAGGLER_STATE_ANNOTATION` (None: leave it as it is)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,7 @@ async def reconcile(
     except ValidationError:
         status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
     step = _Step(ref, status, io, planner, memo, time.monotonic() if now_s is None else now_s)
+    step.saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     try:
         spec = PerseusJobSpec.model_validate(body.get("spec") or {})
     except ValidationError as exc:
@@ -218,12 +231,18 @@ class _Step:
         self.memo = memo
         self.now_s = now_s
         self.events: list[Event] = []
-        self.retry_soon = False
+        self.iterations = 0
+        self.new_stragglers = 0
+        self.saved_detector: str | None = None
 
     def outcome(self) -> Outcome:
         if self.status.phase != self.before.phase:
             self.event("Normal", "Phase", f"{self.before.phase.value} → {self.status.phase.value}")
-        return Outcome(self.status, self.events, self.retry_soon)
+        plan = self.memo.plan if self.status.phase == Phase.RUNNING else None
+        state = None
+        if self.memo.detector is not None and self.status.phase == Phase.RUNNING:
+            state = json.dumps(self.memo.detector.to_state(), separators=(",", ":"))
+        return Outcome(self.status, self.events, plan, self.iterations, self.new_stragglers, state)
 
     # -- status helpers --
 
@@ -495,6 +514,7 @@ class _Step:
             plan_of_replica = {d: RETARGETED_PLAN for d in range(dp) if d not in stragglers}
             current = retargeted
         self.status.revision += 1
+        self.memo.plan = current
         estimate = _estimate(current)
         self.status.plan = PlanStatus(
             targetIterationSeconds=estimate.iteration_time_s,
@@ -528,10 +548,15 @@ class _Step:
             return
         frontier, _ = solved
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        self.iterations = max_iterations(plans)
         if applies_clocks(spec.policy):
             self._applied_condition(plans)
-        samples = rank_samples(plans, ranks)
+        samples = rank_samples(plans, ranks, now_s=self.now_s, wall_now=datetime.now(tz=UTC))
         detector = self._detector(spec)
+        if self.memo.plan is None:  # after a restart: the plan of the target in effect
+            self.memo.plan = choose_plan(
+                frontier, spec.policy, straggler_target_s=self.memo.retarget_s
+            )
         verdict = detector.observe(samples, self.now_s)
         self._report_stragglers(verdict)
         if spec.policy.mode != Mode.STRAGGLER_AWARE or not verdict.changed:
@@ -541,6 +566,15 @@ class _Step:
 
     def _detector(self, spec: PerseusJobSpec) -> StragglerDetector:
         key = spec.stragglers.model_dump_json()
+        if self.memo.detector is None and self.saved_detector:
+            # A restarted operator: resume the saved counters and the target in effect.
+            try:
+                state = json.loads(self.saved_detector)
+                self.memo.detector = StragglerDetector.from_state(spec.stragglers, state)
+                self.memo.detector_key = key
+                self.memo.retarget_s = state["published"]["targetSeconds"]
+            except (ValueError, TypeError, KeyError):
+                self.memo.detector = None  # unreadable: start afresh
         if self.memo.detector is None or self.memo.detector_key != key:
             self.memo.detector = StragglerDetector(spec.stragglers)
             self.memo.detector_key = key
@@ -557,6 +591,7 @@ class _Step:
             )
             for s in sorted(verdict.stragglers.values(), key=lambda s: s.dp_rank)
         ]
+        self.new_stragglers = len(set(verdict.stragglers) - set(previous))
         for dp in sorted(set(verdict.stragglers) - set(previous)):
             s = verdict.stragglers[dp]
             self.event(
@@ -650,15 +685,22 @@ def _estimate(plan: PipelinePlan) -> PlanEstimate:
 
 
 def rank_samples(
-    plans: Sequence[Mapping[str, Any]], ranks: Sequence[RankPlacement]
+    plans: Sequence[Mapping[str, Any]],
+    ranks: Sequence[RankPlacement],
+    *,
+    now_s: float,
+    wall_now: datetime,
 ) -> list[RankSample]:
-    """The straggler detector's input from the agents' reports in the node plans' status."""
+    """The straggler detector's input from the agents' reports in the node plans' status.
+
+    A report's time is ``now_s`` minus its age (``wall_now`` minus its ``reportedAt``).
+    """
     placed = {r.rank: r for r in ranks}
     samples = []
     for plan in plans:
         status = plan.get("status") or {}
         node = (plan.get("spec") or {}).get("node", "")
-        reported_at = _reported_at_s(plan)
+        reported_at = now_s - _report_age_s(status, wall_now)
         for report in status.get("ranks") or ():
             if not isinstance(report, Mapping):
                 continue
@@ -685,18 +727,16 @@ def rank_samples(
     return samples
 
 
-def _reported_at_s(plan: Mapping[str, Any]) -> float:
-    """When the agent last wrote the report, as monotonic-comparable seconds (``now`` if the
-    agent does not say: staleness then comes from the report's ``reportedAt``, when present)."""
-    status = plan.get("status") or {}
-    stamp = status.get("reported_at") or status.get("reportedAt")
-    if isinstance(stamp, str):
-        try:
-            when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-        except ValueError:
-            return time.monotonic()
-        return time.monotonic() - max(0.0, (datetime.now(tz=UTC) - when).total_seconds())
-    return time.monotonic()
+def _report_age_s(status: Mapping[str, Any], wall_now: datetime) -> float:
+    """Seconds since the agent wrote ``status`` (0 when it does not say)."""
+    stamp = status.get(resources.STATUS_REPORTED_AT)
+    if not isinstance(stamp, str):
+        return 0.0
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    return max(0.0, (wall_now - when).total_seconds())
 
 
 def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
@@ -733,3 +773,45 @@ def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
             for s in range(p.pipeline_stages)
         ],
     )
+
+
+# -- deletion ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Release:
+    """Where releasing a deleted job's GPUs stands."""
+
+    done: bool
+    waiting_for: tuple[str, ...] = ()
+    """Nodes whose agents have not yet confirmed the reset."""
+
+
+async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any]) -> Release:
+    """One step of releasing a deleted job's GPUs: every node plan is first emptied (its agent
+    resets the clocks and reports the empty revision), then deleted once confirmed. Call
+    again until ``done``; on a deadline, :func:`force_release` deletes what is left."""
+    waiting = []
+    for obj in await io.list_node_plans(namespace, job):
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        node = str(spec.get("node", "?"))
+        revision = int(spec.get("revision") or 0)
+        if spec.get("assignments"):
+            emptied = {**spec, "assignments": [], "plans": {}, "profiling": None}
+            emptied["revision"] = revision + 1
+            body = {**obj, "spec": emptied}
+            body.pop("status", None)
+            await io.put_node_plan(body, owner)
+            waiting.append(node)
+        elif status.get(resources.STATUS_OBSERVED_REVISION) == revision:
+            await io.delete_node_plan(*resources.object_key(obj))
+        else:
+            waiting.append(node)
+    return Release(done=not waiting, waiting_for=tuple(sorted(waiting)))
+
+
+async def force_release(namespace: str, job: str, io: JobIO) -> None:
+    """Delete the job's node plans without waiting (agents reset when a plan disappears)."""
+    for obj in await io.list_node_plans(namespace, job):
+        await io.delete_node_plan(*resources.object_key(obj))

@@ -9,9 +9,10 @@ round, and persists :meth:`StragglerDetector.to_state` to resume after a restart
 
 A replica's iteration time is the maximum over its ranks' ``mean_iteration_s`` (the slowest
 stage gates the whole pipeline), counting only ranks past warm-up with fresh telemetry. The
-reference time ``T`` is the median of the replicas' times, so one slow replica does not move
-it. Decisions need ``persistenceReports`` rounds in a row on the same side of a threshold,
-and the thresholds differ for entering and leaving the straggler state (hysteresis), so noise,
+reference time ``T`` is the lower median of the replicas' times, so one slow replica does not
+move it (with two replicas it is the faster one, so ``T'/T`` is the straggler's true slowdown).
+Decisions need ``persistenceReports`` rounds in a row on the same side of a threshold, and the
+thresholds differ for entering and leaving the straggler state (hysteresis), so noise,
 checkpoint spikes and restarts do not make plans flap.
 """
 
@@ -91,7 +92,8 @@ class StragglerVerdict:
 
     ``target_s`` (``T'``, seconds) is the slowest straggler's iteration time, which the other
     replicas should be re-targeted to; ``None`` without stragglers. ``baseline_s`` (``T``,
-    seconds) is the median of the measured replicas' times; ``None`` with fewer than two.
+    seconds) is the lower median of the measured replicas' times (with two replicas, the
+    faster one); ``None`` with fewer than two.
     ``degraded_nodes`` have stale telemetry: their replicas are neither flagged nor measured.
     ``changed`` says plans must be rewritten: the straggler set changed, or ``target_s`` moved
     by more than the retarget tolerance since the last verdict that changed.
@@ -294,7 +296,7 @@ class StragglerDetector:
         times_s = {dp: r.time_s for dp, r in rounds.items() if r.time_s is not None}
         baseline_s: float | None = None
         if len(times_s) >= 2:
-            baseline_s = statistics.median(times_s.values())
+            baseline_s = statistics.median_low(times_s.values())
         if baseline_s is None or baseline_s <= 0:
             # No reference, no straggler: start over once there is one again.
             baseline_s = None

@@ -1,0 +1,206 @@
+"""kopf handlers: thin adapters from kopf's events to :mod:`perseus_operator.lifecycle`.
+
+Run with ``perseus-operator`` (or ``kopf run -m perseus_operator.handlers``). Settings come
+from ``PERSEUS_OPERATOR_*`` variables (:class:`~perseus_operator.config.OperatorConfig`), read
+once when this module is imported (the timer's interval is needed at registration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import kopf
+
+from perseus_api import resources
+from perseus_api.job import JOB_PLURAL
+from perseus_operator.config import OperatorConfig
+from perseus_operator.kube import KubeClient, load_api_client, owner_reference
+from perseus_operator.lifecycle import (
+    STRAGGLER_STATE_ANNOTATION,
+    JobMemo,
+    Outcome,
+    force_release,
+    reconcile,
+    release,
+)
+from perseus_operator.metrics import OperatorMetrics
+from perseus_operator.planner_pool import PoolPlanner
+
+CONFIG: Final = OperatorConfig.from_env()
+JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
+FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
+RELEASE_POLL_S: Final = 0.5
+
+log = logging.getLogger("perseus_operator")
+
+
+@dataclass
+class _Job:
+    memo: JobMemo = field(default_factory=JobMemo)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class _Operator:
+    """What the handlers share: kept in kopf's operator-level memo."""
+
+    kube: KubeClient
+    planner: PoolPlanner
+    metrics: OperatorMetrics
+    jobs: dict[tuple[str, str], _Job] = field(default_factory=dict)
+    stop_metrics: Any = None
+
+
+def _state(memo: kopf.Memo) -> _Operator:
+    state: _Operator = memo["perseus"]
+    return state
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=resources.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=resources.GROUP)
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # events are ours; kopf posts only its warnings
+    kubeconfig = CONFIG.kubeconfig or os.environ.get("KUBECONFIG", "")
+    metrics = OperatorMetrics()
+    state = _Operator(
+        kube=KubeClient(load_api_client(kubeconfig)),
+        planner=PoolPlanner(
+            CONFIG.planner_workers, CONFIG.planner_timeout_s, metrics.planner.observe
+        ),
+        metrics=metrics,
+    )
+    if CONFIG.metrics_port:
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(
+            CONFIG.metrics_port, CONFIG.metrics_address, registry=metrics.registry
+        )
+        state.stop_metrics = server.shutdown
+    memo["perseus"] = state
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    state = memo.get("perseus")
+    if state is None:
+        return
+    state.planner.close()
+    state.kube.close()
+    if state.stop_metrics is not None:
+        state.stop_metrics()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    if CONFIG.kubeconfig:
+        os.environ["KUBECONFIG"] = CONFIG.kubeconfig  # what kopf's kubeconfig login reads
+    if os.environ.get("KUBECONFIG"):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs)
+
+
+@kopf.on.create(*JOB)
+@kopf.on.update(*JOB, field="spec")
+async def changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(body, patch, memo)
+
+
+@kopf.timer(*JOB, interval=CONFIG.reconcile_interval_s)
+async def progress(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    if body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    await _reconcile(body, patch, memo)
+
+
+@kopf.on.delete(*JOB)
+async def deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Keep the job (and its finalizer) until every agent has reset its GPUs, or the release
+    timeout has passed."""
+    state = _state(memo)
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    owner = owner_reference(_raw(body))
+    waited_s = _seconds_since(body["metadata"].get("deletionTimestamp"))
+    deadline = time.monotonic() + max(0.0, CONFIG.release_timeout_s - waited_s)
+    outcome = await release(namespace, name, state.kube, owner)
+    while not outcome.done and time.monotonic() < deadline:
+        await asyncio.sleep(RELEASE_POLL_S)
+        outcome = await release(namespace, name, state.kube, owner)
+    if not outcome.done:
+        kopf.warn(
+            body,
+            reason="ReleaseTimeout",
+            message=f"agents of {', '.join(outcome.waiting_for)} did not confirm the reset "
+            f"within {CONFIG.release_timeout_s:g} s; deleting their plans anyway",
+        )
+        await force_release(namespace, name, state.kube)
+    state.jobs.pop((namespace, name), None)
+    state.metrics.forget_job(namespace, name)
+
+
+# -- adapters ----------------------------------------------------------------------------------
+
+
+async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+    state = _state(memo)
+    raw = _raw(body)
+    key = (raw["metadata"]["namespace"], raw["metadata"]["name"])
+    job = state.jobs.setdefault(key, _Job())
+    async with job.lock:  # a timer tick and a spec change never reconcile at once
+        outcome = await reconcile(raw, state.kube, state.planner, job.memo)
+    _patch(raw, patch, outcome)
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    state.metrics.observe_job(
+        *key,
+        phase=outcome.status.phase,
+        plan=outcome.plan,
+        iterations=outcome.iterations,
+        replicas=_replicas(raw),
+        new_stragglers=outcome.new_stragglers,
+    )
+
+
+def _patch(raw: Mapping[str, Any], patch: kopf.Patch, outcome: Outcome) -> None:
+    """Only what changed: an unchanged status is not written again."""
+    new = outcome.status.model_dump(mode="json", by_alias=True)
+    old = raw.get("status") or {}
+    for k, v in new.items():
+        if old.get(k) != v:
+            patch.status[k] = v
+    annotations = (raw.get("metadata") or {}).get("annotations") or {}
+    state = outcome.detector_state
+    if state is not None and annotations.get(STRAGGLER_STATE_ANNOTATION) != state:
+        patch.metadata.annotations[STRAGGLER_STATE_ANNOTATION] = state
+
+
+def _raw(body: kopf.Body) -> dict[str, Any]:
+    raw: dict[str, Any] = json.loads(json.dumps(copy.deepcopy(dict(body))))
+    return raw
+
+
+def _replicas(raw: Mapping[str, Any]) -> int:
+    try:
+        return int(raw["spec"]["parallelism"].get("dataParallel", 1))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return 1
+
+
+def _seconds_since(stamp: object) -> float:
+    if not isinstance(stamp, str):
+        return 0.0
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    return max(0.0, (datetime.now(tz=UTC) - when).total_seconds())

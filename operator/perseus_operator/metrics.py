@@ -1,0 +1,134 @@
+"""The operator's Prometheus metrics (names as in DESIGN.md; base units, ``_total`` counters)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from perseus_api.job import Phase
+from perseus_api.plan import Granularity, PipelinePlan
+
+
+@dataclass
+class _JobSeen:
+    phase: Phase
+    iterations: int = 0
+
+
+@dataclass
+class OperatorMetrics:
+    """Metrics of one operator process, on their own registry."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.jobs = Gauge("perseus_jobs", "PerseusJobs by phase.", ["phase"], registry=r)
+        self.savings = Gauge(
+            "perseus_job_expected_savings_ratio",
+            "Energy the current plan is expected to save vs. all GPUs at max clock (fraction).",
+            ["namespace", "job"],
+            registry=r,
+        )
+        self.saved = Counter(
+            "perseus_job_energy_saved_joules",
+            "Energy saved vs. all GPUs at max clock, estimated from the plans and the "
+            "iterations the agents counted, in joules.",
+            ["namespace", "job"],
+            registry=r,
+        )
+        self.stragglers = Counter(
+            "perseus_straggler_events",
+            "Data-parallel replicas detected as stragglers.",
+            ["namespace", "job"],
+            registry=r,
+        )
+        self.planner = Histogram(
+            "perseus_planner_seconds",
+            "Time to solve one iteration time-energy frontier, in seconds.",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self._seen: dict[tuple[str, str], _JobSeen] = {}
+        for phase in Phase:
+            self.jobs.labels(phase.value).set(0)
+
+    def observe_job(
+        self,
+        namespace: str,
+        job: str,
+        phase: Phase,
+        plan: PipelinePlan | None,
+        iterations: int,
+        replicas: int,
+        new_stragglers: int,
+    ) -> None:
+        """Record one reconcile of ``job``: its phase, its plan's expected savings, the energy
+        saved over the ``iterations`` the agents counted since the last call, and stragglers."""
+        key = (namespace, job)
+        seen = self._seen.get(key)
+        if seen is None:
+            seen = self._seen[key] = _JobSeen(phase, iterations)
+            self.jobs.labels(phase.value).inc()
+        elif seen.phase != phase:
+            self.jobs.labels(seen.phase.value).dec()
+            self.jobs.labels(phase.value).inc()
+            seen.phase = phase
+        if new_stragglers:
+            self.stragglers.labels(namespace, job).inc(new_stragglers)
+        if plan is None:
+            seen.iterations = iterations
+            return
+        ratio = saved_ratio(plan)
+        self.savings.labels(namespace, job).set(ratio)
+        # Counters restart with the training process; count only growth.
+        done = iterations - seen.iterations if iterations >= seen.iterations else iterations
+        seen.iterations = iterations
+        if done > 0 and phase == Phase.RUNNING:
+            self.saved.labels(namespace, job).inc(done * replicas * saved_per_iteration_j(plan))
+
+    def forget_job(self, namespace: str, job: str) -> None:
+        seen = self._seen.pop((namespace, job), None)
+        if seen is not None:
+            self.jobs.labels(seen.phase.value).dec()
+        for metric in (self.savings, self.saved, self.stragglers):
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, job)
+
+
+def saved_ratio(plan: PipelinePlan) -> float:
+    estimate = (
+        plan.instruction_estimate
+        if plan.granularity == Granularity.INSTRUCTION
+        else plan.stage_estimate
+    )
+    return estimate.savings_ratio
+
+
+def saved_per_iteration_j(plan: PipelinePlan) -> float:
+    """Joules one pipeline saves per iteration: baseline energy minus the plan's."""
+    estimate = (
+        plan.instruction_estimate
+        if plan.granularity == Granularity.INSTRUCTION
+        else plan.stage_estimate
+    )
+    ratio = estimate.savings_ratio
+    if ratio >= 1:
+        return 0.0
+    return estimate.energy_j * ratio / (1 - ratio)
+
+
+def max_iterations(plans: Sequence[Mapping[str, Any]]) -> int:
+    """Most iterations any rank of the job reported (the job's progress, roughly)."""
+    most = 0
+    for plan in plans:
+        for report in (plan.get("status") or {}).get("ranks") or ():
+            try:
+                most = max(most, int(report["iterations"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return most

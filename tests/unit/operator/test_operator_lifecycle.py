@@ -1,0 +1,504 @@
+"""A PerseusJob's whole life through :func:`perseus_operator.lifecycle.reconcile`, against an
+in-memory cluster: create → profile (agents played by the test) → optimize → plans written →
+straggler → re-target → recover → complete; plus the ways a job waits or fails."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from perseus_api import resources
+from perseus_api.job import WorkloadKind
+from perseus_api.profile import parse_profile
+from perseus_operator.lifecycle import (
+    STRAGGLER_STATE_ANNOTATION,
+    JobMemo,
+    Outcome,
+    profile_config_map_name,
+    reconcile,
+)
+from perseus_operator.planner_pool import InlinePlanner
+from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
+from perseus_planner import DEFAULT_PROFILE, bundled_profile
+
+NS, JOB = "ml", "gpt3"
+STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4
+
+
+def cut_profile(stages: int) -> str:
+    lines = bundled_profile(DEFAULT_PROFILE).path.read_text().strip().splitlines()
+    column = lines[0].split(",").index("stage")
+    return "\n".join([lines[0], *(x for x in lines[1:] if int(x.split(",")[column]) < stages)])
+
+
+PROFILE = parse_profile(cut_profile(STAGES), "cut")
+
+
+class FakeCluster:
+    """The :class:`~perseus_operator.lifecycle.JobIO` of an in-memory cluster."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict[str, Any]] = []
+        self.workloads: dict[tuple[str, str], dict[str, Any]] = {}
+        self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
+        self.node_plans: dict[tuple[str, str], dict[str, Any]] = {}
+        self.writes = 0
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(p) for p in self.pods if p["metadata"]["namespace"] == namespace]
+
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None:
+        return self.workloads.get((namespace, name))
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.config_maps.get((namespace, name)))
+
+    async def put_config_map(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, str],
+        owner: Mapping[str, Any],
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config_maps[(namespace, name)] = {
+            "metadata": {"name": name, "namespace": namespace, "ownerReferences": [owner]},
+            "data": dict(data),
+        }
+
+    async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(p)
+            for (ns, _), p in sorted(self.node_plans.items())
+            if ns == namespace and p["metadata"]["labels"][resources.JOB_LABEL] == job
+        ]
+
+    async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        key = resources.object_key(body)
+        current = self.node_plans.get(key, {})
+        self.node_plans[key] = {
+            **copy.deepcopy(dict(body)),
+            "status": current.get("status", {}),
+        }
+        self.node_plans[key]["metadata"]["ownerReferences"] = [owner]
+        self.writes += 1
+
+    async def delete_node_plan(self, namespace: str, name: str) -> None:
+        self.node_plans.pop((namespace, name), None)
+
+    # -- the agents' side --
+
+    def report(self, node: str, **status: Any) -> None:
+        key = (NS, resources.node_plan_name(JOB, node))
+        self.node_plans[key]["status"] = status
+
+    def spec(self, node: str) -> dict[str, Any]:
+        spec: dict[str, Any] = self.node_plans[(NS, resources.node_plan_name(JOB, node))]["spec"]
+        return spec
+
+
+def pod(index: int, *, node: str | None = "auto", phase: str = "Running") -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"{JOB}-{index}", "namespace": NS, "labels": {"app": JOB}},
+        "spec": {
+            "nodeName": f"node-{index}" if node == "auto" else node,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "env": [{"name": "JOB_COMPLETION_INDEX", "value": str(index)}],
+                    "resources": {"limits": {"nvidia.com/gpu": str(GPUS_PER_POD)}},
+                }
+            ],
+        },
+        "status": {"phase": phase},
+    }
+
+
+def job_body(**policy: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "perseus.energy/v1alpha1",
+        "kind": "PerseusJob",
+        "metadata": {"name": JOB, "namespace": NS, "uid": "uid-1", "generation": 1},
+        "spec": {
+            "workload": {"kind": "Pods", "podSelector": {"matchLabels": {"app": JOB}}},
+            "parallelism": {
+                "pipelineStages": STAGES,
+                "dataParallel": DP,
+                "microbatches": MICROBATCHES,
+            },
+            "policy": {"blockingPowerWatts": 83.64, **policy},
+            "profiling": {"iterationsPerFrequency": 2, "warmupIterations": 1},
+            "stragglers": {"persistenceReports": 2, "warmupIterations": 0},
+        },
+    }
+
+
+class Operator:
+    """Runs reconcile like the kopf handlers do: status written back, memo kept."""
+
+    def __init__(self, cluster: FakeCluster, body: dict[str, Any]) -> None:
+        self.cluster = cluster
+        self.body = body
+        self.memo = JobMemo()
+        self.events: list[tuple[str, str]] = []
+
+    def step(self) -> Outcome:
+        outcome = asyncio.run(
+            reconcile(self.body, self.cluster, InlinePlanner(), self.memo, now_s=time.monotonic())
+        )
+        self.body["status"] = outcome.status.model_dump(mode="json", by_alias=True)
+        if outcome.detector_state is not None:
+            annotations = self.body["metadata"].setdefault("annotations", {})
+            annotations[STRAGGLER_STATE_ANNOTATION] = outcome.detector_state
+        self.events += [(e.reason, e.message) for e in outcome.events]
+        return outcome
+
+    @property
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.body["status"]
+        return status
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        return next(c for c in self.status["conditions"] if c["type"] == kind)
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    c = FakeCluster()
+    c.pods = [pod(0), pod(1)]
+    return c
+
+
+def profiling_reports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What an agent reports once every GPU of its node plan is profiled: the real profile's
+    rows of each GPU's stage."""
+    out = []
+    for a in spec["assignments"]:
+        stage = a["stage"]
+        rows = []
+        for name in ("forward", "backward"):
+            m = PROFILE.get(stage, name)
+            for clock, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True):
+                rows.append(
+                    {
+                        "stage": stage,
+                        "instruction": name,
+                        "frequency_mhz": int(clock),
+                        "time_s": float(t),
+                        "energy_j": float(e),
+                        "samples": 2,
+                    }
+                )
+        out.append(
+            {
+                "uuid": f"GPU-{a['gpu_index']}",
+                "index": a["gpu_index"],
+                "stage": stage,
+                "done": True,
+                "rows": rows,
+                "blocking_power_w": 80.0,
+                "blocking_s": 1.0,
+            }
+        )
+    return out
+
+
+def now_rfc3339(age_s: float = 0.0) -> str:
+    return (datetime.now(tz=UTC) - timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def report_iterations(
+    cluster: FakeCluster, slow_dp: dict[int, float], t_s: float, *, age_s: float = 0.0
+) -> None:
+    """Every agent reports its ranks' mean iteration time (``t_s`` times the replica's
+    factor) and applied the current revision."""
+    for node in ("node-0", "node-1"):
+        spec = cluster.spec(node)
+        ranks = [
+            {
+                "rank": a["rank"],
+                "dp_rank": a["dp_rank"],
+                "pp_rank": a["stage"],
+                "iterations": 50,
+                "last_iteration_s": t_s * slow_dp.get(a["dp_rank"], 1.0),
+                "mean_iteration_s": t_s * slow_dp.get(a["dp_rank"], 1.0),
+            }
+            for a in spec["assignments"]
+        ]
+        cluster.report(
+            node,
+            observedRevision=spec["revision"],
+            reportedAt=now_rfc3339(age_s),
+            conditions=[{"type": "Applied", "status": "True", "reason": "Applied"}],
+            ranks=ranks,
+        )
+
+
+def plan_of_replicas(cluster: FakeCluster) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for node in ("node-0", "node-1"):
+        for a in cluster.spec(node)["assignments"]:
+            out.setdefault(a["dp_rank"], set()).add(a["plan"])
+    return out
+
+
+def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeCluster) -> None:
+    op = Operator(cluster, job_body())
+
+    # Pending → Profiling: one node plan per node, profiling every GPU at its stage.
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    assert op.status["nodes"] == ["node-0", "node-1"]
+    specs = {node: cluster.spec(node) for node in ("node-0", "node-1")}
+    for spec in specs.values():
+        assert spec["profiling"]["iterations_per_frequency"] == 2
+        assert spec["profiling"]["frequencies_mhz"][0] == 2100
+        assert len(spec["assignments"]) == GPUS_PER_POD
+    # Ranks 0..3 on node-0: tp-dp-pp order with dp=2: (dp, pp) = (0,0) (1,0) (0,1) (1,1).
+    assert [(a["gpu_index"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]] == [
+        (0, 0, 0),
+        (1, 1, 0),
+        (2, 0, 1),
+        (3, 1, 1),
+    ]
+
+    # Half the agents finished: still profiling.
+    cluster.report("node-0", profiling=profiling_reports(specs["node-0"]))
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    assert "2 of 4 pipeline stages measured" in op.status["message"]
+
+    # All done: profile stored in a ConfigMap owned by the job, planned, plans written.
+    cluster.report("node-1", profiling=profiling_reports(specs["node-1"]))
+    op.step()
+    assert op.status["phase"] == "Running"
+    stored = cluster.config_maps[(NS, profile_config_map_name(JOB))]
+    assert stored["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert parse_profile(stored["data"]["profile.csv"], "stored").num_stages == STAGES
+    frontier = op.status["frontier"]
+    assert 0 < frontier["tMinSeconds"] < frontier["tStarSeconds"] <= frontier["tMaxSeconds"]
+    plan = op.status["plan"]
+    assert plan["targetIterationSeconds"] == pytest.approx(frontier["tMinSeconds"])
+    assert 0.0 < plan["expectedSavingsRatio"] < 0.3
+    assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+    assert cluster.spec("node-0").get("profiling") is None
+    assert cluster.spec("node-0")["revision"] == plan["revision"] == op.status["revision"]
+    assert op.condition("Profiled")["status"] == op.condition("Optimized")["status"] == "True"
+
+    # Agents apply it and report iteration times at T_min: applied, no straggler.
+    t_min = frontier["tMinSeconds"]
+    report_iterations(cluster, {}, t_min)
+    op.step()
+    assert op.condition("PlanApplied")["status"] == "True"
+    assert op.condition("StragglerDetected")["status"] == "False"
+
+    # Replica 1 slows to 1.2 x: detected after 2 reports (persistenceReports), and replica 0
+    # is re-targeted to a slower, cheaper plan; the straggler keeps T_min.
+    revision = op.status["revision"]
+    report_iterations(cluster, {1: 1.2}, t_min)
+    op.step()
+    assert op.status["stragglers"] == [] and op.status["revision"] == revision
+    op.step()
+    [straggler] = op.status["stragglers"]
+    assert straggler["dataParallelRank"] == 1 and straggler["node"] in ("node-0", "node-1")
+    assert straggler["slowdown"] == pytest.approx(1.2, rel=1e-3)  # vs. the healthy replica
+    assert op.condition("StragglerDetected")["status"] == "True"
+    assert op.status["revision"] == revision + 1
+    assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
+    retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
+    assert t_min < retargeted["instruction_estimate"]["iteration_time_s"] <= 1.2 * t_min * 1.01
+    assert op.status["plan"]["expectedSavingsRatio"] > plan["expectedSavingsRatio"]
+    detected = [m for reason, m in op.events if reason == "StragglerDetected"]
+    assert detected == [
+        f"data-parallel replica 1 on node {straggler['node']} is {straggler['slowdown']:.3f}x "
+        "slower"
+    ]
+
+    # Steady: no rewrite while the straggler stays put.
+    writes = cluster.writes
+    report_iterations(cluster, {1: 1.2}, t_min)
+    op.step()
+    assert cluster.writes == writes
+
+    # Recovery after 2 reports: everyone back to T_min.
+    report_iterations(cluster, {}, t_min)
+    op.step()
+    report_iterations(cluster, {}, t_min)
+    op.step()
+    assert op.status["stragglers"] == []
+    assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+    assert any(reason == "StragglerRecovered" for reason, _ in op.events)
+
+    # The workload finishes: plans deleted (agents reset), job Completed.
+    for p in cluster.pods:
+        p["status"]["phase"] = "Succeeded"
+    op.step()
+    assert op.status["phase"] == "Completed"
+    assert cluster.node_plans == {}
+    phases = [m for reason, m in op.events if reason == "Phase"]
+    assert phases == [
+        "Pending → Profiling",
+        "Profiling → Running",
+        "Running → Completed",
+    ]
+
+
+def running(cluster: FakeCluster, **policy: Any) -> Operator:
+    """A job whose stored profile lets it skip profiling, reconciled once."""
+    op = Operator(cluster, job_body(**policy))
+    op.step()
+    specs = {node: cluster.spec(node) for node in ("node-0", "node-1")}
+    for node, spec in specs.items():
+        cluster.report(node, profiling=profiling_reports(spec))
+    op.step()
+    assert op.status["phase"] == "Running", op.status
+    return op
+
+
+def test_observe_mode_plans_but_writes_no_node_plans(cluster: FakeCluster) -> None:
+    op = running(cluster, mode="Observe")
+    assert cluster.node_plans == {}
+    assert op.status["plan"]["expectedSavingsRatio"] > 0
+    assert op.condition("PlanApplied")["reason"] == "Observe"
+
+
+def test_stage_granularity_plans_one_clock_per_gpu(cluster: FakeCluster) -> None:
+    running(cluster, granularity="Stage")
+    spec = cluster.spec("node-1")
+    assert spec["granularity"] == "Stage"
+    assert spec["plans"][TMIN_PLAN]["granularity"] == "Stage"
+
+
+def test_spec_change_replans_without_profiling_again(cluster: FakeCluster) -> None:
+    op = running(cluster)
+    revision = op.status["revision"]
+    op.body["spec"]["policy"]["maxSlowdown"] = 0.05
+    op.body["metadata"]["generation"] = 2
+    op.step()
+    assert op.status["phase"] == "Running"
+    assert op.status["observedGeneration"] == 2
+    assert op.status["revision"] == revision + 1
+    assert cluster.spec("node-0")["plans"][TMIN_PLAN]["objective"] == "MaxSlowdown"
+    assert cluster.spec("node-0").get("profiling") is None  # the stored profile was reused
+
+
+def test_a_restarted_operator_resumes_from_the_cluster(cluster: FakeCluster) -> None:
+    op = running(cluster)
+    revision = op.status["revision"]
+    restarted = Operator(cluster, op.body)  # new memo: no frontier, no detector
+    report_iterations(cluster, {}, op.status["frontier"]["tMinSeconds"])
+    restarted.step()
+    assert restarted.status["phase"] == "Running"
+    assert restarted.status["revision"] == revision  # nothing rewritten
+    assert restarted.memo.frontier is not None
+
+
+def test_a_restarted_operator_keeps_the_straggler_and_its_target(cluster: FakeCluster) -> None:
+    op = running(cluster)
+    t_min = op.status["frontier"]["tMinSeconds"]
+    for _ in range(2):
+        report_iterations(cluster, {1: 1.2}, t_min)
+        op.step()
+    assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
+    revision = op.status["revision"]
+
+    restarted = Operator(cluster, copy.deepcopy(op.body))
+    report_iterations(cluster, {1: 1.2}, t_min)
+    restarted.step()
+    assert restarted.status["revision"] == revision  # no flap back to T_min and again
+    assert [s["dataParallelRank"] for s in restarted.status["stragglers"]] == [1]
+    assert restarted.memo.retarget_s == pytest.approx(1.2 * t_min, rel=0.01)
+    # It recovers as it would have without the restart.
+    for _ in range(2):
+        report_iterations(cluster, {}, t_min)
+        restarted.step()
+    assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+
+
+def test_stale_telemetry_is_degraded_not_a_straggler(cluster: FakeCluster) -> None:
+    op = running(cluster)
+    t_min = op.status["frontier"]["tMinSeconds"]
+    for _ in range(3):
+        report_iterations(cluster, {1: 1.3}, t_min, age_s=3600)
+        op.step()
+    assert op.status["stragglers"] == []
+    degraded = op.condition("Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "StaleTelemetry"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "phase", "message"),
+    [
+        (lambda c, b: c.pods.pop(), "Pending", "found 1 of 2 pods"),
+        (lambda c, b: c.pods[1]["spec"].update(nodeName=None), "Pending", "not scheduled"),
+        (
+            lambda c, b: b["spec"]["parallelism"].update(dataParallel=1),
+            "Failed",
+            "parallelism asks for",
+        ),
+        (
+            lambda c, b: b["spec"].update(workload={"kind": "PyTorchJob", "name": "nope"}),
+            "Pending",
+            "PyTorchJob ml/nope does not exist",
+        ),
+        (
+            lambda c, b: b["spec"]["parallelism"].update(pipelineStages=1),
+            "Failed",
+            "invalid spec: parallelism.pipelineStages",
+        ),
+        (
+            lambda c, b: b["spec"]["profiling"].update(profileRef={"configMapName": "missing"}),
+            "Failed",
+            "ConfigMap missing does not exist",
+        ),
+    ],
+)
+def test_jobs_that_cannot_proceed_say_why(
+    cluster: FakeCluster, mutate: Any, phase: str, message: str
+) -> None:
+    body = job_body()
+    mutate(cluster, body)
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == phase
+    assert message in op.status["message"], op.status["message"]
+    assert cluster.node_plans == {}
+
+
+def test_a_profile_that_does_not_fit_fails_the_job_with_the_reason(cluster: FakeCluster) -> None:
+    cluster.config_maps[(NS, "stored")] = {"data": {"profile.csv": cut_profile(2)}}
+    body = job_body()
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "stored"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Failed"
+    assert "has 2 stages but the pipeline has 4" in op.status["message"]
+    assert op.condition("Degraded")["reason"] == "PlanningFailed"
+
+
+def test_profile_ref_skips_profiling(cluster: FakeCluster) -> None:
+    cluster.config_maps[(NS, "stored")] = {"data": {"profile.csv": cut_profile(STAGES)}}
+    body = job_body()
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "stored"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Running"
+    assert op.status["frontier"]["profileConfigMap"] == "stored"
+    assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+
+
+def test_failed_workload_fails_the_job_and_releases_the_gpus(cluster: FakeCluster) -> None:
+    op = running(cluster)
+    cluster.pods[0]["status"]["phase"] = "Failed"
+    op.step()
+    assert op.status["phase"] == "Failed"
+    assert cluster.node_plans == {}
+    assert "failed" in op.status["message"]
