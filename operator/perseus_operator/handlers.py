@@ -33,7 +33,7 @@ from perseus_operator.lifecycle import (
     release,
 )
 from perseus_operator.metrics import OperatorMetrics
-from perseus_operator.planner_pool import PoolPlanner
+from perseus_operator.planner_pool import CachingPlanner, PoolPlanner
 
 CONFIG: Final = OperatorConfig.from_env()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
@@ -54,7 +54,7 @@ class _Operator:
     """What the handlers share: kept in kopf's operator-level memo."""
 
     kube: KubeClient
-    planner: PoolPlanner
+    planner: CachingPlanner
     metrics: OperatorMetrics
     jobs: dict[tuple[str, str], _Job] = field(default_factory=dict)
     stop_metrics: Any = None
@@ -75,8 +75,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     metrics = OperatorMetrics()
     state = _Operator(
         kube=KubeClient(load_api_client(kubeconfig)),
-        planner=PoolPlanner(
-            CONFIG.planner_workers, CONFIG.planner_timeout_s, metrics.planner.observe
+        planner=CachingPlanner(
+            PoolPlanner(CONFIG.planner_workers, CONFIG.planner_timeout_s, metrics.planner.observe)
         ),
         metrics=metrics,
     )

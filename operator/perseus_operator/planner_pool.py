@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -80,3 +81,42 @@ class InlinePlanner:
 
     async def solve(self, request: PlanningInput) -> Frontier:
         return solve_frontier(request)
+
+
+class CachingPlanner:
+    """Shares one solve among jobs with the same profile, pipeline and policy clamp: a frontier
+    depends on nothing else. Keeps the ``size`` most recently used frontiers."""
+
+    def __init__(self, inner: PoolPlanner | InlinePlanner, size: int = 16) -> None:
+        self._inner = inner
+        self._size = size
+        self._frontiers: OrderedDict[PlanningInput, Frontier] = OrderedDict()
+        self._solving: dict[PlanningInput, asyncio.Future[Frontier]] = {}
+
+    async def solve(self, request: PlanningInput) -> Frontier:
+        cached = self._frontiers.get(request)
+        if cached is not None:
+            self._frontiers.move_to_end(request)
+            return cached
+        pending = self._solving.get(request)
+        if pending is not None:  # another job asked for the same frontier: wait for it
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Frontier] = asyncio.get_running_loop().create_future()
+        self._solving[request] = future
+        try:
+            frontier = await self._inner.solve(request)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        finally:
+            self._solving.pop(request, None)
+        future.set_result(frontier)
+        self._frontiers[request] = frontier
+        while len(self._frontiers) > self._size:
+            self._frontiers.popitem(last=False)
+        return frontier
+
+    def close(self) -> None:
+        if isinstance(self._inner, PoolPlanner):
+            self._inner.close()
