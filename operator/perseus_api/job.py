@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 from perseus_api.plan import API_VERSION, Granularity
 
@@ -336,13 +337,18 @@ class Stragglers(_Spec):
         return self
 
 
+# ``default: {}`` in the CRD: the API server then fills in the nested defaults of a section
+# the user left out (it does so only inside objects that exist), so `kubectl get` shows them.
+_SECTION: Final[JsonDict] = {"default": {}}
+
+
 class PerseusJobSpec(_Spec):
     workload: Workload
     parallelism: Parallelism
-    rank_mapping: RankMapping = Field(default_factory=RankMapping)
-    policy: Policy = Field(default_factory=Policy)
-    profiling: Profiling = Field(default_factory=Profiling)
-    stragglers: Stragglers = Field(default_factory=Stragglers)
+    rank_mapping: RankMapping = Field(default_factory=RankMapping, json_schema_extra=_SECTION)
+    policy: Policy = Field(default_factory=Policy, json_schema_extra=_SECTION)
+    profiling: Profiling = Field(default_factory=Profiling, json_schema_extra=_SECTION)
+    stragglers: Stragglers = Field(default_factory=Stragglers, json_schema_extra=_SECTION)
 
 
 # -- status ----------------------------------------------------------------------------------------

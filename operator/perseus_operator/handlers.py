@@ -39,6 +39,8 @@ CONFIG: Final = OperatorConfig.from_env()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
 FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
 RELEASE_POLL_S: Final = 0.5
+RECONCILE_SLACK_S: Final = 120.0
+"""A reconcile may take the planner's time limit plus this for its API calls."""
 
 log = logging.getLogger("perseus_operator")
 
@@ -157,7 +159,11 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> Non
     key = (raw["metadata"]["namespace"], raw["metadata"]["name"])
     job = state.jobs.setdefault(key, _Job())
     async with job.lock:  # a timer tick and a spec change never reconcile at once
-        outcome = await reconcile(raw, state.kube, state.planner, job.memo)
+        # Bounded, so that nothing (a hung connection) can stop this job's progress for good.
+        outcome = await asyncio.wait_for(
+            reconcile(raw, state.kube, state.planner, job.memo),
+            CONFIG.planner_timeout_s + RECONCILE_SLACK_S,
+        )
     _patch(raw, patch, outcome)
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)

@@ -24,6 +24,8 @@ WORKLOAD_RESOURCES: Final = {
     WorkloadKind.TRAIN_JOB: ("trainer.kubeflow.org", "v1alpha1", "trainjobs"),
 }
 """Group, version and plural of the workload kinds that are custom resources."""
+REQUEST_TIMEOUT_S: Final = 30.0
+"""No API call may hang a job's reconcile for longer."""
 
 
 class KubeError(ApiError):
@@ -87,7 +89,10 @@ class KubeClient:
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return await self._items(
             lambda: self._core.list_namespaced_pod(
-                namespace, label_selector=selector, _preload_content=False
+                namespace,
+                label_selector=selector,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
             )
         )
 
@@ -98,7 +103,13 @@ class KubeClient:
         group, version, plural = WORKLOAD_RESOURCES[kind]
         return await self._get(
             lambda: self._custom.get_namespaced_custom_object(
-                group, version, namespace, plural, name, _preload_content=False
+                group,
+                version,
+                namespace,
+                plural,
+                name,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
             )
         )
 
@@ -106,7 +117,9 @@ class KubeClient:
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._get(
-            lambda: self._core.read_namespaced_config_map(name, namespace, _preload_content=False)
+            lambda: self._core.read_namespaced_config_map(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
         )
 
     async def put_config_map(
@@ -130,9 +143,17 @@ class KubeClient:
         }
         existing = await self.get_config_map(namespace, name)
         if existing is None:
-            await self._call(lambda: self._core.create_namespaced_config_map(namespace, body))
+            await self._call(
+                lambda: self._core.create_namespaced_config_map(
+                    namespace, body, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
         else:
-            await self._call(lambda: self._core.patch_namespaced_config_map(name, namespace, body))
+            await self._call(
+                lambda: self._core.patch_namespaced_config_map(
+                    name, namespace, body, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
 
     # -- node plans --
 
@@ -146,6 +167,7 @@ class KubeClient:
                 resources.NODE_PLAN_PLURAL,
                 label_selector=selector,
                 _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
             )
         )
 
@@ -155,19 +177,29 @@ class KubeClient:
         obj = {**body, "metadata": {**body["metadata"], "ownerReferences": [dict(owner)]}}
         args = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL)
         try:
-            await self._call(lambda: self._custom.create_namespaced_custom_object(*args, obj))
+            await self._call(
+                lambda: self._custom.create_namespaced_custom_object(
+                    *args, obj, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
         except KubeError as exc:
             if exc.status != 409:
                 raise
             patch = {"metadata": {"labels": obj["metadata"]["labels"]}, "spec": obj["spec"]}
             await self._call(
-                lambda: self._custom.patch_namespaced_custom_object(*args, name, patch)
+                lambda: self._custom.patch_namespaced_custom_object(
+                    *args, name, patch, _request_timeout=REQUEST_TIMEOUT_S
+                )
             )
 
     async def delete_node_plan(self, namespace: str, name: str) -> None:
         args = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
         try:
-            await self._call(lambda: self._custom.delete_namespaced_custom_object(*args))
+            await self._call(
+                lambda: self._custom.delete_namespaced_custom_object(
+                    *args, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
         except KubeError as exc:
             if exc.status != 404:
                 raise

@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":
+        # kopf logs every handler run per object at INFO: a line per job per timer tick.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     try:
         OperatorConfig.from_env()  # fail fast, before connecting anywhere
     except ConfigError as exc:

@@ -5,10 +5,13 @@ disturb the first."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 
 from agent_process import REPO_ROOT, source_env
 from kmock_server import KmockServer
+from malformed_jobs import MALFORMED, malformed
 from perseus_api import resources
 from perseus_api.profile import parse_profile
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
@@ -199,14 +203,14 @@ def pod(index: int) -> dict[str, Any]:
     }
 
 
-def perseus_job(name: str, stages: int = STAGES) -> dict[str, Any]:
+def perseus_job(name: str) -> dict[str, Any]:
     return {
         "apiVersion": resources.API_VERSION,
         "kind": "PerseusJob",
         "metadata": {"name": name, "namespace": NS},
         "spec": {
             "workload": {"kind": "Pods", "podSelector": {"matchLabels": {"app": "gpt3"}}},
-            "parallelism": {"pipelineStages": stages, "dataParallel": DP, "microbatches": 8},
+            "parallelism": {"pipelineStages": STAGES, "dataParallel": DP, "microbatches": 8},
             "policy": {"blockingPowerWatts": 83.64},
             "profiling": {"iterationsPerFrequency": 2, "warmupIterations": 1},
             "stragglers": {"persistenceReports": 2, "warmupIterations": 0},
@@ -220,21 +224,49 @@ def cluster(tmp_path: Path) -> Iterator[tuple[KmockServer, Path]]:
         yield server, server.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+PORTS: dict[str, int] = {}
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return 0, ""
+
+
+def metric(text: str, line_start: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 @pytest.fixture
 def operator_process(
     cluster: tuple[KmockServer, Path], tmp_path: Path
 ) -> Iterator[subprocess.Popen[str]]:
     _, kubeconfig = cluster
+    PORTS.update(metrics=free_port(), liveness=free_port())
     env = {
         **source_env(),
         "PERSEUS_OPERATOR_KUBECONFIG": str(kubeconfig),
-        "PERSEUS_OPERATOR_RECONCILE_INTERVAL_S": "0.3",
-        "PERSEUS_OPERATOR_METRICS_PORT": "0",
+        "PERSEUS_OPERATOR_RECONCILE_INTERVAL_S": "0.5",
+        "PERSEUS_OPERATOR_METRICS_PORT": str(PORTS["metrics"]),
+        "PERSEUS_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
         "PERSEUS_OPERATOR_RELEASE_TIMEOUT_S": "20",
     }
     env.pop("KUBECONFIG", None)
+    liveness = f"http://127.0.0.1:{PORTS['liveness']}/healthz"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "perseus_operator.main", "--liveness", ""],
+        [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness],
         env=env,
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
@@ -276,10 +308,14 @@ def test_operator_runs_a_job_through_its_life(
     custom.create_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NS, "perseusjobs", perseus_job("gpt3")
     )
-    # A job whose stages do not match its pods: reported, and the other job goes on.
-    custom.create_namespaced_custom_object(
-        resources.GROUP, resources.VERSION, NS, "perseusjobs", perseus_job("bad", stages=3)
-    )
+    # Malformed jobs (the in-memory API does not apply the CRD's schema): each is reported
+    # precisely, and the good job goes on.
+    for case, mutation, _, _ in MALFORMED:
+        bad = perseus_job(f"bad-{case}")
+        bad["spec"] = malformed(bad["spec"], mutation)
+        custom.create_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, NS, "perseusjobs", bad
+        )
     with Agents(custom) as agents:
         wait_for(
             "the profiling plans",
@@ -291,9 +327,12 @@ def test_operator_runs_a_job_through_its_life(
             lambda: job().get("status", {}).get("phase") == "Running" and job()["status"],
             proc,
         )
-        bad = wait_for("the bad job's verdict", lambda: job("bad").get("status"), proc)
-        assert bad["phase"] == "Failed"
-        assert "parallelism asks for" in bad["message"]
+        for case, _, phase, message in MALFORMED:
+            verdict = wait_for(
+                f"{case}'s verdict", lambda c=case: job(f"bad-{c}").get("status"), proc
+            )
+            assert verdict["phase"] == phase, case
+            assert message in verdict["message"], (case, verdict["message"])
 
         assert server.objects("v1/configmaps").get((NS, "gpt3-profile")) is not None
         assert plan_of_replicas() == {0: {"tmin"}, 1: {"tmin"}}
@@ -317,6 +356,19 @@ def test_operator_runs_a_job_through_its_life(
         agents.slow = {}
         wait_for("the recovery", lambda: plan_of_replicas() == {0: {"tmin"}, 1: {"tmin"}}, proc)
         wait_for("the status to follow", lambda: job()["status"]["stragglers"] == [], proc)
+
+        # The operator's own endpoints.
+        assert get(PORTS["liveness"], "/healthz")[0] == 200
+        status_code, text = get(PORTS["metrics"], "/metrics")
+        assert status_code == 200
+        assert metric(text, 'perseus_jobs{phase="Running"}') == 1.0
+        assert metric(text, 'perseus_jobs{phase="Failed"}') == sum(
+            1 for _, _, phase, _ in MALFORMED if phase == "Failed"
+        )
+        assert metric(text, 'perseus_straggler_events_total{job="gpt3",namespace="ml"}') == 1.0
+        saved = metric(text, 'perseus_job_expected_savings_ratio{job="gpt3",namespace="ml"}')
+        assert saved is not None and 0 < saved < 0.5
+        assert (metric(text, "perseus_planner_seconds_count") or 0) >= 1
 
         custom.delete_namespaced_custom_object(
             resources.GROUP, resources.VERSION, NS, "perseusjobs", "gpt3"

@@ -201,6 +201,23 @@ def test_job_plans_hand_gpus_over_between_jobs(tmp_path: Path) -> None:
     assert backend.locked() == {} and jobs.locked_gpus() == [] and jobs.objects() == []
 
 
+def test_an_emptied_plan_resets_its_gpus_and_confirms_the_revision(tmp_path: Path) -> None:
+    """How the operator releases a deleted job: it empties the node plan and waits for the
+    agent to report the empty revision before deleting the object."""
+    backend = FakeBackend(num_gpus=2)
+    jobs = JobPlans(backend, ResetState(tmp_path), NODE)
+    key = ("ml", "gpt3-n1")
+    jobs.set_plan(key, node_plan())
+    assert backend.locked() == {0: 1200, 1: 1005}
+    emptied = node_plan(revision=2).model_copy(update={"assignments": [], "plans": {}})
+    jobs.set_plan(key, NodePlan.model_validate(emptied.model_dump()))
+    assert backend.locked() == {} and jobs.locked_gpus() == []
+    status = jobs.status(key)
+    assert status is not None
+    assert (status["observedRevision"], status["gpus"]) == (2, [])
+    assert status["conditions"][0]["status"] == "True"
+
+
 def _session(connection_id: int, **hello: Any) -> ClientSession:
     msg = {
         "op": "hello",

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from malformed_jobs import MALFORMED, Mutation, malformed
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.profile import parse_profile
@@ -401,6 +402,25 @@ def test_a_restarted_operator_resumes_from_the_cluster(cluster: FakeCluster) -> 
     assert restarted.memo.frontier is not None
 
 
+def test_an_operator_restarted_while_profiling_loses_no_measurement(
+    cluster: FakeCluster,
+) -> None:
+    op = Operator(cluster, job_body())
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    revision = op.status["revision"]
+    cluster.report("node-0", profiling=profiling_reports(cluster.spec("node-0")))
+
+    restarted = Operator(cluster, copy.deepcopy(op.body))  # nothing in memory
+    restarted.step()
+    assert restarted.status["phase"] == "Profiling"
+    assert restarted.status["revision"] == revision  # the profiling plans were not rewritten
+    cluster.report("node-1", profiling=profiling_reports(cluster.spec("node-1")))
+    restarted.step()
+    assert restarted.status["phase"] == "Running"
+    assert (NS, profile_config_map_name(JOB)) in cluster.config_maps
+
+
 def test_a_restarted_operator_keeps_the_straggler_and_its_target(cluster: FakeCluster) -> None:
     op = running(cluster)
     t_min = op.status["frontier"]["tMinSeconds"]
@@ -471,6 +491,25 @@ def test_jobs_that_cannot_proceed_say_why(
     assert op.status["phase"] == phase
     assert message in op.status["message"], op.status["message"]
     assert cluster.node_plans == {}
+
+
+@pytest.mark.parametrize(
+    ("mutation", "phase", "message"),
+    [pytest.param(m, phase, text, id=case) for case, m, phase, text in MALFORMED],
+)
+def test_malformed_jobs_get_a_precise_message(
+    cluster: FakeCluster, mutation: Mutation, phase: str, message: str
+) -> None:
+    body = job_body()
+    body["spec"] = malformed(body["spec"], mutation)
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == phase
+    assert message in op.status["message"], op.status["message"]
+    assert cluster.node_plans == {}
+    if phase == "Failed":
+        assert op.condition("Degraded")["message"] == op.status["message"]
+        assert [r for r, _ in op.events] == [op.condition("Degraded")["reason"], "Phase"]
 
 
 def test_a_profile_that_does_not_fit_fails_the_job_with_the_reason(cluster: FakeCluster) -> None:

@@ -1,0 +1,1045 @@
+"""The operator at scale: reconcile latency and straggler reaction with 200 jobs on 1,000 nodes.
+
+Everything runs in this process, on one asyncio event loop, with time scaled down: in
+production node agents report every 10 s and the operator reconciles every job every 5 s
+(``PERSEUS_OPERATOR_RECONCILE_INTERVAL_S``); here the defaults are 1 s and 0.5 s (10x faster,
+so the operator does 10x the work per second it would do in production).
+
+* **Cluster**: an in-memory :class:`~perseus_operator.lifecycle.JobIO` that keeps every object
+  as JSON text and hands out freshly parsed copies, as the real client does after an API call
+  (the operator's own (de)serialization is measured; the network, the API server, etcd and the
+  client's worker-thread hop are not). Node plans are indexed by (namespace, job).
+* **Jobs**: ``--jobs`` PerseusJobs of workload kind ``Pods``, each with ``--nodes-per-job`` pods
+  on as many distinct nodes (1,000 nodes by default), policy ``StragglerAware`` at
+  ``Instruction`` granularity. Layouts cycle through data-parallel 2-5, 4/5/8 pipeline stages
+  and tensor-parallel 1 or 5 (four distinct pipelines, so four frontiers are solved).
+  Profiling is skipped: every job has a ``profileRef`` to a ConfigMap holding the bundled
+  profile cut to its number of stages. Straggler settings: ``persistenceReports`` 2,
+  ``warmupIterations`` 0, ``staleAfterSeconds`` 6 report intervals (60 s in production).
+* **Operator**: per job, a timer task like kopf's (reconcile, then sleep the interval; random
+  first phase) runs :func:`~perseus_operator.lifecycle.reconcile` under the job's lock with a
+  :class:`~perseus_operator.planner_pool.CachingPlanner` over a one-worker
+  :class:`~perseus_operator.planner_pool.PoolPlanner` (what ``perseus-operator`` runs), then
+  does what the kopf handler does with the outcome: the JSON copy of the body, the status
+  written back as a merge patch (applied at once: no watch round trip), the straggler-state
+  annotation, the job's metrics (:class:`~perseus_operator.metrics.OperatorMetrics`).
+  Events are counted, not posted.
+* **Agents**: one task per node writes its node plan's status every report interval (random
+  phase): ``observedRevision``, ``reportedAt``, an ``Applied`` condition, per-GPU entries and
+  per-rank ``mean_iteration_s``. Every replica reports its own pace, the plan's ``T_min``
+  with +-0.5 % noise (as in the unit tests), so a re-target does not feed back into the
+  measurements. A straggler's ranks report ``--slowdown`` (1.2) times that, as a step: the
+  agent's own averaging window is not simulated.
+* **Stragglers**: once every job is Running with its plans applied, plus 2 report intervals,
+  the measured window of ``--duration-s`` starts. ``--stragglers`` jobs, at random times in
+  the window, get one replica that is slow for 6 report intervals, then recovers.
+
+Measured (in the window): the wall time of each ``reconcile`` call (p50/p99/max) and of the
+whole handler step; how late timers and agents woke up (event-loop saturation); straggler
+reaction, from the first agent report that shows the slowdown to the moment the node plans
+re-targeting the healthy replicas are written (``put_node_plan``), in report intervals;
+recovery reaction, from the report that completes the recovery (the last node of the replica
+to report normal times) to the moment plans back at ``T_min`` are written; false positives
+(re-target writes of a job without an active injected straggler); CPU time of the process
+per simulated node report; peak RSS.
+
+Target (from the issue): straggler reaction p99 under 2 report intervals, every injected
+straggler re-targeted, no false positive. Detection needs ``persistenceReports`` (2) report
+rounds on the slow side, so the floor is about one report interval plus the wait for the next
+reconcile.
+
+Run from the repository root (about 3 minutes; ``--quick``: about 20 s)::
+
+    python benchmarks/operator_scale.py
+    python benchmarks/operator_scale.py --quick
+
+Exit status: 0 when the target is met, 1 when it is missed (everything is printed first), 2
+when the benchmark could not run (a job did not reach Running, a planner failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+REPO = Path(__file__).resolve().parents[1]
+OPERATOR_ROOT = REPO / "operator"
+if importlib.util.find_spec("perseus_operator") is None:
+    sys.path.insert(0, str(OPERATOR_ROOT))
+
+from perseus_api import resources  # noqa: E402
+from perseus_api.job import Phase, WorkloadKind  # noqa: E402
+from perseus_operator.lifecycle import (  # noqa: E402
+    STRAGGLER_STATE_ANNOTATION,
+    JobMemo,
+    Outcome,
+    reconcile,
+)
+from perseus_operator.metrics import OperatorMetrics  # noqa: E402
+from perseus_operator.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402
+from perseus_operator.planning import RETARGETED_PLAN, PlanningInput  # noqa: E402
+from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
+
+PRODUCTION_REPORT_S: Final = 10.0
+PRODUCTION_RECONCILE_S: Final = 5.0
+TARGET_REACTION_R: Final = 2.0
+PERSISTENCE_REPORTS: Final = 2
+STALE_AFTER_R: Final = 6.0  # 60 s at the production report interval
+SETTLE_R: Final = 2.0  # after start-up, before the window: detectors have a baseline
+SLOW_FOR_R: Final = 6.0  # how long an injected straggler stays slow
+RECOVERY_MARGIN_R: Final = 5.0  # window left after a straggler recovers
+BLOCKING_POWER_W: Final = 83.64  # the bundled profile's published blocking power
+PROFILE_CONFIG_MAP: Final = "perseus-profile-{stages}-stages"
+NAMESPACES: Final = 4
+MAX_GPUS_PER_POD: Final = 8
+APPLIED_MHZ: Final = 1410
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot go on (exit status 2)."""
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    microbatches: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+CANDIDATE_LAYOUTS: Final = (
+    Layout(dp=5, pp=4, tp=1, microbatches=8),
+    Layout(dp=2, pp=5, tp=1, microbatches=8),
+    Layout(dp=4, pp=5, tp=1, microbatches=16),
+    Layout(dp=3, pp=5, tp=1, microbatches=8),
+    Layout(dp=5, pp=8, tp=1, microbatches=16),
+    Layout(dp=2, pp=4, tp=5, microbatches=8),
+)
+
+
+def layouts_for(nodes_per_job: int) -> list[Layout]:
+    """The candidate layouts whose processes fill ``nodes_per_job`` pods evenly."""
+    return [
+        layout
+        for layout in CANDIDATE_LAYOUTS
+        if layout.world % nodes_per_job == 0 and layout.world // nodes_per_job <= MAX_GPUS_PER_POD
+    ]
+
+
+def cut_profile(stages: int) -> str:
+    """The bundled profile's rows of the first ``stages`` pipeline stages."""
+    lines = bundled_profile(DEFAULT_PROFILE).path.read_text().strip().splitlines()
+    column = lines[0].split(",").index("stage")
+    kept = [line for line in lines[1:] if int(line.split(",")[column]) < stages]
+    return "\n".join([lines[0], *kept]) + "\n"
+
+
+# --------------------------------------------------------------------------- in-memory cluster
+
+
+@dataclass
+class StoredPlan:
+    """A PerseusNodePlan as the API server would keep it: spec and status apart."""
+
+    namespace: str
+    name: str
+    job: str
+    node: str
+    metadata_json: str
+    spec: dict[str, Any]
+    spec_json: str
+    status_json: str = "{}"
+
+    def text(self) -> str:
+        return (
+            f'{{"apiVersion":"{resources.API_VERSION}","kind":"{resources.NODE_PLAN_KIND}",'
+            f'"metadata":{self.metadata_json},"spec":{self.spec_json},'
+            f'"status":{self.status_json}}}'
+        )
+
+
+@dataclass
+class PlanWrite:
+    t: float
+    revision: int
+    retargeted: bool
+
+
+class Cluster:
+    """The :class:`~perseus_operator.lifecycle.JobIO` of an in-memory cluster.
+
+    Objects are kept as JSON text and every read parses a fresh copy, which is what the
+    operator pays with a real API client; writes are serialized. Nothing yields to the event
+    loop (there is no network to wait for).
+    """
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], str] = {}  # (namespace, selector) -> JSON list
+        self.config_maps: dict[tuple[str, str], str] = {}
+        self.plans: dict[tuple[str, str], dict[str, StoredPlan]] = {}  # (ns, job) -> by name
+        self.on_node: dict[str, StoredPlan] = {}
+        self.writes: dict[tuple[str, str], list[PlanWrite]] = {}
+        self.calls = 0
+
+    # -- JobIO --
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        text = self.pods.get((namespace, selector))
+        items: list[dict[str, Any]] = json.loads(text) if text else []
+        return items
+
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None:
+        self.calls += 1
+        return None
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls += 1
+        text = self.config_maps.get((namespace, name))
+        found: dict[str, Any] | None = json.loads(text) if text else None
+        return found
+
+    async def put_config_map(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, str],
+        owner: Mapping[str, Any],
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
+        self.calls += 1
+        self.config_maps[(namespace, name)] = json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "ownerReferences": [dict(owner)],
+                    "annotations": dict(annotations or {}),
+                },
+                "data": dict(data),
+            }
+        )
+
+    async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        stored = self.plans.get((namespace, resources.label_value(job)), {})
+        return [json.loads(stored[name].text()) for name in sorted(stored)]
+
+    async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        self.calls += 1
+        namespace, name = resources.object_key(body)
+        metadata = {**body["metadata"], "ownerReferences": [dict(owner)]}
+        job = str(metadata["labels"][resources.JOB_LABEL])
+        spec_json = json.dumps(body["spec"])
+        spec: dict[str, Any] = json.loads(spec_json)  # what the agent will read
+        by_name = self.plans.setdefault((namespace, job), {})
+        previous = by_name.get(name)
+        plan = StoredPlan(
+            namespace=namespace,
+            name=name,
+            job=job,
+            node=str(spec["node"]),
+            metadata_json=json.dumps(metadata),
+            spec=spec,
+            spec_json=spec_json,
+            status_json=previous.status_json if previous else "{}",  # status is a subresource
+        )
+        by_name[name] = plan
+        self.on_node[plan.node] = plan
+        retargeted = any(a["plan"] == RETARGETED_PLAN for a in spec["assignments"])
+        writes = self.writes.setdefault((namespace, job), [])
+        revision = int(spec["revision"])
+        now = time.monotonic()
+        if writes and writes[-1].revision == revision:
+            writes[-1].t = now  # the revision is written when its last node plan is
+            writes[-1].retargeted |= retargeted
+        else:
+            writes.append(PlanWrite(now, revision, retargeted))
+
+    async def delete_node_plan(self, namespace: str, name: str) -> None:
+        self.calls += 1
+        for by_name in self.plans.values():
+            plan = by_name.get(name)
+            if plan is not None and plan.namespace == namespace:
+                del by_name[name]
+                if self.on_node.get(plan.node) is plan:
+                    del self.on_node[plan.node]
+                return
+
+    # -- the agents' side --
+
+    def write_status(self, plan: StoredPlan, status: Mapping[str, Any]) -> None:
+        plan.status_json = json.dumps(status)
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class Injection:
+    """One replica of a job slowed down from ``onset`` to ``end`` (monotonic seconds)."""
+
+    dp_rank: int
+    onset: float
+    end: float
+    first_slow_report: float | None = None
+    first_slow_node: str = ""
+    slow_reports: dict[str, list[float]] = field(default_factory=dict)
+    """Per node hosting the replica: when it reported the slowdown."""
+    recovered_report: dict[str, float] = field(default_factory=dict)
+    """Per node hosting the replica: its first report after ``end``."""
+
+
+@dataclass
+class SimJob:
+    index: int
+    namespace: str
+    name: str
+    layout: Layout
+    nodes: list[str]
+    body: dict[str, Any]
+    memo: JobMemo = field(default_factory=JobMemo)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    injection: Injection | None = None
+
+    def slow_dp(self, now: float) -> int | None:
+        i = self.injection
+        if i is not None and i.onset <= now < i.end:
+            return i.dp_rank
+        return None
+
+
+@dataclass
+class Tick:
+    """One timer tick of the operator."""
+
+    start: float
+    reconcile_s: float
+    handler_s: float
+    late_s: float
+    wrote: bool
+
+
+@dataclass
+class Settings:
+    jobs: int
+    nodes_per_job: int
+    report_s: float
+    reconcile_s: float
+    duration_s: float
+    stragglers: int
+    slowdown: float
+    jitter: float
+    planner: str
+    seed: int
+
+
+def job_body(
+    index: int, namespace: str, name: str, layout: Layout, settings: Settings
+) -> dict[str, Any]:
+    return {
+        "apiVersion": resources.API_VERSION,
+        "kind": "PerseusJob",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{index:05d}",
+            "generation": 1,
+            "annotations": {},
+        },
+        "spec": {
+            "workload": {"kind": "Pods", "podSelector": {"matchLabels": {"app": name}}},
+            "parallelism": {
+                "pipelineStages": layout.pp,
+                "dataParallel": layout.dp,
+                "tensorParallel": layout.tp,
+                "microbatches": layout.microbatches,
+            },
+            "policy": {"blockingPowerWatts": BLOCKING_POWER_W},
+            "profiling": {
+                "profileRef": {"configMapName": PROFILE_CONFIG_MAP.format(stages=layout.pp)}
+            },
+            "stragglers": {
+                "persistenceReports": PERSISTENCE_REPORTS,
+                "warmupIterations": 0,
+                "staleAfterSeconds": STALE_AFTER_R * settings.report_s,
+            },
+        },
+    }
+
+
+def pod(job: str, namespace: str, index: int, node: str, gpus: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{job}-{index}", "namespace": namespace, "labels": {"app": job}},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "env": [{"name": "JOB_COMPLETION_INDEX", "value": str(index)}],
+                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                }
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+class Simulation:
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self.rng = random.Random(settings.seed)
+        self.cluster = Cluster()
+        self.metrics = OperatorMetrics()
+        self.solves: list[float] = []  # seconds of each frontier solve the cache let through
+        inner: PoolPlanner | InlinePlanner
+        if settings.planner == "pool":
+            inner = PoolPlanner(1, 600.0, self.solves.append)
+        else:
+            inner = CountingInlinePlanner(self.solves)
+        self.planner = CachingPlanner(inner)
+        self.jobs: list[SimJob] = []
+        self.by_key: dict[tuple[str, str], SimJob] = {}
+        self.ticks: list[Tick] = []
+        self.reports: list[tuple[float, float, float]] = []
+        """Per agent report: when it was written, how late, and what writing it cost (s)."""
+        self.events = 0
+        self.errors: list[str] = []
+        self.stop = asyncio.Event()
+        self.iterations: dict[str, int] = {}
+        self.base_s: dict[tuple[str, int], float] = {}
+
+    # -- set-up --
+
+    def populate(self) -> None:
+        s = self.s
+        layouts = layouts_for(s.nodes_per_job)
+        if not layouts:
+            raise BenchmarkError(
+                f"no layout fills {s.nodes_per_job} pods evenly with at most "
+                f"{MAX_GPUS_PER_POD} GPUs each; try --nodes-per-job 5"
+            )
+        profiles = {pp: cut_profile(pp) for pp in {x.pp for x in layouts}}
+        for namespace in (f"team-{n}" for n in range(NAMESPACES)):
+            for stages, csv_text in profiles.items():
+                name = PROFILE_CONFIG_MAP.format(stages=stages)
+                self.cluster.config_maps[(namespace, name)] = json.dumps(
+                    {
+                        "metadata": {"name": name, "namespace": namespace},
+                        "data": {"profile.csv": csv_text},
+                    }
+                )
+        for index in range(s.jobs):
+            namespace = f"team-{index % NAMESPACES}"
+            name = f"train-{index:04d}"
+            layout = layouts[index % len(layouts)]
+            gpus = layout.world // s.nodes_per_job
+            nodes = [f"gpu-node-{index * s.nodes_per_job + k:05d}" for k in range(s.nodes_per_job)]
+            pods = [pod(name, namespace, k, node, gpus) for k, node in enumerate(nodes)]
+            self.cluster.pods[(namespace, f"app={name}")] = json.dumps(pods)
+            job = SimJob(
+                index, namespace, name, layout, nodes, job_body(index, namespace, name, layout, s)
+            )
+            self.jobs.append(job)
+            self.by_key[(namespace, name)] = job
+
+    # -- the operator's side --
+
+    async def timer(self, job: SimJob) -> None:
+        interval = self.s.reconcile_s
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.rng.uniform(0.0, interval)
+        await asyncio.sleep(due - loop.time())
+        while not self.stop.is_set():
+            start = loop.time()
+            late = max(0.0, start - due)
+            try:
+                tick = await self.handle(job, start, late)
+            except Exception as exc:  # a bug, not a measurement: stop and say so
+                self.errors.append(f"{job.namespace}/{job.name}: {exc!r}")
+                self.stop.set()
+                return
+            self.ticks.append(tick)
+            due = loop.time() + interval  # kopf timers: the interval runs from the end
+            await asyncio.sleep(interval)
+
+    async def handle(self, job: SimJob, start: float, late: float) -> Tick:
+        """What handlers._reconcile does with one timer tick of the job."""
+        t0 = time.perf_counter()
+        raw: dict[str, Any] = json.loads(json.dumps(job.body))  # kopf.Body -> plain dict
+        writes = len(self.cluster.writes.get((job.namespace, job.name), ()))
+        async with job.lock:
+            r0 = time.perf_counter()
+            outcome = await reconcile(raw, self.cluster, self.planner, job.memo)
+            r1 = time.perf_counter()
+        self.patch(job, outcome)
+        self.events += len(outcome.events)
+        self.metrics.observe_job(
+            job.namespace,
+            job.name,
+            phase=outcome.status.phase,
+            plan=outcome.plan,
+            iterations=outcome.iterations,
+            replicas=job.layout.dp,
+            new_stragglers=outcome.new_stragglers,
+        )
+        t1 = time.perf_counter()
+        wrote = len(self.cluster.writes.get((job.namespace, job.name), ())) != writes
+        return Tick(start, r1 - r0, t1 - t0, late, wrote)
+
+    @staticmethod
+    def patch(job: SimJob, outcome: Outcome) -> None:
+        """The status and annotation patch of the handler, applied to the stored body."""
+        new = outcome.status.model_dump(mode="json", by_alias=True)
+        status = job.body.setdefault("status", {})
+        for key, value in new.items():
+            if status.get(key) != value:
+                if value is None:
+                    status.pop(key, None)  # a merge patch's null removes the field
+                else:
+                    status[key] = value
+        state = outcome.detector_state
+        annotations = job.body["metadata"].setdefault("annotations", {})
+        if state is not None and annotations.get(STRAGGLER_STATE_ANNOTATION) != state:
+            annotations[STRAGGLER_STATE_ANNOTATION] = state
+
+    # -- the agents' side --
+
+    async def agent(self, node: str) -> None:
+        period = self.s.report_s
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.rng.uniform(0.0, period)
+        while not self.stop.is_set():
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            now = loop.time()
+            t0 = time.perf_counter()
+            if self.report(node, now):
+                self.reports.append((now, now - due, time.perf_counter() - t0))
+            due += period
+            if due < now:  # fell behind by a whole period: skip, as a real agent would
+                due = now + period
+
+    def report(self, node: str, now: float) -> bool:
+        """Write the node's status (False: the node has no plan yet)."""
+        plan = self.cluster.on_node.get(node)
+        if plan is None:
+            return False
+        spec = plan.spec
+        job = self.by_key[(plan.namespace, plan.job)]
+        revision = int(spec["revision"])
+        base = self.base_s.get((node, revision))
+        if base is None:
+            base = min(float(p["t_min_s"]) for p in spec["plans"].values())
+            self.base_s[(node, revision)] = base
+        slow_dp = job.slow_dp(now)
+        jitter = self.s.jitter
+        # Iterations done in one production report interval.
+        done = max(1, round(PRODUCTION_REPORT_S / base))
+        iterations = self.iterations[node] = self.iterations.get(node, 0) + done
+        gpus, ranks = [], []
+        slow = False
+        for a in spec["assignments"]:
+            factor = 1.0 + self.rng.uniform(-jitter, jitter)
+            if a["dp_rank"] == slow_dp:
+                factor *= self.s.slowdown
+                slow = True
+            gpus.append(
+                {
+                    "uuid": f"GPU-{node}-{a['gpu_index']}",
+                    "index": a["gpu_index"],
+                    "plan": a["plan"],
+                    "stage": a["stage"],
+                    "dp_rank": a["dp_rank"],
+                    "rank": a["rank"],
+                    "target_mhz": APPLIED_MHZ,
+                    "applied_mhz": APPLIED_MHZ,
+                    "status": "Applied",
+                    "message": "",
+                }
+            )
+            ranks.append(
+                {
+                    "rank": a["rank"],
+                    "dp_rank": a["dp_rank"],
+                    "pp_rank": a["stage"],
+                    "iterations": iterations,
+                    "last_iteration_s": base * factor,
+                    "mean_iteration_s": base * factor,
+                }
+            )
+        status = {
+            "node": node,
+            "job": plan.job,
+            "namespace": plan.namespace,
+            "revision": revision,
+            "granularity": spec["granularity"],
+            "gpus": gpus,
+            "ranks": ranks,
+            "profiling": [],
+            resources.STATUS_OBSERVED_REVISION: revision,
+            resources.STATUS_REPORTED_AT: rfc3339_now(),
+            "conditions": [
+                {
+                    "type": resources.CONDITION_APPLIED,
+                    "status": "True",
+                    "reason": resources.REASON_APPLIED,
+                    "message": f"{len(gpus)} Applied",
+                }
+            ],
+        }
+        self.cluster.write_status(plan, status)
+        self.note_report(job, node, now, slow)
+        return True
+
+    @staticmethod
+    def note_report(job: SimJob, node: str, now: float, slow: bool) -> None:
+        i = job.injection
+        if i is None or now < i.onset:
+            return
+        if slow:
+            if i.first_slow_report is None:
+                i.first_slow_report, i.first_slow_node = now, node
+            i.slow_reports.setdefault(node, []).append(now)
+        elif now >= i.end and node in i.slow_reports:
+            i.recovered_report.setdefault(node, now)
+
+    # -- the run --
+
+    def all_applied(self) -> bool:
+        for job in self.jobs:
+            status = job.body.get("status") or {}
+            phase = status.get("phase")
+            if phase == Phase.FAILED.value:
+                raise BenchmarkError(
+                    f"job {job.namespace}/{job.name} failed: {status.get('message')}"
+                )
+            if phase != Phase.RUNNING.value:
+                return False
+            applied = next(
+                (c for c in status.get("conditions") or () if c.get("type") == "PlanApplied"),
+                None,
+            )
+            if applied is None or applied.get("status") != "True":
+                return False
+        return True
+
+    async def run(self) -> Results:
+        s = self.s
+        loop = asyncio.get_running_loop()
+        self.populate()
+        started = loop.time()
+        tasks = [asyncio.create_task(self.timer(job)) for job in self.jobs]
+        tasks += [asyncio.create_task(self.agent(n)) for job in self.jobs for n in job.nodes]
+        try:
+            deadline = started + 120.0 + 20 * s.report_s
+            while not self.all_applied():
+                if self.errors:
+                    raise BenchmarkError(self.errors[0])
+                if loop.time() > deadline:
+                    running = sum(
+                        (j.body.get("status") or {}).get("phase") == "Running" for j in self.jobs
+                    )
+                    raise BenchmarkError(
+                        f"only {running} of {len(self.jobs)} jobs Running with their plans "
+                        f"applied after {deadline - started:.0f} s"
+                    )
+                await asyncio.sleep(0.05)
+            startup_s = loop.time() - started
+            await asyncio.sleep(SETTLE_R * s.report_s)
+            window_start = loop.time()
+            self.inject(window_start)
+            cpu0 = cpu_seconds()
+            await asyncio.sleep(s.duration_s)
+            window_end = loop.time()
+            cpu = cpu_seconds() - cpu0
+        finally:
+            self.stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.planner.close()
+        if self.errors:
+            raise BenchmarkError(self.errors[0])
+        return Results(self, startup_s, window_start, window_end, cpu)
+
+    def inject(self, window_start: float) -> None:
+        s = self.s
+        r = s.report_s
+        earliest = window_start + r
+        latest = window_start + s.duration_s - (SLOW_FOR_R + RECOVERY_MARGIN_R) * r
+        for job in self.rng.sample(self.jobs, min(s.stragglers, len(self.jobs))):
+            onset = self.rng.uniform(earliest, latest)
+            dp = self.rng.randrange(job.layout.dp)
+            job.injection = Injection(dp_rank=dp, onset=onset, end=onset + SLOW_FOR_R * r)
+
+
+class CountingInlinePlanner(InlinePlanner):
+    """Solves in the event loop's thread, recording each solve's duration."""
+
+    def __init__(self, solves: list[float]) -> None:
+        self._solves = solves
+
+    async def solve(self, request: PlanningInput) -> Frontier:
+        started = time.monotonic()
+        try:
+            return await super().solve(request)
+        finally:
+            self._solves.append(time.monotonic() - started)
+
+
+def rfc3339_now() -> str:
+    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# --------------------------------------------------------------------------- results
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (with 20 values, p99 is the largest)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
+
+
+@dataclass
+class Reaction:
+    job: str
+    dp_rank: int
+    retarget_r: float | None
+    slow_reports: int | None
+    recovery_r: float | None
+    extra_writes: int
+
+
+class Results:
+    def __init__(
+        self,
+        sim: Simulation,
+        startup_s: float,
+        start: float,
+        end: float,
+        cpu_s: float,
+    ) -> None:
+        self.sim = sim
+        self.startup_s = startup_s
+        self.start, self.end = start, end
+        self.cpu_s = cpu_s
+        self.ticks = [t for t in sim.ticks if start <= t.start < end]
+        self.reports = [r for r in sim.reports if start <= r[0] < end]
+        self.reactions = [self.reaction(j) for j in sim.jobs if j.injection is not None]
+        self.false_positives = self.count_false_positives()
+
+    def reaction(self, job: SimJob) -> Reaction:
+        i = job.injection
+        assert i is not None
+        r = self.sim.s.report_s
+        writes = self.sim.cluster.writes.get((job.namespace, job.name), [])
+        retarget_r = recovery_r = None
+        slow_reports = None
+        written = None
+        if i.first_slow_report is not None:
+            written = next(
+                (w.t for w in writes if w.t >= i.first_slow_report and w.retargeted), None
+            )
+        if written is not None and i.first_slow_report is not None:
+            retarget_r = (written - i.first_slow_report) / r
+            slow_reports = sum(t <= written for t in i.slow_reports[i.first_slow_node])
+            # Recovery shows once every node of the replica has reported normal times again.
+            if i.recovered_report and set(i.recovered_report) == set(i.slow_reports):
+                complete = max(i.recovered_report.values())
+                back = next((w.t for w in writes if w.t >= complete and not w.retargeted), None)
+                if back is not None:
+                    recovery_r = (back - complete) / r
+        episode = [w for w in writes if i.onset <= w.t < self.end]
+        return Reaction(
+            job=f"{job.namespace}/{job.name}",
+            dp_rank=i.dp_rank,
+            retarget_r=retarget_r,
+            slow_reports=slow_reports,
+            recovery_r=recovery_r,
+            extra_writes=max(0, len(episode) - 2),
+        )
+
+    def count_false_positives(self) -> list[str]:
+        """Jobs re-targeted while no injected straggler was showing."""
+        out = []
+        for job in self.sim.jobs:
+            i = job.injection
+            for w in self.sim.cluster.writes.get((job.namespace, job.name), ()):
+                if not w.retargeted:
+                    continue
+                if i is None or i.first_slow_report is None or w.t < i.first_slow_report:
+                    out.append(f"{job.namespace}/{job.name}")
+                    break
+        return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        )
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def cell(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+def distribution(values: Sequence[float], scale: float = 1.0) -> list[float]:
+    return [
+        percentile(values, 0.50) * scale,
+        percentile(values, 0.99) * scale,
+        max(values, default=math.nan) * scale,
+    ]
+
+
+def report(results: Results) -> bool:
+    sim, s = results.sim, results.sim.s
+    window = results.end - results.start
+    scale = PRODUCTION_REPORT_S / s.report_s
+    ticks = results.ticks
+    print(
+        f"\n== Reconcile: {len(ticks):,} timer ticks of {s.jobs} jobs in a {window:.0f} s window "
+        f"({len(ticks) / window:.0f}/s)"
+    )
+    writing = [t for t in ticks if t.wrote]
+    rows = [
+        ["reconcile(), ms", *distribution([t.reconcile_s for t in ticks], 1e3)],
+        ["  of which writing plans, ms", *distribution([t.reconcile_s for t in writing], 1e3)],
+        [
+            "handler step (copy, reconcile, patch, metrics), ms",
+            *distribution([t.handler_s for t in ticks], 1e3),
+        ],
+        ["timer lateness, ms", *distribution([t.late_s for t in ticks], 1e3)],
+        ["agent report lateness, ms", *distribution([r[1] for r in results.reports], 1e3)],
+    ]
+    print(table(["", "p50", "p99", "max"], rows))
+    p99_reconcile = percentile([t.reconcile_s for t in ticks], 0.99)
+    print(
+        f"reconcile p99 / reconcile interval: {p99_reconcile / s.reconcile_s:.2%}; "
+        f"plan-writing ticks: {len(writing)}"
+    )
+
+    reactions = results.reactions
+    retarget = [r.retarget_r for r in reactions if r.retarget_r is not None]
+    recovery = [r.recovery_r for r in reactions if r.recovery_r is not None]
+    missed = [r.job for r in reactions if r.retarget_r is None]
+    print(
+        f"\n== Stragglers: {len(reactions)} injected ({s.slowdown:g}x, one replica, "
+        f"{SLOW_FOR_R:g} report intervals); persistenceReports {PERSISTENCE_REPORTS}, "
+        "warmupIterations 0"
+    )
+    print(
+        "Detection needs 2 report rounds on the slow side by design: the floor is about one "
+        "report\ninterval plus the wait for the job's next reconcile."
+    )
+    rows = [
+        ["onset -> re-targeted plans written, R", *distribution(retarget)],
+        ["  same, seconds at the production 10 s interval", *distribution(retarget, 10.0)],
+        ["recovery complete -> T_min plans written, R", *distribution(recovery)],
+    ]
+    print(table(["", "p50", "p99", "max"], rows))
+    seen: dict[int, int] = {}
+    for r in reactions:
+        if r.slow_reports is not None:
+            seen[r.slow_reports] = seen.get(r.slow_reports, 0) + 1
+    listed = ", ".join(f"{n} report(s): {count} jobs" for n, count in sorted(seen.items()))
+    print(
+        f"slow reports written by the first node to show the slowdown, up to the re-target: "
+        f"{listed or '-'}"
+    )
+    print(
+        f"re-targeted: {len(retarget)} of {len(reactions)}; recovered: {len(recovery)}; "
+        f"missed: {', '.join(missed) or 'none'}"
+    )
+    print(
+        f"false positives (re-targeted with no straggler showing): "
+        f"{len(results.false_positives)} {', '.join(results.false_positives)}".rstrip()
+    )
+    print(f"extra plan rewrites during the episodes: {sum(r.extra_writes for r in reactions)}")
+
+    busy = sum(t.handler_s for t in ticks) / window
+    reports = len(results.reports)
+    agents_s = sum(r[2] for r in results.reports)
+    usage_self = resource.getrusage(resource.RUSAGE_SELF)
+    usage_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print("\n== Load (information)")
+    rows = [
+        ["node reports / s", reports / window],
+        ["process CPU, % of one core", 100 * results.cpu_s / window],
+        ["process CPU per node report (agents + operator), µs", 1e6 * results.cpu_s / reports],
+        ["  simulated agent's own share (wall time of the write), µs", 1e6 * agents_s / reports],
+        ["operator handler steps (wall), % of one core", 100 * busy],
+        [f"  same at the production cadence (/{scale:g})", 100 * busy / scale],
+        ["peak RSS of the process, MiB", usage_self.ru_maxrss / 1024],
+        ["peak RSS of the planner worker, MiB", usage_children.ru_maxrss / 1024],
+        ["start-up: all jobs Running, plans applied, s", results.startup_s],
+        ["frontiers solved (CachingPlanner misses)", float(len(sim.solves))],
+        ["  longest solve, s", max(sim.solves, default=math.nan)],
+        ["events emitted (not posted)", float(sim.events)],
+    ]
+    print(table(["", "value"], rows))
+
+    p99 = percentile(retarget, 0.99) if len(retarget) == len(reactions) else math.inf
+    checks = [
+        (
+            f"straggler reaction p99 < {TARGET_REACTION_R:g} report intervals",
+            f"{p99:.2f} R",
+            p99 < TARGET_REACTION_R,
+        ),
+        (
+            "every injected straggler re-targeted",
+            f"{len(retarget)}/{len(reactions)}",
+            not missed and bool(reactions),
+        ),
+        ("no false positive", str(len(results.false_positives)), not results.false_positives),
+    ]
+    print("\n== Target")
+    print(
+        table(
+            ["check", "measured", "result"],
+            [[c, m, "PASS" if ok else "FAIL"] for c, m, ok in checks],
+        )
+    )
+    return all(ok for _, _, ok in checks)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--nodes-per-job", type=int, default=5)
+    parser.add_argument(
+        "--report-interval-s",
+        type=float,
+        default=1.0,
+        help="agent report interval (production: 10 s); default 1 s, time scaled 10x",
+    )
+    parser.add_argument(
+        "--reconcile-interval-s",
+        type=float,
+        default=0.5,
+        help="operator timer interval (production: 5 s); default 0.5 s",
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="measured window after start-up (default 90 report intervals)",
+    )
+    parser.add_argument("--stragglers", type=int, default=20)
+    parser.add_argument("--slowdown", type=float, default=1.2)
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.005,
+        help="relative noise on every reported iteration time",
+    )
+    parser.add_argument("--planner", choices=("pool", "inline"), default="pool")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.jobs, args.stragglers = min(args.jobs, 20), min(args.stragglers, 4)
+    report_s = args.report_interval_s
+    duration = args.duration_s
+    if duration is None:
+        duration = (14 if args.quick else 90) * report_s
+    shortest = (1 + SLOW_FOR_R + RECOVERY_MARGIN_R + 1) * report_s
+    if duration < shortest:
+        parser.error(f"--duration-s must be at least {shortest:g} s (13 report intervals)")
+    if args.jobs < 1 or args.nodes_per_job < 1 or args.stragglers < 0:
+        parser.error("--jobs and --nodes-per-job must be >= 1, --stragglers >= 0")
+    if not (report_s > 0 and args.reconcile_interval_s > 0 and args.slowdown > 1.05):
+        parser.error("intervals must be > 0 and --slowdown above the 1.05 threshold")
+    return Settings(
+        jobs=args.jobs,
+        nodes_per_job=args.nodes_per_job,
+        report_s=report_s,
+        reconcile_s=args.reconcile_interval_s,
+        duration_s=duration,
+        stragglers=args.stragglers,
+        slowdown=args.slowdown,
+        jitter=args.jitter,
+        planner=args.planner,
+        seed=args.seed,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    s = settings
+    print(
+        f"perseus operator at scale: {s.jobs} jobs on {s.jobs * s.nodes_per_job:,} nodes "
+        f"({s.nodes_per_job} per job); agents report every {s.report_s:g} s, operator "
+        f"reconciles every {s.reconcile_s:g} s (production {PRODUCTION_REPORT_S:g} s / "
+        f"{PRODUCTION_RECONCILE_S:g} s); planner {s.planner}; window {s.duration_s:g} s; "
+        f"seed {s.seed}; Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
+    started = time.monotonic()
+    try:
+        results = asyncio.run(Simulation(settings).run())
+    except BenchmarkError as exc:
+        print(f"\noperator_scale: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\noperator_scale: interrupted", file=sys.stderr)
+        return 130
+    ok = report(results)
+    print(f"\ntotal time {time.monotonic() - started:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
