@@ -15,13 +15,14 @@ Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``names
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socket import AF_INET6
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -289,8 +290,8 @@ class MetricsServer:
     def start(self) -> None:
         self._thread = threading.Thread(
             target=self._server.serve_forever,
-            # Only how fast stop() returns; every wake-up costs the idle agent CPU.
-            kwargs={"poll_interval": 0.5},
+            # Wake-ups cost the idle agent CPU; stop() wakes the loop itself.
+            kwargs={"poll_interval": _POLL_S},
             name="perseus-metrics",
             daemon=True,
         )
@@ -298,14 +299,30 @@ class MetricsServer:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._server.shutdown()
+            stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+            stopper.start()
+            # shutdown() only sets a flag the loop reads after select() returns: a connection
+            # makes select() return now rather than at the end of the poll interval.
+            while stopper.is_alive():
+                self._poke()
+                stopper.join(0.05)
             self._thread.join()
             self._thread = None
         self._server.server_close()
 
+    def _poke(self) -> None:
+        host = "::1" if ":" in self.address else "127.0.0.1"
+        if self.address not in ("0.0.0.0", "::"):
+            host = self.address
+        with contextlib.suppress(OSError), socket.create_connection((host, self.port), 0.05):
+            pass
+
+
+_POLL_S: Final = 30.0
+
 
 class _IPv6Server(ThreadingHTTPServer):
-    address_family = AF_INET6
+    address_family = socket.AF_INET6
 
 
 def _handler_class(registry: CollectorRegistry, health: Health) -> type[BaseHTTPRequestHandler]:

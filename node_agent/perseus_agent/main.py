@@ -68,7 +68,9 @@ PLAN_POLL_S: Final = 1.0
 STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the grace period
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
-EVENT_POLL_S: Final = 0.5
+EVENT_POLL_S: Final = 2.0
+"""Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
+latency; plan events are handled at once)."""
 
 log = logging.getLogger("perseus_agent")
 

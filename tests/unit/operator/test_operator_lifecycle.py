@@ -541,3 +541,47 @@ def test_failed_workload_fails_the_job_and_releases_the_gpus(cluster: FakeCluste
     assert op.status["phase"] == "Failed"
     assert cluster.node_plans == {}
     assert "failed" in op.status["message"]
+
+
+def pytorch_pod(replica: str, index: int) -> dict[str, Any]:
+    """A pod as the Kubeflow training operator creates it for a PyTorchJob."""
+    rank = 0 if replica == "master" else index + 1
+    return {
+        "metadata": {
+            "name": f"gpt3-pretrain-{replica}-{index}",
+            "namespace": NS,
+            "labels": {
+                "training.kubeflow.org/job-name": "gpt3-pretrain",
+                "training.kubeflow.org/replica-type": replica,
+                "training.kubeflow.org/replica-index": str(index),
+            },
+        },
+        "spec": {
+            "nodeName": f"node-{rank}",
+            "containers": [
+                {
+                    "name": "pytorch",
+                    "env": [{"name": "PET_NODE_RANK", "value": str(rank)}],
+                    "resources": {"limits": {"nvidia.com/gpu": str(GPUS_PER_POD)}},
+                }
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_a_pytorchjob_is_resolved_by_the_training_operators_labels() -> None:
+    cluster = FakeCluster()
+    cluster.workloads[(NS, "gpt3-pretrain")] = {"kind": "PyTorchJob"}
+    cluster.pods = [pytorch_pod("worker", 0), pytorch_pod("master", 0)]
+    body = job_body()
+    body["spec"]["workload"] = {"kind": "PyTorchJob", "name": "gpt3-pretrain"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    master = cluster.spec("node-0")["assignments"]
+    assert [(a["rank"], a["pod"]) for a in master] == [
+        (r, "gpt3-pretrain-master-0") for r in range(GPUS_PER_POD)
+    ]
+    worker = cluster.spec("node-1")["assignments"]
+    assert [a["rank"] for a in worker] == list(range(GPUS_PER_POD, 2 * GPUS_PER_POD))
