@@ -13,6 +13,7 @@ message when no API server checks them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Final, Literal
 
@@ -243,20 +244,34 @@ class FrequencyRange(_Spec):
         return self
 
 
-class Policy(_Spec):
-    """The energy policy of the job."""
+def _operator_fills_defaults(schema: dict[str, Any]) -> None:
+    # No defaults in the CRD: the API server must leave unset fields unset, so the operator
+    # can fill them from its default policy (PERSEUS_OPERATOR_DEFAULT_POLICY) first.
+    for prop in schema.get("properties", {}).values():
+        prop.pop("default", None)
 
-    mode: Mode = Field(default=Mode.STRAGGLER_AWARE)
+
+class Policy(_Spec):
+    """The energy policy of the job. Unset fields come from the operator's default policy (the
+    Helm chart's defaultPolicy), else from the defaults named in each field."""
+
+    model_config = ConfigDict(json_schema_extra=_operator_fills_defaults)
+
+    mode: Mode = Field(
+        default=Mode.STRAGGLER_AWARE,
+        description="Observe: report the expected savings only. Intrinsic: T_min plans. "
+        "StragglerAware (default): T_min plans, re-targeted around stragglers.",
+    )
     granularity: Granularity = Field(
         default=Granularity.INSTRUCTION,
-        description="Stage: one locked clock per GPU, no code change. Instruction: the clock "
-        "switches at every forward/backward; the training loop calls perseus_client.",
+        description="Stage: one locked clock per GPU, no code change. Instruction (default): "
+        "the clock switches at every forward/backward; the training loop calls perseus_client.",
     )
     max_slowdown: float = Field(
         default=0.0,
         ge=0.0,
         le=0.5,
-        description="Fraction of T_min the job may slow down to save more energy (0: none).",
+        description="Fraction of T_min the job may slow down to save more energy (default 0).",
     )
     frequency_mhz: FrequencyRange | None = Field(
         default=None, alias="frequencyMHz", description="Clamp of the SM clocks used."
@@ -410,6 +425,8 @@ class StragglerStatus(_Status):
 class PerseusJobStatus(_Status):
     phase: Phase = Phase.PENDING
     observed_generation: int | None = None
+    mode: Mode | None = Field(default=None, description="The policy in effect (with defaults).")
+    granularity: Granularity | None = None
     revision: int = Field(default=0, description="Last revision of the node plans written.")
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)
@@ -421,7 +438,7 @@ class PerseusJobStatus(_Status):
 
 PRINTER_COLUMNS: Final = (
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Mode", "type": "string", "jsonPath": ".spec.policy.mode"},
+    {"name": "Mode", "type": "string", "jsonPath": ".status.mode"},
     {
         "name": "Target T",
         "type": "number",
@@ -453,3 +470,16 @@ class PerseusJob(_Spec):
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: PerseusJobSpec
     status: PerseusJobStatus = Field(default_factory=PerseusJobStatus)
+
+
+def with_default_policy(
+    spec: Mapping[str, Any], default_policy: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``spec`` (the API's camelCase form) with the policy fields it leaves unset taken from
+    ``default_policy``; a field the job sets wins as a whole (a ``frequencyMHz`` is not merged
+    key by key)."""
+    merged = dict(spec)
+    if default_policy:
+        own = spec.get("policy")
+        merged["policy"] = {**default_policy, **(own if isinstance(own, Mapping) else {})}
+    return merged

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Final
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from perseus_api.job import Policy
 
 PREFIX: Final = "PERSEUS_OPERATOR_"
 
@@ -31,6 +36,8 @@ class OperatorConfig:
     metrics_address: str = "0.0.0.0"
     kubeconfig: str = ""
     """Path of a kubeconfig; empty: the pod's service account (in-cluster)."""
+    default_policy: str = ""
+    """JSON of a ``spec.policy``: the values of the fields a PerseusJob leaves unset."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -64,3 +71,29 @@ class OperatorConfig:
             raise ConfigError(f"{PREFIX}PLANNER_WORKERS must be >= 1, got {self.planner_workers}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"{PREFIX}METRICS_PORT must be 0..65535, got {self.metrics_port}")
+        self.default_policy_fields()
+
+    def default_policy_fields(self) -> dict[str, Any]:
+        """The default policy's fields as set (camelCase), validated.
+
+        Raises:
+            ConfigError: not a JSON object, or not a valid policy.
+        """
+        if not self.default_policy.strip():
+            return {}
+        key = f"{PREFIX}DEFAULT_POLICY"
+        try:
+            fields = json.loads(self.default_policy)
+        except ValueError as exc:
+            raise ConfigError(f"{key} is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{key} must be a JSON object (a spec.policy)")
+        try:
+            Policy.model_validate(fields)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                for e in exc.errors(include_url=False)
+            )
+            raise ConfigError(f"{key} is not a valid policy: {problems}") from None
+        return fields

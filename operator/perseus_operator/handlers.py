@@ -36,6 +36,7 @@ from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.planner_pool import CachingPlanner, PoolPlanner
 
 CONFIG: Final = OperatorConfig.from_env()
+DEFAULT_POLICY: Final = CONFIG.default_policy_fields()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
 FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
 RELEASE_POLL_S: Final = 0.5
@@ -161,7 +162,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> Non
     async with job.lock:  # a timer tick and a spec change never reconcile at once
         # Bounded, so that nothing (a hung connection) can stop this job's progress for good.
         outcome = await asyncio.wait_for(
-            reconcile(raw, state.kube, state.planner, job.memo),
+            reconcile(raw, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY),
             CONFIG.planner_timeout_s + RECONCILE_SLACK_S,
         )
     _patch(raw, patch, outcome)

@@ -35,6 +35,7 @@ from perseus_api.job import (
     PlanStatus,
     StragglerStatus,
     WorkloadKind,
+    with_default_policy,
 )
 from perseus_api.node_plan import NodePlan
 from perseus_api.plan import (
@@ -174,9 +175,11 @@ async def reconcile(
     memo: JobMemo,
     *,
     now_s: float | None = None,
+    default_policy: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Advance the job as far as the cluster allows; never raises for the job's own problems
-    (they become the status' message, conditions and events)."""
+    (they become the status' message, conditions and events). ``default_policy``: values of
+    the ``spec.policy`` fields the job leaves unset."""
     from perseus_operator.kube import owner_reference
 
     metadata = body.get("metadata") or {}
@@ -194,10 +197,13 @@ async def reconcile(
     step = _Step(ref, status, io, planner, memo, time.monotonic() if now_s is None else now_s)
     step.saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     try:
-        spec = PerseusJobSpec.model_validate(body.get("spec") or {})
+        raw_spec = body.get("spec") or {}
+        spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
     except ValidationError as exc:
         step.fail("InvalidSpec", f"invalid spec: {_one_line(exc)}")
         return step.outcome()
+    step.status.mode = spec.policy.mode
+    step.status.granularity = spec.policy.granularity
     await step.run(spec)
     return step.outcome()
 

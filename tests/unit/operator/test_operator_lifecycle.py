@@ -585,3 +585,23 @@ def test_a_pytorchjob_is_resolved_by_the_training_operators_labels() -> None:
     ]
     worker = cluster.spec("node-1")["assignments"]
     assert [a["rank"] for a in worker] == list(range(GPUS_PER_POD, 2 * GPUS_PER_POD))
+
+
+def test_the_operators_default_policy_fills_the_fields_a_job_leaves_unset(
+    cluster: FakeCluster,
+) -> None:
+    defaults = {"mode": "Observe", "granularity": "Stage"}
+    unset = Operator(cluster, job_body())  # the job sets only blockingPowerWatts
+    step_with(unset, defaults)
+    assert (unset.status["mode"], unset.status["granularity"]) == ("Observe", "Stage")
+
+    own = Operator(cluster, job_body(mode="Intrinsic"))  # the job's own field wins
+    step_with(own, defaults)
+    assert (own.status["mode"], own.status["granularity"]) == ("Intrinsic", "Stage")
+
+
+def step_with(op: Operator, defaults: dict[str, Any]) -> None:
+    outcome = asyncio.run(
+        reconcile(op.body, op.cluster, InlinePlanner(), op.memo, default_policy=defaults)
+    )
+    op.body["status"] = outcome.status.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,740 @@
+"""The Helm chart ``helm/perseus``: it lints and renders with default and non-default values, the
+output validates against the Kubernetes schemas (``kubernetes-validate --strict``), bad values
+are rejected by ``values.schema.json``, the generated parts (CRDs, dashboards, the policy schema)
+match their sources, and the workloads are what the operator and the agent need (flags the
+programs accept, probes, privileges, volumes). Also the Grafana dashboards' structure and the
+Dockerfile's essentials.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from helm_render import (
+    CHART,
+    NAMESPACE,
+    REPO_ROOT,
+    Rendered,
+    crds,
+    helm_python,
+    lint,
+    render,
+    validate_values,
+    walk,
+)
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+# Kubernetes releases the output is validated against: the first with
+# ValidatingAdmissionPolicy v1 (rendered by default), and the newest kubernetes-validate knows.
+KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
+OLDEST_KUBE = "1.27.0"  # the chart's kubeVersion floor (without the admission policy)
+
+NON_DEFAULT: dict[str, Any] = {
+    "fullnameOverride": "energy",
+    "commonLabels": {"team": "ml-infra"},
+    "image": {"registry": "registry.example.com", "pullSecrets": [{"name": "regcred"}]},
+    "defaultPolicy": {
+        "mode": "Intrinsic",
+        "granularity": "Stage",
+        "maxSlowdown": 0.02,
+        "frequencyMHz": {"minMHz": 900, "maxMHz": 1410},
+    },
+    "operator": {
+        "image": {"digest": "sha256:" + "a" * 64},
+        "watchNamespaces": ["ml", "research"],
+        "logLevel": "debug",
+        "plannerWorkers": 4,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "4"}},
+        "nodeSelector": {"node-role.kubernetes.io/control-plane": ""},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops"}],
+        "extraEnv": [{"name": "PERSEUS_OPERATOR_PLANNER_TIMEOUT_S", "value": "900"}],
+        "priorityClassName": "system-cluster-critical",
+    },
+    "agent": {
+        "backend": "emulated",
+        "emulated": {"gpus": 4},
+        "image": {"tag": "dev"},
+        "nodeSelector": {},
+        "tolerations": [],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                    ]
+                }
+            }
+        },
+        "socketDir": "/var/run/perseus-demo",
+        "terminationGracePeriodSeconds": 90,
+        "restrictReportsToOwnNode": False,
+    },
+    "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}, "interval": "30s"},
+    "prometheusRule": {"enabled": True, "labels": {"release": "kps"}},
+    "dashboards": {"label": "grafana_dashboard", "labelValue": "perseus", "namespace": "grafana"},
+}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "non-default": NON_DEFAULT,
+    "nvml-privileged-servicemonitor": {
+        "agent": {"privileged": True, "runtimeClassName": "nvidia"},
+        "metrics": {"serviceMonitor": {"enabled": True}, "scrapeAnnotations": True},
+        "prometheusRule": {"enabled": True, "kubeStateMetrics": False},
+    },
+    "operator-only": {"agent": {"enabled": False}, "dashboards": {"enabled": False}},
+    "agents-only": {
+        "operator": {"enabled": False},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+}
+
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # Prometheus Operator
+
+
+def containers(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = obj["spec"]["template"]["spec"]["containers"]
+    return result
+
+
+def env_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def load_script(name: str) -> ModuleType:
+    path = REPO_ROOT / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- lint, render, validate ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_chart_lints_clean(values: dict[str, Any]) -> None:
+    report = lint(values, strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_rendered_objects_validate_strictly(values: dict[str, Any], kube_version: str) -> None:
+    rendered = render(values)
+    assert rendered.objects
+    for obj in rendered.objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue  # no schema offline; their shape is checked below
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(
+                f"{obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}"
+            )
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_rendered_output_passes_the_kubernetes_validate_command(
+    values: dict[str, Any], tmp_path: Path
+) -> None:
+    """``kubernetes-validate --strict`` on the whole output, as a user would run it on
+    ``helm template``'s output (custom resources only get a warning: no schema offline)."""
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(render(values).objects))
+
+    def validate(path: Path) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet"]
+        return subprocess.run(
+            [*command, "-k", KUBE_VERSIONS[0], str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    result = validate(manifest)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(manifest.read_text().replace("containerPort:", "containerPorts:", 1))
+    assert validate(broken).returncode != 0
+
+
+def test_chart_validates_on_the_oldest_supported_kubernetes() -> None:
+    rendered = render({"agent": {"restrictReportsToOwnNode": False}})
+    for obj in rendered.objects:
+        kubernetes_validate.validate(obj, OLDEST_KUBE, strict=True)
+
+
+def test_kubernetes_validate_does_catch_an_unknown_field() -> None:
+    """The harness: --strict really rejects what the API server would prune."""
+    deployment = render().one("Deployment")
+    containers(deployment)[0]["securityContext"]["runAsNonRot"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_every_object_is_labelled_and_namespaced_correctly() -> None:
+    rendered = render(NON_DEFAULT)
+    cluster_scoped = {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
+    for obj in rendered.objects:
+        meta = obj["metadata"]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "perseus"
+        assert meta["labels"]["team"] == "ml-infra"
+        assert len(meta["name"]) <= 63
+        if obj["kind"] in cluster_scoped:
+            assert "namespace" not in meta
+        elif obj["kind"] == "RoleBinding":
+            assert meta["namespace"] in ("ml", "research")
+        elif obj["kind"] == "ConfigMap":
+            assert meta["namespace"] == "grafana"
+        else:
+            assert meta["namespace"] == NAMESPACE, obj["kind"]
+    names = [
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in rendered.objects
+    ]
+    assert len(names) == len(set(names))
+
+
+# -- values.schema.json ------------------------------------------------------------------------
+
+BAD_VALUES: dict[str, dict[str, Any]] = {
+    "unknown top-level key": {"replicaCount": 2},
+    "unknown nested key": {"operator": {"replicas": 2}},
+    "backend": {"agent": {"backend": "cuda"}},
+    "planner workers": {"operator": {"plannerWorkers": 0}},
+    "policy mode": {"defaultPolicy": {"mode": "Fast"}},
+    "policy slowdown": {"defaultPolicy": {"maxSlowdown": 0.9}},
+    "policy clamp": {"defaultPolicy": {"frequencyMHz": {"minMHz": 900}}},
+    "policy unknown field": {"defaultPolicy": {"granularity": "Stage", "speed": 1}},
+    "scrape interval": {"metrics": {"interval": "15 seconds"}},
+    "port": {"agent": {"metricsPort": 70000}},
+    "namespace name": {"operator": {"watchNamespaces": ["Not_A_Namespace"]}},
+    "digest": {"agent": {"image": {"digest": "latest"}}},
+    "straggler slowdown": {"prometheusRule": {"straggler": {"slowdown": 0.9}}},
+    "grace period": {"agent": {"terminationGracePeriodSeconds": 1}},
+    "socket group": {"agent": {"socketGroup": 0}},
+    "log level": {"agent": {"logLevel": "verbose"}},
+    "relative state dir": {"agent": {"stateDir": "var/lib/perseus"}},
+    "dashboard label": {"dashboards": {"label": ""}},
+}
+
+
+@pytest.mark.parametrize("values", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_values_violating_the_schema_are_rejected(values: dict[str, Any]) -> None:
+    with pytest.raises(helm_python.HelmValuesError):
+        validate_values(values)
+    with pytest.raises(helm_python.HelmValuesError):
+        render(values)
+    assert lint(values)["errors"], "helm lint must report the schema violation"
+
+
+def test_a_values_file_that_violates_the_schema_is_rejected(tmp_path: Path) -> None:
+    """As with ``helm install -f bad.yaml``: the YAML file's values are checked."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agent:\n  backend: nvml\n  emulated:\n    gpus: -1\n")
+    values = helm_python.values_from_yaml(bad.read_text())
+    with pytest.raises(helm_python.HelmValuesError, match="gpus"):
+        render(values)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_good_values_pass_the_schema(values: dict[str, Any]) -> None:
+    validate_values(values)
+
+
+def test_the_default_values_document_every_key_in_the_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def check(node: Mapping[str, Any], sch: Mapping[str, Any], path: str) -> None:
+        props = sch.get("properties", {})
+        for key, value in node.items():
+            assert key in props, f"{path}{key} is in values.yaml but not in values.schema.json"
+            if isinstance(value, Mapping) and props[key].get("additionalProperties") is False:
+                check(value, props[key], f"{path}{key}.")
+
+    check(values, schema, "")
+
+
+def test_both_monitor_kinds_at_once_are_refused() -> None:
+    both = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    with pytest.raises(helm_python.HelmError, match="choose one"):
+        render(both)
+
+
+# -- generated parts are in sync -----------------------------------------------------------------
+
+
+def test_generated_chart_files_match_their_sources() -> None:
+    stale = load_script("sync_chart").stale_files()
+    assert stale == [], f"stale: {stale}; run: python scripts/sync_chart.py"
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    repo = [yaml.safe_load(p.read_text()) for p in sorted((REPO_ROOT / "crds").glob("*.yaml"))]
+    assert crds() == repo
+    assert {c["spec"]["names"]["plural"] for c in crds()} == {"perseusjobs", "perseusnodeplans"}
+
+
+def test_default_policy_schema_is_the_crd_policy() -> None:
+    sync = load_script("sync_chart")
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["defaultPolicy"] == sync.policy_schema()
+    from perseus_api.job import Policy
+
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["defaultPolicy"]
+    Policy.model_validate(default)  # the operator's own model accepts it
+
+
+# -- operator Deployment -----------------------------------------------------------------------
+
+
+def test_operator_deployment() -> None:
+    deployment = render().one("Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # A writable /tmp for the caches the read-only root cannot hold.
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert env_of(container)["NUMBA_CACHE_DIR"].startswith("/tmp/")
+
+
+def test_operator_command_and_settings_are_what_the_operator_accepts() -> None:
+    from perseus_operator.config import PREFIX, OperatorConfig
+    from perseus_operator.main import build_parser
+
+    for values in VALUE_SETS.values():
+        rendered = render(values)
+        if not rendered.of_kind("Deployment"):
+            continue
+        (container,) = containers(rendered.one("Deployment"))
+        assert container["command"] == ["perseus-operator"]
+        args = build_parser().parse_args(container["args"])
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert args.liveness.endswith(f":{ports['health']}/healthz")
+        env = env_of(container)
+        settings = {k: v for k, v in env.items() if k.startswith(PREFIX)}
+        config = OperatorConfig.from_env(settings)
+        assert config.metrics_port == ports["metrics"]
+        known = {PREFIX + f.upper() for f in OperatorConfig.__dataclass_fields__}
+        assert set(settings) <= known  # every setting is one the operator reads
+        default = yaml.safe_load((CHART / "values.yaml").read_text())["defaultPolicy"]
+        assert config.default_policy_fields() == values.get("defaultPolicy", default)
+
+
+def test_operator_settings_follow_the_values() -> None:
+    (container,) = containers(render(NON_DEFAULT).one("Deployment"))
+    env = env_of(container)
+    assert env["PERSEUS_OPERATOR_PLANNER_WORKERS"] == "4"
+    assert json.loads(env["PERSEUS_OPERATOR_DEFAULT_POLICY"]) == NON_DEFAULT["defaultPolicy"]
+    assert "--log-level=debug" in container["args"]
+    assert (
+        container["image"] == "registry.example.com/perseus-k8s/perseus-operator@sha256:" + "a" * 64
+    )
+
+
+# -- node agent DaemonSet ----------------------------------------------------------------------
+
+
+def agent_container(rendered: Rendered) -> dict[str, Any]:
+    (container,) = containers(rendered.one("DaemonSet"))
+    return container
+
+
+def test_agent_daemonset_runs_on_gpu_nodes_with_the_least_nvml_needs() -> None:
+    ds = render().one("DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert pod["terminationGracePeriodSeconds"] >= 30  # the reset and the last status writes
+    container = agent_container(render())
+    sc = container["securityContext"]
+    assert sc["runAsUser"] == 0  # NVML locks clocks only for root ...
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}  # ... with SYS_ADMIN
+    assert sc["privileged"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])  # takes no GPU away
+    env = env_of(container)
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+
+
+def test_agent_host_paths_hold_the_socket_and_the_reset_state() -> None:
+    rendered = render(NON_DEFAULT)
+    pod = rendered.one("DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    container = agent_container(rendered)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in container["args"]}
+    socket, state = mounts[args["--socket-dir"]], mounts[args["--state-dir"]]
+    assert volumes[socket]["hostPath"] == {
+        "path": "/var/run/perseus-demo",
+        "type": "DirectoryOrCreate",
+    }
+    assert volumes[state]["hostPath"] == {"path": "/var/lib/perseus", "type": "DirectoryOrCreate"}
+    assert args["--emulated-state-file"].startswith(args["--state-dir"] + "/")
+    assert container["securityContext"]["runAsGroup"] == 2940  # the socket's group
+
+
+def test_agent_flags_are_what_the_agent_accepts() -> None:
+    from perseus_agent.main import _check_args, build_parser
+
+    for values in VALUE_SETS.values():
+        rendered = render(values)
+        if not rendered.of_kind("DaemonSet"):
+            continue
+        container = agent_container(rendered)
+        assert container["command"] == ["perseus-node-agent"]
+        args = build_parser().parse_args([*container["args"], "--node-name=n1"])
+        config = _check_args(args)
+        assert not config.standalone  # plans come from the API
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+        assert config.metrics_port == port
+        assert config.backend == (values.get("agent", {}).get("backend") or "nvml")
+
+
+def test_emulated_agents_have_no_privileges() -> None:
+    container = agent_container(render({"agent": {"backend": "emulated"}}))
+    sc = container["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(container)
+    assert "--emulated-gpus=8" in container["args"]
+
+
+def test_privileged_agents_only_on_request() -> None:
+    rendered = render({"agent": {"privileged": True, "runtimeClassName": "nvidia"}})
+    assert agent_container(rendered)["securityContext"]["privileged"] is True
+    assert rendered.one("DaemonSet")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    assert all(
+        v.get("privileged") is not True for v in walk(render().objects) if isinstance(v, dict)
+    )
+
+
+# -- services, monitors, dashboards, notes -----------------------------------------------------
+
+
+@pytest.mark.parametrize("monitor", ["serviceMonitor", "podMonitor"])
+def test_services_and_monitors_select_the_pods(monitor: str) -> None:
+    rendered = render({"metrics": {monitor: {"enabled": True, "labels": {"release": "kps"}}}})
+    pods = {
+        o["kind"]: o["spec"]["template"]["metadata"]["labels"]
+        for o in (rendered.one("Deployment"), rendered.one("DaemonSet"))
+    }
+    services = {s["metadata"]["name"]: s for s in rendered.of_kind("Service")}
+    kinds = {"Deployment": "perseus-operator", "DaemonSet": "perseus-node-agent"}
+    for kind, name in kinds.items():
+        service = services[name]
+        assert service["spec"]["selector"].items() <= pods[kind].items()
+        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
+    assert services["perseus-node-agent"]["spec"]["clusterIP"] == "None"
+    kind = "ServiceMonitor" if monitor == "serviceMonitor" else "PodMonitor"
+    monitors = {m["metadata"]["name"]: m for m in rendered.of_kind(kind)}
+    assert set(monitors) == set(kinds.values())
+    for kind_, name in kinds.items():
+        m = monitors[name]
+        assert m["metadata"]["labels"]["release"] == "kps"
+        selected = (
+            services[name]["metadata"]["labels"] if monitor == "serviceMonitor" else pods[kind_]
+        )
+        assert m["spec"]["selector"]["matchLabels"].items() <= selected.items()
+        assert m["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        (endpoint,) = m["spec"][
+            "endpoints" if monitor == "serviceMonitor" else "podMetricsEndpoints"
+        ]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        assert endpoint["honorLabels"] is True  # the series' own namespace/job/pod labels win
+        assert set(endpoint) <= {
+            "port",
+            "path",
+            "interval",
+            "scrapeTimeout",
+            "honorLabels",
+            "relabelings",
+        }
+
+
+def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
+    rendered = render()
+    maps = rendered.of_kind("ConfigMap")
+    assert len(maps) == 3
+    files = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "Perseus"}
+        ((name, text),) = cm["data"].items()
+        assert json.loads(text) == json.loads(files[name])
+    custom = render({"dashboards": {"label": "my_dash", "labelValue": "yes", "folder": ""}})
+    for cm in custom.of_kind("ConfigMap"):
+        assert cm["metadata"]["labels"]["my_dash"] == "yes"
+        assert "annotations" not in cm["metadata"]
+    assert render({"dashboards": {"enabled": False}}).of_kind("ConfigMap") == []
+
+
+def test_notes_tell_what_to_do_next() -> None:
+    notes = render().notes
+    assert "kind: PerseusJob" in notes
+    assert "supplementalGroups: [2940]" in notes
+    assert "metrics.serviceMonitor.enabled=true" in notes
+    assert "grafana_dashboard=1" in notes
+    emulated = render({"agent": {"backend": "emulated"}}).notes
+    assert "EMULATED" in emulated
+    scoped = render(NON_DEFAULT).notes
+    assert "ml, research" in scoped and "PodMonitors are installed" in scoped
+
+
+def test_the_sample_in_the_notes_is_a_valid_perseusjob() -> None:
+    notes = render().notes
+    block = notes.split("kubectl apply -f -\n", 1)[1].split("EOT", 1)[0]
+    job = yaml.safe_load("\n".join(line[5:] for line in block.splitlines()))
+    from perseus_api.job import PerseusJobSpec
+
+    PerseusJobSpec.model_validate(job["spec"])
+    (crd,) = [c for c in crds() if c["spec"]["names"]["kind"] == job["kind"]]
+    assert job["apiVersion"] == f"{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}"
+
+
+# -- Grafana dashboards (structure; every query runs in tests/e2e/test_dashboards.py) ------------
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {
+        p.stem: json.loads(p.read_text()) for p in sorted((CHART / "dashboards").glob("*.json"))
+    }
+
+
+def panels_of(dashboard: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def exported_metric_names() -> set[str]:
+    """Names the agent and the operator really export (from their registries)."""
+    from perseus_agent.exporter import AgentMetrics, GpuCollector, ManagedGpu
+    from perseus_agent.gpu.emulated import EmulatedBackend
+    from perseus_operator.metrics import OperatorMetrics
+
+    profile = (
+        REPO_ROOT / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
+    )
+    backend = EmulatedBackend.from_csv(1, profile, blocking_power_w=83.6, node_name="n1")
+    metrics = AgentMetrics("n1")
+    managed = {0: ManagedGpu({"namespace": "ml", "job": "j", "dp_rank": "0"}, target_mhz=1005)}
+    metrics.registry.register(GpuCollector(backend, backend.devices(), metrics, lambda: managed))
+    metrics.observe_iteration({"rank": "0"}, 1.0)
+    operator = OperatorMetrics()
+    operator.planner.observe(1.0)
+    names = set()
+    for registry in (metrics.registry, operator.registry):
+        for family in registry.collect():
+            names |= {s.name for s in family.samples}
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+DCGM_METRICS = {"DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_UTIL"}
+
+
+def test_dashboards_are_current_grafana_json() -> None:
+    assert set(dashboards()) == {"perseus-cluster", "perseus-job", "perseus-node"}
+    uids = set()
+    for uid, dash in dashboards().items():
+        assert dash["uid"] == uid and uid not in uids
+        uids.add(uid)
+        assert dash["schemaVersion"] >= 39
+        assert "id" not in dash or dash["id"] is None  # Grafana assigns ids
+        variables = dash["templating"]["list"]
+        assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+        ids = [p["id"] for p in panels_of(dash)]
+        assert len(ids) == len(set(ids))
+        occupied: set[tuple[int, int]] = set()
+        for panel in panels_of(dash):
+            assert panel["type"] in {"row", "timeseries", "stat", "bargauge", "table"}
+            grid = panel["gridPos"]
+            assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+            cells = {
+                (grid["x"] + dx, grid["y"] + dy)
+                for dx in range(grid["w"])
+                for dy in range(grid["h"])
+            }
+            assert not cells & occupied, f"{uid}: panel {panel['title']!r} overlaps another"
+            occupied |= cells
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert panel["title"] and panel["targets"]
+            refs = [t["refId"] for t in panel["targets"]]
+            assert len(refs) == len(set(refs))
+            for target in panel["targets"]:
+                assert target["datasource"] == panel["datasource"] and target["expr"].strip()
+
+
+def test_dashboard_queries_use_only_exported_metrics() -> None:
+    exported = exported_metric_names()
+    for uid, dash in dashboards().items():
+        queries = [t["expr"] for p in panels_of(dash) for t in p.get("targets", [])]
+        queries += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
+        for query in queries:
+            for name in re.findall(r"\b(perseus_\w+|DCGM_\w+)", query):
+                assert name in exported | DCGM_METRICS, f"{uid}: {name} is not exported"
+            used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", query)) - {
+                "__range",
+                "__rate_interval",
+                "__interval",
+            }
+            names = {v["name"] for v in dash["templating"]["list"]}
+            assert used <= names, f"{uid}: unknown variable in {query}"
+            assert "exported_" not in query  # the scrape honors the series' labels
+
+
+def needs_dcgm(panel: Mapping[str, Any], target: Mapping[str, Any]) -> bool:
+    """A target declared to return data only with dcgm-exporter (legend or panel title say so);
+    other targets that read dcgm-exporter fall back to Perseus's own series without it."""
+    marker = "(dcgm-exporter)"
+    return marker in target.get("legendFormat", "") or marker in panel["title"]
+
+
+def test_every_dashboard_panel_works_without_dcgm_exporter() -> None:
+    """Only a panel that says so in its title and description needs dcgm-exporter; every other
+    panel has a query that does not (tests/e2e/test_dashboards.py runs them without it)."""
+    for dash in dashboards().values():
+        for panel in panels_of(dash):
+            targets = panel.get("targets", [])
+            if targets and all(needs_dcgm(panel, t) for t in targets):
+                assert "(dcgm-exporter)" in panel["title"]
+                assert "without dcgm-exporter" in panel["description"]
+            for target in targets:
+                if needs_dcgm(panel, target):
+                    assert "DCGM_" in target["expr"]
+
+
+# -- Dockerfile ----------------------------------------------------------------------------------
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (keyword, rest), continuation lines joined."""
+    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[tuple[str, str]]] = {"": []}
+    current = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest.strip(), re.IGNORECASE)
+            assert match, line
+            current = match.group(2) or f"stage{len(stages)}"
+            stages[current] = [("FROM", match.group(1))]
+        else:
+            stages[current].append((keyword, rest.strip()))
+    return stages
+
+
+def test_dockerfile_has_a_non_root_operator_and_an_agent_target() -> None:
+    stages = dockerfile_stages()
+    assert {"operator", "node-agent"} <= set(stages)
+    default_base = next(
+        rest for kw, rest in stages[""] if kw == "ARG" and rest.startswith("PYTHON_IMAGE=")
+    )
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11-slim(-\w+)?", default_base)
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for target, program in (("operator", "perseus-operator"), ("node-agent", "perseus-node-agent")):
+        instructions = stages[target]
+        assert instructions[0] == ("FROM", "${PYTHON_IMAGE}")  # slim runtime, no build tools
+        assert ("ENTRYPOINT", f'["{program}"]') in instructions
+        assert program in scripts
+        copies = [rest for kw, rest in instructions if kw == "COPY"]
+        assert copies and all(c.startswith("--from=") for c in copies)  # only the built venv
+    users = [rest for kw, rest in stages["operator"] if kw == "USER"]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}
+    deployment = render().one("Deployment")
+    uid = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    assert users[-1] == f"{uid}:{uid}"  # the Deployment runs as the image's user
+
+
+def test_dockerfile_installs_pinned_dependencies() -> None:
+    from packaging.requirements import Requirement
+
+    stages = dockerfile_stages()
+    installs = [
+        rest for s in stages.values() for kw, rest in s if kw == "RUN" and "pip install" in rest
+    ]
+    assert installs and all("--constraint /constraints.txt" in r for r in installs)
+    extras = {m for r in installs for m in re.findall(r"\[(operator|agent)\]", r)}
+    assert extras == {"operator", "agent"}
+    pins = {}
+    for line in (REPO_ROOT / "scripts" / "image-constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    needed = [*project["dependencies"], *project["optional-dependencies"]["operator"]]
+    needed += project["optional-dependencies"]["agent"]
+    for line in needed:
+        req = Requirement(line)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"{req.name} is not pinned in scripts/image-constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (line, pins[name])
+    build = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    for line in build:
+        req = Requirement(line)
+        assert req.specifier.contains(pins[req.name.lower()]), (line, pins[req.name.lower()])
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    lines = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert lines[lines.index("**")] == "**"  # everything out, then only what the build copies
+    copied = {
+        "pyproject.toml",
+        "README.md",
+        "operator/",
+        "node_agent/",
+        "scripts/image-constraints.txt",
+    }
+    assert {x[1:] for x in lines if x.startswith("!")} == copied

@@ -1,0 +1,452 @@
+"""The chart's RBAC grants each component exactly the API calls it makes: nothing missing,
+nothing extra.
+
+The calls are listed below as data, each with the code that makes it. Two checks keep the list
+honest: every Kubernetes client method the components' API modules call (found by parsing
+``perseus_operator/kube.py`` and ``perseus_agent/kube.py``) must be in the list, and the
+workload kinds and resource names come from the code's own constants. The permissions are
+computed from the rendered ClusterRoles, Roles and their bindings, and must equal the list.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helm_render import NAMESPACE, REPO_ROOT, Rendered, render
+from perseus_api import resources
+from perseus_api.job import JOB_PLURAL
+
+ALL = "*"  # a ClusterRoleBinding: every namespace, and cluster-scoped resources
+GROUP = resources.GROUP
+CRD_GROUP = "apiextensions.k8s.io"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kind of API call: ``verb`` on ``group``/``resource`` (``resource/subresource``).
+
+    ``cluster``: cluster-scoped, or across all namespaces; otherwise in the namespaces whose
+    PerseusJobs the component manages.
+    """
+
+    verb: str
+    group: str
+    resource: str
+    cluster: bool
+    where: str
+
+
+def _workload_calls() -> list[Call]:
+    from perseus_operator.kube import WORKLOAD_RESOURCES
+
+    return [
+        Call("get", group, plural, False, f"perseus_operator/kube.py get_workload ({kind.value})")
+        for kind, (group, _version, plural) in WORKLOAD_RESOURCES.items()
+    ]
+
+
+# Client methods of operator/perseus_operator/kube.py -> the calls they make.
+OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
+    "list_namespaced_pod": [Call("list", "", "pods", False, "KubeClient.list_pods")],
+    "get_namespaced_custom_object": _workload_calls(),
+    "read_namespaced_config_map": [
+        Call("get", "", "configmaps", False, "KubeClient.get_config_map (profiles)")
+    ],
+    "create_namespaced_config_map": [
+        Call("create", "", "configmaps", False, "KubeClient.put_config_map")
+    ],
+    "patch_namespaced_config_map": [
+        Call("patch", "", "configmaps", False, "KubeClient.put_config_map")
+    ],
+    "list_namespaced_custom_object": [
+        Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.list_node_plans")
+    ],
+    "create_namespaced_custom_object": [
+        Call("create", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan")
+    ],
+    "patch_namespaced_custom_object": [
+        Call("patch", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan (409)")
+    ],
+    "delete_namespaced_custom_object": [
+        Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan")
+    ],
+}
+
+# What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects).
+KOPF_CALLS = [
+    Call("list", GROUP, JOB_PLURAL, False, "kopf watcher: initial listing of the jobs"),
+    Call("watch", GROUP, JOB_PLURAL, False, "kopf watcher"),
+    Call("patch", GROUP, JOB_PLURAL, False, "kopf patching.patch_obj: finalizer, annotations"),
+    Call("patch", GROUP, f"{JOB_PLURAL}/status", False, "kopf patch_obj: status subresource"),
+    Call("create", "", "events", False, "kopf posting (handlers: kopf.event, kopf.warn)"),
+    Call(
+        "list", CRD_GROUP, "customresourcedefinitions", True, "kopf observation.resource_observer"
+    ),
+    Call("watch", CRD_GROUP, "customresourcedefinitions", True, "kopf resource_observer"),
+]
+# Only when the operator runs with --namespace (observation.namespace_observer).
+KOPF_NAMESPACED_MODE_CALLS = [
+    Call("list", "", "namespaces", True, "kopf observation.namespace_observer"),
+    Call("watch", "", "namespaces", True, "kopf namespace_observer"),
+]
+
+# Client methods of node_agent/perseus_agent/kube.py -> the calls they make.
+AGENT_CLIENT_CALLS: dict[str, list[Call]] = {
+    # NodePlanSource._list and ._watch: this node's plans (label selector) in all namespaces.
+    "list_cluster_custom_object": [
+        Call("list", GROUP, resources.NODE_PLAN_PLURAL, True, "NodePlanSource._list"),
+        Call("watch", GROUP, resources.NODE_PLAN_PLURAL, True, "NodePlanSource._watch"),
+    ],
+    "patch_namespaced_custom_object_status": [
+        Call("patch", GROUP, f"{resources.NODE_PLAN_PLURAL}/status", False, "ReportWriter.write")
+    ],
+}
+
+OPERATOR_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator"
+AGENT_SA = f"system:serviceaccount:{NAMESPACE}:perseus-node-agent"
+
+Grant = tuple[str, str, str, str]  # scope (namespace or ALL), group, resource, verb
+
+
+def expected_grants(calls: Iterable[Call], namespaces: Iterable[str] = (ALL,)) -> set[Grant]:
+    grants: set[Grant] = set()
+    for c in calls:
+        for scope in [ALL] if c.cluster else namespaces:
+            grants.add((scope, c.group, c.resource, c.verb))
+    return grants
+
+
+def operator_calls(namespaced: bool) -> list[Call]:
+    calls = [c for cs in OPERATOR_CLIENT_CALLS.values() for c in cs] + KOPF_CALLS
+    return calls + (KOPF_NAMESPACED_MODE_CALLS if namespaced else [])
+
+
+def agent_calls() -> list[Call]:
+    return [c for cs in AGENT_CLIENT_CALLS.values() for c in cs]
+
+
+def _subjects(binding: Mapping[str, Any]) -> set[str]:
+    names = set()
+    for s in binding.get("subjects") or ():
+        assert s["kind"] == "ServiceAccount", s
+        names.add(f"system:serviceaccount:{s['namespace']}:{s['name']}")
+    return names
+
+
+def grants_of(rendered: Rendered, user: str) -> set[Grant]:
+    """What ``user`` may do, from the rendered roles and bindings (RBAC is additive)."""
+    roles = {("ClusterRole", r["metadata"]["name"]): r for r in rendered.of_kind("ClusterRole")}
+    roles |= {
+        ("Role", f"{r['metadata']['namespace']}/{r['metadata']['name']}"): r
+        for r in rendered.of_kind("Role")
+    }
+    grants: set[Grant] = set()
+    for binding in rendered.of_kind("ClusterRoleBinding") + rendered.of_kind("RoleBinding"):
+        if user not in _subjects(binding):
+            continue
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace")
+        scope = ALL if binding["kind"] == "ClusterRoleBinding" else namespace
+        key = ref["name"] if ref["kind"] == "ClusterRole" else f"{namespace}/{ref['name']}"
+        role = roles[(ref["kind"], key)]
+        for rule in role.get("rules") or ():
+            assert not rule.get("resourceNames"), rule  # none needed; keep it simple
+            assert not rule.get("nonResourceURLs"), rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert ALL not in (group, resource, verb), f"wildcard in {rule}"
+                        grants.add((scope, group, resource, verb))
+    return grants
+
+
+def allows(grants: set[Grant], verb: str, group: str, resource: str, namespace: str | None) -> bool:
+    scopes = {ALL} if namespace is None else {ALL, namespace}
+    return any((s, group, resource, verb) in grants for s in scopes)
+
+
+def client_methods_called(path: Path, receivers: set[str]) -> set[str]:
+    """Names of the methods called on ``self.<receiver>`` anywhere in ``path``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Attribute)
+            and isinstance(node.func.value.value, ast.Name)
+            and node.func.value.value.id == "self"
+            and node.func.value.attr in receivers
+        ):
+            found.add(node.func.attr)
+    return found
+
+
+# -- the list of calls matches the code ----------------------------------------------------------
+
+
+def test_every_client_call_of_the_operator_is_listed() -> None:
+    path = REPO_ROOT / "operator" / "perseus_operator" / "kube.py"
+    assert client_methods_called(path, {"_core", "_custom"}) == set(OPERATOR_CLIENT_CALLS)
+
+
+def test_every_client_call_of_the_agent_is_listed() -> None:
+    path = REPO_ROOT / "node_agent" / "perseus_agent" / "kube.py"
+    assert client_methods_called(path, {"_api"}) == set(AGENT_CLIENT_CALLS)
+
+
+def test_only_the_kube_modules_create_api_clients() -> None:
+    """Other modules would make calls the lists above do not see."""
+    offenders = []
+    for root in (REPO_ROOT / "operator", REPO_ROOT / "node_agent"):
+        for path in root.rglob("*.py"):
+            if path.name == "kube.py":
+                continue
+            text = path.read_text()
+            if "from kubernetes" in text or "import kubernetes" in text:
+                offenders.append(str(path.relative_to(REPO_ROOT)))
+    assert offenders == []
+
+
+# -- the chart grants exactly those calls ------------------------------------------------------
+
+
+def test_operator_rbac_is_exactly_its_calls_cluster_wide() -> None:
+    rendered = render()
+    assert grants_of(rendered, OPERATOR_SA) == expected_grants(operator_calls(namespaced=False))
+
+
+def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
+    watched = ["ml", "team-b"]
+    rendered = render({"operator": {"watchNamespaces": watched}})
+    grants = grants_of(rendered, OPERATOR_SA)
+    assert grants == expected_grants(operator_calls(namespaced=True), watched)
+    assert allows(grants, "list", "", "pods", "ml")
+    assert not allows(grants, "list", "", "pods", "kube-system")
+    assert not allows(grants, "create", GROUP, resources.NODE_PLAN_PLURAL, "other")
+    deployment = rendered.one("Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == [
+        "--namespace=ml",
+        "--namespace=team-b",
+    ]
+
+
+def test_agent_rbac_is_exactly_its_calls() -> None:
+    rendered = render()
+    assert grants_of(rendered, AGENT_SA) == expected_grants(agent_calls())
+
+
+@pytest.mark.parametrize(
+    ("verb", "group", "resource"),
+    [
+        ("get", "", "secrets"),
+        ("list", "", "secrets"),
+        ("list", "", "pods"),
+        ("get", "", "nodes"),
+        ("get", "", "configmaps"),
+        ("create", GROUP, resources.NODE_PLAN_PLURAL),
+        ("patch", GROUP, resources.NODE_PLAN_PLURAL),  # the spec is the operator's
+        ("update", GROUP, resources.NODE_PLAN_PLURAL),
+        ("delete", GROUP, resources.NODE_PLAN_PLURAL),
+        ("update", GROUP, f"{resources.NODE_PLAN_PLURAL}/status"),
+        ("get", GROUP, JOB_PLURAL),
+        ("patch", GROUP, f"{JOB_PLURAL}/status"),
+        ("create", "", "events"),
+    ],
+)
+def test_the_agent_cannot(verb: str, group: str, resource: str) -> None:
+    assert not allows(grants_of(render(), AGENT_SA), verb, group, resource, "ml")
+
+
+def test_the_agent_can_read_plans_everywhere_and_write_only_their_status() -> None:
+    grants = grants_of(render(), AGENT_SA)
+    assert allows(grants, "list", GROUP, resources.NODE_PLAN_PLURAL, None)
+    assert allows(grants, "watch", GROUP, resources.NODE_PLAN_PLURAL, None)
+    assert allows(grants, "patch", GROUP, f"{resources.NODE_PLAN_PLURAL}/status", "ml")
+
+
+@pytest.mark.parametrize(
+    ("verb", "group", "resource"),
+    [
+        ("get", "", "secrets"),
+        ("list", "", "secrets"),
+        ("delete", "", "pods"),
+        ("create", "", "pods"),
+        ("delete", GROUP, JOB_PLURAL),
+        ("create", GROUP, JOB_PLURAL),
+        ("delete", "", "configmaps"),
+        ("create", CRD_GROUP, "customresourcedefinitions"),
+        ("patch", "kubeflow.org", "pytorchjobs"),
+        ("list", "", "nodes"),
+    ],
+)
+def test_the_operator_cannot(verb: str, group: str, resource: str) -> None:
+    assert not allows(grants_of(render(), OPERATOR_SA), verb, group, resource, "ml")
+
+
+def test_bindings_name_the_service_accounts_the_pods_run_as() -> None:
+    rendered = render()
+    users = {
+        kind: "system:serviceaccount:{}:{}".format(
+            NAMESPACE, rendered.one(kind)["spec"]["template"]["spec"]["serviceAccountName"]
+        )
+        for kind in ("Deployment", "DaemonSet")
+    }
+    assert users == {"Deployment": OPERATOR_SA, "DaemonSet": AGENT_SA}
+    accounts = {
+        f"system:serviceaccount:{NAMESPACE}:{sa['metadata']['name']}"
+        for sa in rendered.of_kind("ServiceAccount")
+    }
+    assert accounts == {OPERATOR_SA, AGENT_SA}
+
+
+def test_existing_service_accounts_can_be_used() -> None:
+    rendered = render(
+        {
+            "operator": {"serviceAccount": {"create": False, "name": "ops"}},
+            "agent": {"serviceAccount": {"create": False, "name": "gpu-agent"}},
+        }
+    )
+    assert rendered.of_kind("ServiceAccount") == []
+    agent = f"system:serviceaccount:{NAMESPACE}:gpu-agent"
+    assert grants_of(rendered, agent) == expected_grants(agent_calls())
+    policy = rendered.one("ValidatingAdmissionPolicy")
+    assert agent in policy["spec"]["matchConditions"][0]["expression"]
+
+
+def test_admission_policy_limits_each_agent_to_its_own_node() -> None:
+    """RBAC cannot tell one agent from another; the policy compares the plan's node with the
+    node the agent's pod-bound token names."""
+    rendered = render()
+    policy = rendered.one("ValidatingAdmissionPolicy")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == [f"{resources.NODE_PLAN_PLURAL}/status"]
+    assert rule["apiGroups"] == [GROUP]
+    assert rule["operations"] == ["UPDATE"]  # a PATCH is admitted as an UPDATE
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConditions"][0]["expression"] == (
+        f'request.userInfo.username == "{AGENT_SA}"'
+    )
+    (validation,) = policy["spec"]["validations"]
+    assert "oldObject.spec.node ==" in validation["expression"]
+    assert "authentication.kubernetes.io/node-name" in validation["expression"]
+    binding = rendered.one("ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    off = render({"agent": {"restrictReportsToOwnNode": False}})
+    assert off.of_kind("ValidatingAdmissionPolicy") == []
+    assert off.of_kind("ValidatingAdmissionPolicyBinding") == []
+
+
+def test_the_plan_spec_carries_the_node_the_policy_compares() -> None:
+    from perseus_api.node_plan import NodePlan
+
+    assert "node" in NodePlan.model_fields
+
+
+# -- what the agent really calls, against an emulated API server -------------------------------
+
+
+def _observed_call(request: Any) -> tuple[str | None, str, str, str]:
+    """(namespace or None for all, group, resource[/subresource], verb) of a kmock request."""
+    method = str(request.method.value if hasattr(request.method, "value") else request.method)
+    method = method.upper()
+    group = request.resource.group or ""
+    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    params = dict(request.params)
+    if method == "GET":
+        if request.name:
+            verb = "get"
+        else:
+            verb = "watch" if params.get("watch") in ("true", "1", "True") else "list"
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+    return request.namespace, group, resource, verb
+
+
+def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> None:
+    """The real agent (Kubernetes mode, emulated GPUs) against kmock: a plan is created,
+    applied, reported, changed and deleted, then the agent stops. Every request it made is
+    allowed by the chart's RBAC, and the kinds of calls are exactly the listed ones."""
+    import shutil
+    import tempfile
+
+    kubernetes = pytest.importorskip("kubernetes")
+    pytest.importorskip("kmock")
+    from agent_process import NODE, Agent, wait_for
+    from factories import pipeline_plan_fields
+    from kmock_server import KmockServer
+    from perseus_api.node_plan import NodePlan
+
+    plural = f"{GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
+    info = {
+        "kind": resources.NODE_PLAN_KIND,
+        "singular": resources.NODE_PLAN_SINGULAR,
+        "namespaced": True,
+        "subresources": {"status"},
+    }
+    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2) | {"granularity": "Stage"}
+
+    def plan(revision: int, mhz: int) -> NodePlan:
+        for stage in fields["stages"]:
+            stage["frequency_mhz"] = mhz
+        body = {
+            "node": NODE,
+            "namespace": "ml",
+            "job": "gpt3",
+            "revision": revision,
+            "granularity": "Stage",
+            "plans": {"main": fields},
+            "assignments": [{"gpu_index": 0, "plan": "main", "stage": 0, "rank": 0}],
+        }
+        return NodePlan.model_validate(body)
+
+    socket_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="prbac-"))
+    with KmockServer({plural: info}) as server:
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        client.user_agent = "perseus-rbac-test"  # this test's own requests are told apart
+        api = kubernetes.client.CustomObjectsApi(client)
+        args = (GROUP, resources.VERSION, "ml", resources.NODE_PLAN_PLURAL)
+        agent = Agent(tmp_path, socket_dir / "run", num_gpus=1, kubeconfig=kubeconfig)
+
+        def status() -> dict[str, Any]:
+            obj = server.objects(plural).get(("ml", f"gpt3-{NODE}")) or {}
+            return dict(obj.get("status") or {})
+
+        try:
+            agent.start()
+            api.create_namespaced_custom_object(*args, resources.node_plan_object(plan(1, 1005)))
+            wait_for(lambda: status().get("observedRevision") == 1, "a report", agent)
+            new = plan(2, 1200).model_dump(mode="json")
+            api.patch_namespaced_custom_object(*args, f"gpt3-{NODE}", {"spec": new})
+            wait_for(lambda: status().get("observedRevision") == 2, "a report", agent)
+            assert agent.stop() == 0  # reports "stopped" on its way out
+            agent.start()
+            api.delete_namespaced_custom_object(*args, f"gpt3-{NODE}")
+            wait_for(lambda: agent.clocks() == [None], "the reset", agent)
+            assert agent.stop() == 0
+        finally:
+            agent.kill_if_running()
+            client.close()
+            shutil.rmtree(socket_dir, ignore_errors=True)
+        requests = server.call(lambda emulator: list(emulator._requests))
+
+    observed = {
+        _observed_call(r)
+        for r in requests
+        if r.resource is not None and r.headers.get("User-Agent") != "perseus-rbac-test"
+    }
+    grants = grants_of(render(), AGENT_SA)
+    for namespace, group, resource, verb in observed:
+        assert allows(grants, verb, group, resource, namespace), (namespace, resource, verb)
+    kinds = {(g, r, v, ns is None) for ns, g, r, v in observed}
+    assert kinds == {(c.group, c.resource, c.verb, c.cluster) for c in agent_calls()}
