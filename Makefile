@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit bench bench-large bench-agent clean
+.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench-large: $(STAMP)
 ## Node agent overhead: hook round trip vs a bare NVML call, agent CPU and RSS.
 bench-agent: $(STAMP)
 	$(BIN)/python benchmarks/agent_overhead.py
+
+## Operator at scale: 200 jobs, 1,000 simulated nodes; reconcile latency, straggler reaction.
+bench-operator: $(STAMP)
+	$(BIN)/python benchmarks/operator_scale.py
 
 clean:
 	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache

@@ -510,7 +510,7 @@ def report_status(report: NodeReport, denied: Sequence[GpuReport] = ()) -> dict[
         resources.STATUS_OBSERVED_REVISION: report.revision,
         # Changes with every periodic report, so that each is written: the operator tells a
         # live agent from a dead one by it.
-        resources.STATUS_REPORTED_AT: _now_rfc3339(),
+        resources.STATUS_REPORTED_AT: datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
         "conditions": [condition],
     }
 

@@ -161,10 +161,10 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> Non
     job = state.jobs.setdefault(key, _Job())
     async with job.lock:  # a timer tick and a spec change never reconcile at once
         # Bounded, so that nothing (a hung connection) can stop this job's progress for good.
-        outcome = await asyncio.wait_for(
-            reconcile(raw, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY),
-            CONFIG.planner_timeout_s + RECONCILE_SLACK_S,
-        )
+        async with asyncio.timeout(CONFIG.planner_timeout_s + RECONCILE_SLACK_S):
+            outcome = await reconcile(
+                raw, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY
+            )
     _patch(raw, patch, outcome)
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)

@@ -12,6 +12,7 @@ from those when missing.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -127,6 +128,8 @@ class JobMemo:
 
     frontier: Frontier | None = None
     frontier_key: str = ""
+    frontier_generation: int | None = None
+    """The job generation the frontier was checked against its stored profile for."""
     detector: StragglerDetector | None = None
     detector_key: str = ""
     retarget_s: float | None = None
@@ -177,6 +180,7 @@ async def reconcile(
     now_s: float | None = None,
     default_policy: Mapping[str, Any] | None = None,
 ) -> Outcome:
+    # now_s: Unix time (the agents' reports carry wall-clock times).
     """Advance the job as far as the cluster allows; never raises for the job's own problems
     (they become the status' message, conditions and events). ``default_policy``: values of
     the ``spec.policy`` fields the job leaves unset."""
@@ -194,7 +198,7 @@ async def reconcile(
         status = PerseusJobStatus.model_validate(body.get("status") or {})
     except ValidationError:
         status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
-    step = _Step(ref, status, io, planner, memo, time.monotonic() if now_s is None else now_s)
+    step = _Step(ref, status, io, planner, memo, time.time() if now_s is None else now_s)
     step.saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     try:
         raw_spec = body.get("spec") or {}
@@ -247,7 +251,10 @@ class _Step:
         plan = self.memo.plan if self.status.phase == Phase.RUNNING else None
         state = None
         if self.memo.detector is not None and self.status.phase == Phase.RUNNING:
-            state = json.dumps(self.memo.detector.to_state(), separators=(",", ":"))
+            new = self.memo.detector.to_state()
+            # Written only when what decides stragglers changed, not at every report.
+            if self.saved_detector is None or _decisive(new) != _decisive_json(self.saved_detector):
+                state = json.dumps(new, separators=(",", ":"))
         return Outcome(self.status, self.events, plan, self.iterations, self.new_stragglers, state)
 
     # -- status helpers --
@@ -447,6 +454,14 @@ class _Step:
         self.event("Normal", "Profiled", message)
 
     async def _frontier(self, spec: PerseusJobSpec) -> tuple[Frontier, str] | None:
+        frontier_status = self.status.frontier
+        if (
+            self.memo.frontier is not None
+            and self.memo.frontier_generation == self.ref.generation
+            and frontier_status is not None
+        ):
+            # Solved for this spec already: no need to read the profile again every tick.
+            return self.memo.frontier, frontier_status.profile_config_map
         profile = await self._stored_profile(spec)
         if profile is None:
             if self.status.phase != Phase.FAILED:
@@ -477,6 +492,7 @@ class _Step:
                 self.fail("PlanningFailed", str(exc))
                 return None
             self.memo.frontier_key = key
+        self.memo.frontier_generation = self.ref.generation
         return self.memo.frontier, cm_name
 
     async def _optimize(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
@@ -508,13 +524,16 @@ class _Step:
     ) -> None:
         """Plans for the current target: T_min (or the slowdown budget) for every replica, or,
         with stragglers, the straggler target for the others."""
-        tmin = choose_plan(frontier, spec.policy)
+        # Building a plan takes tens of milliseconds: not on the event loop.
+        tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
         plans = {TMIN_PLAN: tmin}
         plan_of_replica: dict[int, str] = {}
         target = self.memo.retarget_s
         current = tmin
         if target is not None and stragglers:
-            retargeted = choose_plan(frontier, spec.policy, straggler_target_s=target)
+            retargeted = await asyncio.to_thread(
+                choose_plan, frontier, spec.policy, straggler_target_s=target
+            )
             plans[RETARGETED_PLAN] = retargeted
             dp = spec.parallelism.data_parallel
             plan_of_replica = {d: RETARGETED_PLAN for d in range(dp) if d not in stragglers}
@@ -557,11 +576,11 @@ class _Step:
         self.iterations = max_iterations(plans)
         if applies_clocks(spec.policy):
             self._applied_condition(plans)
-        samples = rank_samples(plans, ranks, now_s=self.now_s, wall_now=datetime.now(tz=UTC))
+        samples = rank_samples(plans, ranks, now_s=self.now_s)
         detector = self._detector(spec)
         if self.memo.plan is None:  # after a restart: the plan of the target in effect
-            self.memo.plan = choose_plan(
-                frontier, spec.policy, straggler_target_s=self.memo.retarget_s
+            self.memo.plan = await asyncio.to_thread(
+                choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
             )
         verdict = detector.observe(samples, self.now_s)
         self._report_stragglers(verdict)
@@ -691,22 +710,18 @@ def _estimate(plan: PipelinePlan) -> PlanEstimate:
 
 
 def rank_samples(
-    plans: Sequence[Mapping[str, Any]],
-    ranks: Sequence[RankPlacement],
-    *,
-    now_s: float,
-    wall_now: datetime,
+    plans: Sequence[Mapping[str, Any]], ranks: Sequence[RankPlacement], *, now_s: float
 ) -> list[RankSample]:
     """The straggler detector's input from the agents' reports in the node plans' status.
 
-    A report's time is ``now_s`` minus its age (``wall_now`` minus its ``reportedAt``).
+    A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``.
     """
     placed = {r.rank: r for r in ranks}
     samples = []
     for plan in plans:
         status = plan.get("status") or {}
         node = (plan.get("spec") or {}).get("node", "")
-        reported_at = now_s - _report_age_s(status, wall_now)
+        reported_at = _reported_at_s(status, now_s)
         for report in status.get("ranks") or ():
             if not isinstance(report, Mapping):
                 continue
@@ -733,16 +748,18 @@ def rank_samples(
     return samples
 
 
-def _report_age_s(status: Mapping[str, Any], wall_now: datetime) -> float:
-    """Seconds since the agent wrote ``status`` (0 when it does not say)."""
+def _reported_at_s(status: Mapping[str, Any], now_s: float) -> float:
+    """When the agent wrote ``status``, in Unix seconds (``now_s`` when it does not say)."""
     stamp = status.get(resources.STATUS_REPORTED_AT)
     if not isinstance(stamp, str):
-        return 0.0
+        return now_s
     try:
         when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     except ValueError:
-        return 0.0
-    return max(0.0, (wall_now - when).total_seconds())
+        return now_s
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
@@ -821,3 +838,25 @@ async def force_release(namespace: str, job: str, io: JobIO) -> None:
     """Delete the job's node plans without waiting (agents reset when a plan disappears)."""
     for obj in await io.list_node_plans(namespace, job):
         await io.delete_node_plan(*resources.object_key(obj))
+
+
+def _decisive(state: Mapping[str, Any]) -> Any:
+    """The part of a detector state that decides verdicts (streaks, flags, the published
+    target): per-report details (iteration counts, recent times) are left to the next one."""
+    replicas = state.get("replicas") or {}
+    return (
+        state.get("published"),
+        {
+            dp: {k: v for k, v in r.items() if k in ("slowStreak", "fastStreak", "flagged")}
+            for dp, r in replicas.items()
+            if isinstance(r, Mapping)
+        },
+    )
+
+
+def _decisive_json(text: str) -> Any:
+    try:
+        state = json.loads(text)
+    except ValueError:
+        return None
+    return _decisive(state) if isinstance(state, Mapping) else None

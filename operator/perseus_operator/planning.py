@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from perseus_api.job import FrequencyRange, Mode, Parallelism, Policy, Profiling, ScheduleName
@@ -145,7 +145,8 @@ class PlanningInput:
     """What the planner worker needs; plain data, so it pickles to a worker process."""
 
     profile_csv: str
-    profile_source: str
+    profile_source: str = field(compare=False)
+    """Names the profile in error messages only: jobs with the same profile share a solve."""
     schedule: ScheduleName
     num_stages: int
     num_microbatches: int

@@ -116,6 +116,8 @@ class _Replica:
     flagged: bool = False
     since_s: float | None = None
     node: str | None = None
+    last_report_s: float | None = None
+    """Newest report time folded into the streaks: a round without a newer one is no evidence."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,7 @@ class _ReplicaRound:
     stale: bool
     time_s: float | None = None
     node: str | None = None
+    reported_s: float | None = None
 
 
 class _Side(Enum):
@@ -180,7 +183,10 @@ def _summarize(
         # Ties go to the lowest rank so the reported node is deterministic.
         slowest = max(warm, key=lambda s: (s.mean_iteration_s, -s.rank))
         rounds[dp_rank] = _ReplicaRound(
-            stale=False, time_s=slowest.mean_iteration_s, node=slowest.node
+            stale=False,
+            time_s=slowest.mean_iteration_s,
+            node=slowest.node,
+            reported_s=max(s.reported_at_s for s in ranks),
         )
     return rounds, degraded
 
@@ -203,18 +209,30 @@ def _side(time_s: float, baseline_s: float, settings: Stragglers) -> _Side:
 
 def _advance(
     replica: _Replica,
-    time_s: float,
-    node: str | None,
+    round_: _ReplicaRound,
     baseline_s: float,
     now_s: float,
     settings: Stragglers,
 ) -> _Replica:
-    """The replica's memory after a round that measured it at ``time_s`` seconds."""
+    """The replica's memory after a round that measured it at ``round_.time_s`` seconds.
+
+    Only a newer report than the last one folded in counts: the operator may look more often
+    than the agents report, and persistence is measured in reports.
+    """
+    time_s, node = round_.time_s, round_.node
+    assert time_s is not None
+    if (
+        round_.reported_s is not None
+        and replica.last_report_s is not None
+        and round_.reported_s <= replica.last_report_s
+    ):
+        return replace(replica, node=replica.node or node)
     persistence = settings.persistence_reports
     side = _side(time_s, baseline_s, settings)
     # A round between the thresholds breaks both streaks: it is evidence for neither change.
-    slow = replica.slow_streak + 1 if side is _Side.SLOW else 0
-    fast = replica.fast_streak + 1 if side is _Side.FAST else 0
+    # Streaks stop at the persistence needed: longer ones decide nothing more.
+    slow = min(replica.slow_streak + 1, persistence) if side is _Side.SLOW else 0
+    fast = min(replica.fast_streak + 1, persistence) if side is _Side.FAST else 0
     flagged, since_s = replica.flagged, replica.since_s
     if not flagged and slow >= persistence:
         flagged, since_s = True, now_s
@@ -231,6 +249,7 @@ def _advance(
         flagged=flagged,
         since_s=since_s,
         node=node,
+        last_report_s=round_.reported_s,
     )
 
 
@@ -302,9 +321,9 @@ class StragglerDetector:
             baseline_s = None
             replicas = {dp: _Replica() for dp in replicas}
         else:
-            for dp_rank, time_s in times_s.items():
+            for dp_rank in times_s:
                 replicas[dp_rank] = _advance(
-                    replicas[dp_rank], time_s, rounds[dp_rank].node, baseline_s, now_s, settings
+                    replicas[dp_rank], rounds[dp_rank], baseline_s, now_s, settings
                 )
         self._replicas = replicas
 
@@ -351,6 +370,7 @@ class StragglerDetector:
                     "flagged": r.flagged,
                     "sinceSeconds": r.since_s,
                     "node": r.node,
+                    "lastReportSeconds": r.last_report_s,
                 }
                 for dp_rank, r in sorted(self._replicas.items())
             },
@@ -444,6 +464,7 @@ def _replica_from_state(value: object, persistence: int) -> _Replica:
         flagged=flagged,
         since_s=_optional_seconds(raw["sinceSeconds"]),
         node=node,
+        last_report_s=_optional_seconds(raw.get("lastReportSeconds")),
     )
     if replica.flagged and (
         replica.node is None or replica.since_s is None or not replica.recent_s

@@ -130,7 +130,7 @@ class Agents:
             spec = obj["spec"]
             status: dict[str, Any] = {
                 "observedRevision": spec["revision"],
-                "reportedAt": datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "reportedAt": datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
                 "conditions": [{"type": "Applied", "status": "True", "reason": "Applied"}],
             }
             if spec.get("profiling"):

@@ -153,7 +153,7 @@ class Operator:
 
     def step(self) -> Outcome:
         outcome = asyncio.run(
-            reconcile(self.body, self.cluster, InlinePlanner(), self.memo, now_s=time.monotonic())
+            reconcile(self.body, self.cluster, InlinePlanner(), self.memo, now_s=time.time())
         )
         self.body["status"] = outcome.status.model_dump(mode="json", by_alias=True)
         if outcome.detector_state is not None:
@@ -213,7 +213,8 @@ def profiling_reports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def now_rfc3339(age_s: float = 0.0) -> str:
-    return (datetime.now(tz=UTC) - timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """As agents write ``reportedAt``: fine enough that every report has its own time."""
+    return (datetime.now(tz=UTC) - timedelta(seconds=age_s)).isoformat(timespec="microseconds")
 
 
 def report_iterations(
@@ -306,7 +307,9 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
     revision = op.status["revision"]
     report_iterations(cluster, {1: 1.2}, t_min)
     op.step()
+    op.step()  # the same report seen again is no new evidence
     assert op.status["stragglers"] == [] and op.status["revision"] == revision
+    report_iterations(cluster, {1: 1.2}, t_min)
     op.step()
     [straggler] = op.status["stragglers"]
     assert straggler["dataParallelRank"] == 1 and straggler["node"] in ("node-0", "node-1")

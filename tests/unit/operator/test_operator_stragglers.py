@@ -356,3 +356,26 @@ def test_bad_rounds_and_settings_raise() -> None:
         StragglerDetector.from_state(SETTINGS, {**detector.to_state(), "version": 99})
     with pytest.raises(ValueError, match="malformed"):
         StragglerDetector.from_state(SETTINGS, {"version": 1})
+
+
+def test_looking_again_at_the_same_reports_is_no_new_evidence() -> None:
+    """The operator reconciles more often than agents report: persistence counts reports."""
+    times = flat_times(1)
+    times[0, 2] *= 1.2
+    samples = round_samples(times, default_iterations(times), default_reported(times), 0)
+    detector = StragglerDetector(SETTINGS)
+    for look in range(3 * PERSISTENCE):
+        verdict = detector.observe(samples, now_s=1.0 + look)
+        assert verdict.stragglers == {}  # one slow report, however often it is read
+    state = detector.to_state()["replicas"]["2"]
+    assert (state["slowStreak"], state["lastReportSeconds"]) == (1, 0.0)
+
+
+def test_streaks_stop_at_the_persistence_needed() -> None:
+    times = flat_times(5 * PERSISTENCE)
+    detector = StragglerDetector(SETTINGS)
+    iterations, reported = default_iterations(times), default_reported(times)
+    for r in range(times.shape[0]):
+        detector.observe(round_samples(times, iterations, reported, r), now_s=reported[r, 0, 0])
+    streaks = {v["fastStreak"] for v in detector.to_state()["replicas"].values()}
+    assert streaks == {PERSISTENCE}  # so a healthy job's saved state stops changing
