@@ -929,6 +929,7 @@ class ReportWriter:
     Args:
         api: A ``kubernetes.client.CustomObjectsApi``.
         attempts: Tries per write, for conflicts, throttling, server and connection errors.
+        on_gone: Called with (namespace, name) when the object turns out not to exist.
         retry_delay_s: Delay before the second try; doubles with each further try.
         request_timeout_s: Timeout of each request.
     """
@@ -940,8 +941,10 @@ class ReportWriter:
         attempts: int = 4,
         retry_delay_s: float = 0.5,
         request_timeout_s: float = 10.0,
+        on_gone: Callable[[str, str], None] | None = None,
     ) -> None:
         self._api = api
+        self._on_gone = on_gone
         self._attempts = max(1, attempts)
         self._retry_delay_s = retry_delay_s
         self._request_timeout_s = request_timeout_s
@@ -1032,6 +1035,10 @@ class ReportWriter:
                 code = _http_status(exc)
                 if code == 404:
                     log.debug("%s/%s is gone; its status is not written", namespace, name)
+                    if self._on_gone is not None:
+                        # A deletion the watch missed (e.g. between a list and the next watch):
+                        # the plan must not stay applied.
+                        self._on_gone(namespace, name)
                     return False
                 retriable = code is None or code in _RETRIABLE_HTTP
                 if not retriable or attempt == self._attempts or self._stop.is_set():

@@ -387,6 +387,7 @@ class _Agent:
         self.config = config
         self._stop = threading.Event()
         self._plan_signature: tuple[int, int, int] | None = None
+        self._events: queue.Queue[_PlanEvent] | None = None  # Kubernetes mode's plan events
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self._stop.is_set():
@@ -447,7 +448,7 @@ class _Agent:
                     plans = jobs = JobPlans(backend, reset_state, config.node_name, metrics)
                     devices, managed = jobs.devices, jobs.managed_gpus
                     # Lives until the shutdown has reset the clocks, to report that.
-                    writer = ReportWriter(custom_objects_api(api_client))
+                    writer = ReportWriter(custom_objects_api(api_client), on_gone=self._gone)
                     writer.start()
             except (GpuError, OSError) as exc:
                 raise _StartupError(
@@ -514,6 +515,12 @@ class _Agent:
             if not self._stop.is_set():
                 self._poll_plan(applier)
 
+    def _gone(self, namespace: str, name: str) -> None:
+        """The report writer found the plan object deleted: handle it as a deletion."""
+        events = self._events
+        if events is not None:
+            events.put(_PlanEvent("delete", (namespace, name)))
+
     def _run_kubernetes(
         self, jobs: JobPlans, api_client: Any, writer: ReportWriter, health: Health
     ) -> None:
@@ -523,6 +530,7 @@ class _Agent:
         config = self.config
         api = custom_objects_api(api_client)
         events: queue.Queue[_PlanEvent] = queue.Queue()
+        self._events = events
 
         def on_plan(namespace: str, name: str, plan: NodePlan) -> None:
             events.put(_PlanEvent("plan", (namespace, name), plan=plan))

@@ -1,16 +1,15 @@
 """Every query of the chart's Grafana dashboards returns data from a real Prometheus.
 
-Set-up, all real processes except the operator:
+Set-up, all real processes except the Kubernetes API (kmock, in memory) and the GPUs:
 
 - a ``perseus-node-agent`` (standalone, three emulated GPUs): GPU 0 and GPU 1 follow a plan as
   data-parallel replicas 0 and 1 of job ``ml/gpt3``, GPU 2 follows none;
 - two emulated training ranks (``python -m perseus_agent.emulated_rank``) on GPUs 0 and 1
   calling the agent through ``perseus_client``; replica 1 idles a little longer per
   iteration (a straggler);
-- the operator's metrics: :class:`perseus_operator.metrics.OperatorMetrics` fed by this test
-  as the operator's reconcile loop would feed it (a running job with a plan, a job in
-  profiling, stragglers, a planner solve), served over HTTP. Running the whole operator
-  would need a Kubernetes API; the metric code and its HTTP exposition are the operator's own;
+- the operator (``perseus-operator``) against kmock, with job ``ml/gpt3`` Running (profiled,
+  planned, its replica 1 detected as a straggler; the agents of its node plans simulated) and
+  job ``ml/bert`` still Profiling;
 - a fake dcgm-exporter serving ``DCGM_FI_DEV_*`` series with dcgm-exporter's label names for
   the agent's GPU UUIDs plus a GPU without a Perseus agent; it serves nothing at first;
 - Prometheus (Debian package) scraping them with the settings of the chart's PodMonitors
@@ -37,18 +36,30 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
 
 from agent_process import NODE, PROFILE, Agent, source_env, write_atomically
 from factories import pipeline_plan_fields
 from helm_render import CHART, render
+from kmock_server import KmockServer
+from operator_harness import (
+    JOBS,
+    RESOURCES,
+    OperatorProcess,
+    SimulatedAgents,
+    perseus_job,
+    pod,
+    profile_of,
+)
+from perseus_api import resources
 from prometheus_server import PROMETHEUS, free_port
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +69,8 @@ RATE_INTERVAL = "5s"  # Grafana: max($__interval + scrape interval, 4 x scrape i
 RANGE = "5m"  # the dashboard's time range; longer than the test runs
 RANGE_WINDOW_S = 10.0  # range queries: the last seconds, one step per scrape
 STAGES, MICROBATCHES = 8, 4
+# The operator's jobs (2 pods x 4 GPUs = 2 replicas x 4 stages; their agents simulated).
+OPERATOR_STAGES, OPERATOR_MICROBATCHES, OPERATOR_GPUS = 4, 8, 4
 NUM_GPUS = 3
 TIMEOUT_S = 40.0
 DCGM_EXTRA_UUID = "GPU-00000000-dcgm-only"  # a GPU on a node without a Perseus agent
@@ -312,51 +325,56 @@ class FakeDcgmExporter:
         return ("\n".join(lines) + "\n").encode()
 
 
-class OperatorMetricsFeed:
-    """The operator's metrics as its reconcile loop feeds them, served like the operator does."""
+@contextmanager
+def running_operator(tmp_path: Path) -> Iterator[tuple[OperatorProcess, Callable[[], None]]]:
+    """The real operator against kmock, with job ``ml/gpt3`` Running (its agents simulated,
+    replica 1 a straggler: re-targeted) and job ``ml/bert`` Profiling (its agents silent).
 
-    def __init__(self) -> None:
-        from prometheus_client import generate_latest
-
-        from perseus_api.job import Phase
-        from perseus_api.plan import PipelinePlan
-        from perseus_operator.metrics import OperatorMetrics
-
-        self.metrics = OperatorMetrics()
-        fields = pipeline_plan_fields(num_stages=STAGES, num_microbatches=MICROBATCHES)
-        estimate = {"iteration_time_s": 1.0, "energy_j": 9000.0, "savings_ratio": 0.13}
-        fields |= {"granularity": "Stage", "stage_estimate": estimate}
-        self.plan = PipelinePlan.model_validate(fields)
-        self.phase = Phase
-        self.iterations = 0
-        self.stop_event = threading.Event()
-        self.server = _Server(lambda: generate_latest(self.metrics.registry))
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        rounds = 0
-        while not self.stop_event.is_set():
-            self.iterations += 5
-            self.metrics.observe_job(
-                "ml",
-                "gpt3",
-                self.phase.RUNNING,
-                self.plan,
-                self.iterations,
-                replicas=2,
-                new_stragglers=1 if rounds % 4 == 0 else 0,
+    Also yields ``replan()``: a spec change of ``ml/gpt3`` that needs a new frontier, so that a
+    planner run happens while Prometheus scrapes (panels over ``$__range`` need one).
+    """
+    with KmockServer(RESOURCES) as server:
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig", namespace="ml")
+        client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        core = kubernetes.client.CoreV1Api(client)
+        custom = kubernetes.client.CustomObjectsApi(client)
+        for app in ("gpt3", "bert"):
+            for index in range(2):
+                core.create_namespaced_pod("ml", pod(app, index, "ml", gpus=OPERATOR_GPUS))
+            body = perseus_job(
+                app, "ml", app, stages=OPERATOR_STAGES, dp=2, microbatches=OPERATOR_MICROBATCHES
             )
-            self.metrics.observe_job("ml", "bert", self.phase.PROFILING, None, 0, 1, 0)
-            if rounds % 4 == 2:  # a re-plan (e.g. after a straggler)
-                self.metrics.planner.observe(0.3 + 0.1 * (rounds % 3))
-            rounds += 1
-            self.stop_event.wait(0.5)
+            custom.create_namespaced_custom_object(
+                resources.GROUP, resources.VERSION, "ml", "perseusjobs", body
+            )
+        operator = OperatorProcess(kubeconfig)
+        try:
+            profile = profile_of(OPERATOR_STAGES)
+            with SimulatedAgents(custom, "ml", profile, jobs={"gpt3"}) as agents:
 
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.thread.join(5)
-        self.server.stop()
+                def status() -> dict[str, Any]:
+                    job = server.objects(JOBS).get(("ml", "gpt3")) or {}
+                    return dict(job.get("status") or {})
+
+                running = operator.wait_for("Running", lambda: status().get("phase") == "Running")
+                assert running
+                agents.t_min_s["gpt3"] = status()["frontier"]["tMinSeconds"]
+                agents.slow = {1: 1.2}
+                operator.wait_for("the straggler", lambda: status().get("stragglers"))
+
+                def replan() -> None:  # another blocking power: the same profile, a new frontier
+                    custom.patch_namespaced_custom_object(
+                        resources.GROUP,
+                        resources.VERSION,
+                        "ml",
+                        "perseusjobs",
+                        "gpt3",
+                        {"spec": {"policy": {"blockingPowerWatts": 80.0}}},
+                    )
+
+                yield operator, replan
+        finally:
+            operator.stop()
 
 
 def node_plan() -> dict[str, Any]:
@@ -419,13 +437,14 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
     socket_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="pdash-"))
     agent = Agent(tmp_path, socket_dir / "run", num_gpus=NUM_GPUS)
     ranks: list[subprocess.Popen[bytes]] = []
-    operator = dcgm = None
+    dcgm = None
+    stack_context = ExitStack()
     try:
         write_atomically(agent.plan_file, json.dumps(node_plan()))
         agent.start()
         uuids = sorted(set(re.findall(r'uuid="([^"]+)"', agent.get("/metrics"))))
         assert len(uuids) == NUM_GPUS
-        operator = OperatorMetricsFeed()
+        operator, replan = stack_context.enter_context(running_operator(tmp_path))
         dcgm = FakeDcgmExporter([*uuids, DCGM_EXTRA_UUID])
         ranks = [
             start_rank(agent, 0, 0.0, tmp_path / "rank0.log"),
@@ -433,10 +452,20 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
         ]
         targets = {
             "node-agent": f"127.0.0.1:{agent.port}",
-            "operator": operator.server.target,
+            "operator": operator.metrics_target,
             "dcgm": dcgm.server.target,
         }
         with prometheus(tmp_path, scrape_jobs(targets)) as prom:
+            # Once Prometheus has the operator's counters, a planner run it can see increase.
+            poll(
+                lambda: (
+                    []
+                    if prom.values("perseus_planner_seconds_count", True, time.time())
+                    else ["perseus_planner_seconds_count"]
+                ),
+                "the operator's first scrape",
+            )
+            replan()
             yield {"prom": prom, "dcgm": dcgm, "agent": agent, "ranks": ranks, "tmp": tmp_path}
     finally:
         for rank in ranks:
@@ -444,8 +473,7 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
             rank.wait(10)
         if dcgm is not None:
             dcgm.server.stop()
-        if operator is not None:
-            operator.stop()
+        stack_context.close()
         agent.kill_if_running()
         shutil.rmtree(socket_dir, ignore_errors=True)
 

@@ -371,6 +371,19 @@ def test_report_writer_retries_a_bounded_number_of_times_and_never_raises(
     assert sorted(written) == ["Applied", "InvalidSpec"]
 
 
+def test_report_writer_says_when_an_object_turns_out_to_be_gone() -> None:
+    """A deletion the watch missed shows as a 404 on the status: the agent treats it as one."""
+    gone: list[tuple[str, str]] = []
+    api = _FakeApi(_ApiError(404), _ApiError(500), None)
+    writer = ReportWriter(
+        api, attempts=2, retry_delay_s=0.001, on_gone=lambda ns, n: gone.append((ns, n))
+    )
+    assert writer.write("ml", "gpt3-n1", _status()) is False
+    assert gone == [("ml", "gpt3-n1")]
+    assert writer.write("ml", "other", _status()) is True  # a 500, then written
+    assert gone == [("ml", "gpt3-n1")]
+
+
 # -- against an emulated API server (kmock) --------------------------------------------------------
 
 

@@ -1,0 +1,294 @@
+"""The operator as a process against kmock's Kubernetes API, with simulated node agents.
+
+Shared by the operator's integration test and the dashboards' end-to-end test:
+
+- :data:`RESOURCES`: what kmock must declare for kopf (which waits for the discovery of
+  namespaces, events and CRDs) and for the Perseus resources;
+- :class:`OperatorProcess`: ``python -m perseus_operator.main`` on a kubeconfig, with its
+  metrics and liveness ports;
+- :class:`SimulatedAgents`: every node's agent, played by a thread that writes node plan
+  statuses: profiles while profiling, then the revision applied and per-rank iteration times;
+- builders of pods (kind ``Pods`` workloads) and PerseusJobs.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from agent_process import REPO_ROOT, source_env
+from perseus_api import resources
+from perseus_api.profile import Profile, parse_profile
+from perseus_planner import DEFAULT_PROFILE, bundled_profile
+
+JOBS = f"{resources.GROUP}/{resources.VERSION}/perseusjobs"
+PLANS = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+TIMEOUT_S = 60.0
+
+RESOURCES: dict[str, dict[str, Any]] = {
+    "v1/namespaces": {
+        "kind": "Namespace",
+        "singular": "namespace",
+        "namespaced": False,
+        "verbs": VERBS,
+    },
+    "v1/events": {"kind": "Event", "singular": "event", "namespaced": True, "verbs": VERBS},
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {
+        "kind": "CustomResourceDefinition",
+        "singular": "customresourcedefinition",
+        "namespaced": False,
+        "verbs": VERBS,
+    },
+    JOBS: {
+        "kind": "PerseusJob",
+        "singular": "perseusjob",
+        "namespaced": True,
+        "shortnames": {"pj"},
+        "subresources": {"status"},
+        "verbs": VERBS,
+    },
+    PLANS: {
+        "kind": resources.NODE_PLAN_KIND,
+        "singular": resources.NODE_PLAN_SINGULAR,
+        "namespaced": True,
+        "subresources": {"status"},
+        "verbs": VERBS,
+    },
+}
+
+
+def cut_profile(stages: int) -> str:
+    """The bundled GPT-3 / A100 profile, first ``stages`` stages."""
+    lines = bundled_profile(DEFAULT_PROFILE).path.read_text().strip().splitlines()
+    column = lines[0].split(",").index("stage")
+    return "\n".join([lines[0], *(x for x in lines[1:] if int(x.split(",")[column]) < stages)])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """``perseus-operator`` as a process; ``stop()`` returns its output."""
+
+    def __init__(self, kubeconfig: Path, *, reconcile_interval_s: float = 0.5) -> None:
+        self.metrics_port = free_port()
+        self.liveness_port = free_port()
+        env = {
+            **source_env(),
+            "PERSEUS_OPERATOR_KUBECONFIG": str(kubeconfig),
+            "PERSEUS_OPERATOR_RECONCILE_INTERVAL_S": str(reconcile_interval_s),
+            "PERSEUS_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "PERSEUS_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+            "PERSEUS_OPERATOR_RELEASE_TIMEOUT_S": "20",
+        }
+        env.pop("KUBECONFIG", None)
+        liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    @property
+    def metrics_target(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
+
+    def stop(self) -> str:
+        """Stop the operator (SIGTERM, then SIGKILL) and return everything it printed."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=5)
+        return out or ""
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
+        """``check()``'s first truthy value; fails with the operator's output on time-out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = check()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        out = self.stop()
+        pytest.fail(f"timed out waiting for {what}; operator output:\n{out[-20000:]}")
+
+
+class SimulatedAgents:
+    """Every node's agent, played by a thread: for the node plans of ``jobs`` (all when None)
+    in ``namespace`` it reports profiles while profiling, then the revision it applied and each
+    rank's mean iteration time: ``t_min_s[job]`` times the replica's factor in ``slow``."""
+
+    def __init__(
+        self,
+        api: Any,
+        namespace: str,
+        profile: Profile,
+        *,
+        jobs: Collection[str] | None = None,
+        period_s: float = 0.2,
+    ) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.profile = profile
+        self.jobs = None if jobs is None else set(jobs)
+        self.period_s = period_s
+        self.t_min_s: dict[str, float] = {}
+        self.slow: dict[int, float] = {}
+        self.iterations = 100
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SimulatedAgents:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._report_all()
+            except kubernetes.client.ApiException:
+                pass  # a plan deleted between the list and the patch
+            except BaseException as exc:  # surfaced by the test
+                self.errors.append(exc)
+                return
+            self.iterations += 1
+            time.sleep(self.period_s)
+
+    def _report_all(self) -> None:
+        plans = self.api.list_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, self.namespace, resources.NODE_PLAN_PLURAL
+        )["items"]
+        for obj in plans:
+            spec = obj["spec"]
+            if self.jobs is not None and spec["job"] not in self.jobs:
+                continue
+            status: dict[str, Any] = {
+                "observedRevision": spec["revision"],
+                "reportedAt": datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
+                "conditions": [{"type": "Applied", "status": "True", "reason": "Applied"}],
+            }
+            t_min_s = self.t_min_s.get(spec["job"])
+            if spec.get("profiling"):
+                status["profiling"] = [profiled(a, self.profile) for a in spec["assignments"]]
+            elif t_min_s is not None:
+                status["ranks"] = [
+                    {
+                        "rank": a["rank"],
+                        "dp_rank": a["dp_rank"],
+                        "pp_rank": a["stage"],
+                        "iterations": self.iterations,
+                        "last_iteration_s": t_min_s * self.slow.get(a["dp_rank"], 1.0),
+                        "mean_iteration_s": t_min_s * self.slow.get(a["dp_rank"], 1.0),
+                    }
+                    for a in spec["assignments"]
+                ]
+            self.api.patch_namespaced_custom_object_status(
+                resources.GROUP,
+                resources.VERSION,
+                self.namespace,
+                resources.NODE_PLAN_PLURAL,
+                obj["metadata"]["name"],
+                {"status": status},
+            )
+
+
+def profiled(assignment: Mapping[str, Any], profile: Profile) -> dict[str, Any]:
+    """A finished profiling report of the assignment's GPU: the profile's rows of its stage."""
+    stage = assignment["stage"]
+    rows = []
+    for name in ("forward", "backward"):
+        m = profile.get(stage, name)
+        for clock, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True):
+            rows.append(
+                {
+                    "stage": stage,
+                    "instruction": name,
+                    "frequency_mhz": int(clock),
+                    "time_s": float(t),
+                    "energy_j": float(e),
+                    "samples": 2,
+                }
+            )
+    return {
+        "stage": stage,
+        "index": assignment["gpu_index"],
+        "done": True,
+        "rows": rows,
+        "blocking_power_w": 80.0,
+        "blocking_s": 1.0,
+    }
+
+
+def pod(app: str, index: int, namespace: str, gpus: int) -> dict[str, Any]:
+    """Pod ``<app>-<index>`` on node ``<app>-node-<index>``, node rank from its environment."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{app}-{index}", "namespace": namespace, "labels": {"app": app}},
+        "spec": {
+            "nodeName": f"{app}-node-{index}",
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "trainer",
+                    "env": [{"name": "JOB_COMPLETION_INDEX", "value": str(index)}],
+                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                }
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def perseus_job(
+    name: str, namespace: str, app: str, *, stages: int, dp: int, microbatches: int
+) -> dict[str, Any]:
+    """A PerseusJob over the pods labelled ``app=<app>``, quick to profile and to react."""
+    return {
+        "apiVersion": resources.API_VERSION,
+        "kind": "PerseusJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "workload": {"kind": "Pods", "podSelector": {"matchLabels": {"app": app}}},
+            "parallelism": {
+                "pipelineStages": stages,
+                "dataParallel": dp,
+                "microbatches": microbatches,
+            },
+            "policy": {"blockingPowerWatts": 83.64},
+            "profiling": {"iterationsPerFrequency": 2, "warmupIterations": 1},
+            "stragglers": {"persistenceReports": 2, "warmupIterations": 0},
+        },
+    }
+
+
+def profile_of(stages: int) -> Profile:
+    return parse_profile(cut_profile(stages), f"bundled, {stages} stages")
