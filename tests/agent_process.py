@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,9 +177,10 @@ def run_emulated_rank(
     blocking_power_w: float,
     bubble_s: float = 0.0,
     timeout_s: float = 120.0,
-) -> None:
-    """Run ``python -m perseus_agent.emulated_rank`` as rank 0 on the agent's GPU 0."""
-    subprocess.run(
+) -> dict[str, Any]:
+    """Run ``python -m perseus_agent.emulated_rank`` as rank 0 on the agent's GPU 0; return
+    what it printed (``step_times_s``, ``busy_s``)."""
+    done = subprocess.run(
         [
             sys.executable, "-m", "perseus_agent.emulated_rank",
             f"--state-file={agent.gpu_state}", f"--num-gpus={agent.num_gpus}",
@@ -192,3 +195,5 @@ def run_emulated_rank(
         capture_output=True,
         timeout=timeout_s,
     )  # fmt: skip
+    result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return result

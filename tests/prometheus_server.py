@@ -65,22 +65,25 @@ class Prometheus:
 
 @contextmanager
 def running_prometheus(
-    workdir: Path, targets: list[str], scrape_interval_s: float = 1.0
+    workdir: Path,
+    targets: list[str],
+    scrape_interval_s: float = 1.0,
+    scrape_configs: list[dict[str, Any]] | None = None,
 ) -> Iterator[Prometheus]:
-    """Start Prometheus scraping ``targets`` (``host:port``), stop it on exit."""
+    """Start Prometheus scraping ``targets`` (``host:port``; or the given ``scrape_configs``),
+    stop it on exit."""
     if PROMETHEUS is None:
         raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
     port = free_port()
     config = workdir / "prometheus.yml"
     interval = f"{round(scrape_interval_s * 1000)}ms"  # Prometheus durations are integers
-    config.write_text(
-        "global:\n"
-        f"  scrape_interval: {interval}\n"
-        f"  evaluation_interval: {interval}\n"
-        "scrape_configs:\n"
-        "  - job_name: perseus\n"
-        f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
-    )
+    if scrape_configs is None:
+        scrape_configs = [{"job_name": "perseus", "static_configs": [{"targets": targets}]}]
+    document = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": scrape_configs,
+    }
+    config.write_text(json.dumps(document, indent=2))  # JSON is YAML
     log = (workdir / "prometheus.log").open("w")
     process = subprocess.Popen(
         [

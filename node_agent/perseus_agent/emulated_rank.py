@@ -12,6 +12,9 @@ Waiting on other stages is modelled only as ``--bubble-s``: an idle wait (the GP
 blocking power) at the start of every iteration, as a stage waits for its first input; a
 multi-rank harness models the real dependencies.
 
+It prints one JSON line at the end: ``step_times_s`` (each iteration's wall time) and
+``busy_s`` (how long the GPU computed in all, sleep overshoot included).
+
 Usage::
 
     python -m perseus_agent.emulated_rank --state-file gpus.json --gpu-index 0 \\
@@ -22,9 +25,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from perseus_agent.gpu.emulated import EmulatedBackend
@@ -44,13 +49,14 @@ def run_rank(
     schedule: Schedule = Schedule.ONE_F_ONE_B,
     time_scale: float = 1.0,
     bubble_s: float = 0.0,
-) -> list[float]:
-    """Run ``steps`` iterations; return each one's wall time in seconds.
+) -> RankRun:
+    """Run ``steps`` iterations; return each one's wall time and the time the GPU was busy.
 
     ``bubble_s``: idle (blocked) time at the start of each iteration, not scaled.
     """
     order = stage_instruction_order(schedule, num_stages, num_microbatches, stage)
     step_times_s = []
+    busy_start_s = gpu.busy_s(gpu_index)
     for step in range(steps):
         start_s = time.monotonic()
         client.on_step_begin(step)
@@ -64,7 +70,17 @@ def run_rank(
             client.on_instruction_end(instruction)
         client.on_step_end(step)
         step_times_s.append(time.monotonic() - start_s)
-    return step_times_s
+    # Sleeps overshoot on a loaded machine and the GPU computes meanwhile: callers that check
+    # energy need the time it really computed, as the emulated GPU counted it.
+    return RankRun(step_times_s, gpu.busy_s(gpu_index) - busy_start_s)
+
+
+@dataclass(frozen=True)
+class RankRun:
+    step_times_s: list[float]
+    """Wall time of each iteration, seconds."""
+    busy_s: float
+    """Time the emulated GPU ran computations, in all, seconds."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     uuid = gpu.devices()[args.gpu_index].uuid
     client = PerseusClient(args.socket, rank=args.rank, gpu_uuids=[uuid])
     with client:
-        times = run_rank(
+        run = run_rank(
             gpu,
             client,
             gpu_index=args.gpu_index,
@@ -114,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             time_scale=args.time_scale,
             bubble_s=args.bubble_s,
         )
-    print(" ".join(f"{t:.6f}" for t in times))
+    print(json.dumps({"step_times_s": run.step_times_s, "busy_s": run.busy_s}))
     return 0
 
 

@@ -90,6 +90,13 @@ class PipelinePlan(_Model):
     stage_estimate: PlanEstimate
     stages: list[StagePlan]
 
+    @property
+    def estimate(self) -> PlanEstimate:
+        """The estimate of the granularity the plan is applied at."""
+        if self.granularity == Granularity.INSTRUCTION:
+            return self.instruction_estimate
+        return self.stage_estimate
+
     @model_validator(mode="after")
     def _consistent(self) -> PipelinePlan:
         if [s.stage for s in self.stages] != list(range(self.num_stages)):

@@ -540,7 +540,7 @@ class _Step:
             current = retargeted
         self.status.revision += 1
         self.memo.plan = current
-        estimate = _estimate(current)
+        estimate = current.estimate
         self.status.plan = PlanStatus(
             targetIterationSeconds=estimate.iteration_time_s,
             expectedSavingsRatio=expected_savings_ratio(current),
@@ -701,12 +701,6 @@ def _pipeline_key(spec: PerseusJobSpec) -> str:
     clamp = spec.policy.frequency_mhz
     span = f"{clamp.min_mhz}-{clamp.max_mhz}" if clamp else "default"
     return f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
-
-
-def _estimate(plan: PipelinePlan) -> PlanEstimate:
-    if plan.granularity == Granularity.INSTRUCTION:
-        return plan.instruction_estimate
-    return plan.stage_estimate
 
 
 def rank_samples(

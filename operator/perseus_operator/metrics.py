@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from perseus_api.job import Phase
-from perseus_api.plan import Granularity, PipelinePlan
+from perseus_api.plan import PipelinePlan
 
 
 @dataclass
@@ -83,8 +83,7 @@ class OperatorMetrics:
         if plan is None:
             seen.iterations = iterations
             return
-        ratio = saved_ratio(plan)
-        self.savings.labels(namespace, job).set(ratio)
+        self.savings.labels(namespace, job).set(plan.estimate.savings_ratio)
         # Counters restart with the training process; count only growth.
         done = iterations - seen.iterations if iterations >= seen.iterations else iterations
         seen.iterations = iterations
@@ -100,22 +99,9 @@ class OperatorMetrics:
                 metric.remove(namespace, job)
 
 
-def saved_ratio(plan: PipelinePlan) -> float:
-    estimate = (
-        plan.instruction_estimate
-        if plan.granularity == Granularity.INSTRUCTION
-        else plan.stage_estimate
-    )
-    return estimate.savings_ratio
-
-
 def saved_per_iteration_j(plan: PipelinePlan) -> float:
     """Joules one pipeline saves per iteration: baseline energy minus the plan's."""
-    estimate = (
-        plan.instruction_estimate
-        if plan.granularity == Granularity.INSTRUCTION
-        else plan.stage_estimate
-    )
+    estimate = plan.estimate
     ratio = estimate.savings_ratio
     if ratio >= 1:
         return 0.0

@@ -222,12 +222,7 @@ def choose_plan(
 
 def expected_savings_ratio(plan: PipelinePlan) -> float:
     """Energy saved vs. all GPUs at max clock at the same throughput, for the granularity."""
-    estimate = (
-        plan.instruction_estimate
-        if plan.granularity == Granularity.INSTRUCTION
-        else plan.stage_estimate
-    )
-    return estimate.savings_ratio
+    return plan.estimate.savings_ratio
 
 
 def applies_clocks(policy: Policy) -> bool:

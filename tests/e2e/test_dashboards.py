@@ -44,7 +44,6 @@ from typing import Any
 
 import kubernetes
 import pytest
-import yaml
 
 from agent_process import NODE, PROFILE, Agent, source_env, write_atomically
 from factories import pipeline_plan_fields
@@ -60,7 +59,7 @@ from operator_harness import (
     profile_of,
 )
 from perseus_api import resources
-from prometheus_server import PROMETHEUS, free_port
+from prometheus_server import PROMETHEUS, running_prometheus
 
 pytestmark = pytest.mark.e2e
 
@@ -198,47 +197,8 @@ def _finite(value: str) -> bool:
 
 @contextmanager
 def prometheus(workdir: Path, jobs: list[dict[str, Any]]) -> Iterator[PromClient]:
-    assert PROMETHEUS is not None
-    port = free_port()
-    interval = f"{round(SCRAPE_S * 1000)}ms"
-    config = {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "scrape_configs": jobs,
-    }
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    with (workdir / "prometheus.log").open("w") as log:
-        process = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            client = PromClient(port)
-            deadline = time.monotonic() + 15
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{client.url}/-/ready", timeout=1):
-                        break
-                except OSError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        pytest.fail(
-                            f"prometheus did not start: {(workdir / 'prometheus.log').read_text()}"
-                        )
-                    time.sleep(0.1)
-            yield client
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running_prometheus(workdir, [], SCRAPE_S, scrape_configs=jobs) as server:
+        yield PromClient(int(server.url.rsplit(":", 1)[1]))
 
 
 def scrape_jobs(targets: Mapping[str, str]) -> list[dict[str, Any]]:

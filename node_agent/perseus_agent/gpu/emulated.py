@@ -76,6 +76,7 @@ class _GpuState:
     locked_sm_clock_mhz: int | None = None
     locked_memory_clock_mhz: int | None = None
     energy_j: float = 0.0
+    busy_s: float = 0.0
     activity: Activity | None = None
     fault: GpuError | None = None
 
@@ -334,6 +335,13 @@ class EmulatedBackend(GpuBackend):
             txn.dirty = True
             return True
 
+    def busy_s(self, index: int) -> float:
+        """Seconds the GPU has run computations since its state began (emulated telemetry)."""
+        with self._transaction(write=False) as txn:
+            gpu = self._gpu(txn, index, check_fault=False)
+            running_s = self._clock() - gpu.last_change_s if gpu.activity is not None else 0.0
+            return gpu.busy_s + max(0.0, running_s)
+
     def activity(self, index: int) -> Activity | None:
         """``(stage, instruction)`` the GPU is running, or ``None`` when idle/blocked."""
         with self._transaction(write=False) as txn:
@@ -418,6 +426,8 @@ class EmulatedBackend(GpuBackend):
         now = self._clock()
         if now > gpu.last_change_s:
             gpu.energy_j += self._power_w(gpu) * (now - gpu.last_change_s)
+            if gpu.activity is not None:
+                gpu.busy_s += now - gpu.last_change_s
             gpu.last_change_s = now
 
     @contextmanager
@@ -521,6 +531,7 @@ class EmulatedBackend(GpuBackend):
                     "locked_sm_clock_mhz": gpu.locked_sm_clock_mhz,
                     "locked_memory_clock_mhz": gpu.locked_memory_clock_mhz,
                     "energy_j": gpu.energy_j,
+                    "busy_s": gpu.busy_s,
                     "last_change_s": gpu.last_change_s,
                     "activity": (
                         None
@@ -576,6 +587,7 @@ class EmulatedBackend(GpuBackend):
                 entry["locked_memory_clock_mhz"], "locked memory clock"
             ),
             energy_j=_number(entry["energy_j"], "energy_j"),
+            busy_s=_number(entry.get("busy_s", 0.0), "busy_s"),
             activity=activity,
             fault=fault,
         )

@@ -595,3 +595,20 @@ def test_energy_counter_never_goes_back_while_another_process_changes_activity(
         writer.kill()
         writer.wait()
     assert writer.returncode in (0, -9)
+
+
+def test_busy_time_counts_only_computations(
+    a100: Profile, clock: FakeClock, tmp_path: Path
+) -> None:
+    gpus = make(a100, clock, state_file=tmp_path / "gpus.json")
+    clock.advance(1.0)  # idle
+    gpus.set_activity(0, 0, "forward")
+    clock.advance(0.25)
+    assert gpus.busy_s(0) == pytest.approx(0.25)  # while it runs, too
+    gpus.set_activity(0, None, None)
+    clock.advance(2.0)
+    gpus.set_activity(0, 1, "backward")
+    clock.advance(0.5)
+    gpus.set_activity(0, None, None)
+    again = make(a100, clock, state_file=tmp_path / "gpus.json")  # shared through the file
+    assert again.busy_s(0) == pytest.approx(0.75) and again.busy_s(1) == 0.0

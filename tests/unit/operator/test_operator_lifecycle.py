@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from malformed_jobs import MALFORMED, Mutation, malformed
+from operator_harness import cut_profile, profiled
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.profile import parse_profile
@@ -26,16 +27,9 @@ from perseus_operator.lifecycle import (
 )
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
-from perseus_planner import DEFAULT_PROFILE, bundled_profile
 
 NS, JOB = "ml", "gpt3"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4
-
-
-def cut_profile(stages: int) -> str:
-    lines = bundled_profile(DEFAULT_PROFILE).path.read_text().strip().splitlines()
-    column = lines[0].split(",").index("stage")
-    return "\n".join([lines[0], *(x for x in lines[1:] if int(x.split(",")[column]) < stages)])
 
 
 PROFILE = parse_profile(cut_profile(STAGES), "cut")
@@ -181,35 +175,7 @@ def cluster() -> FakeCluster:
 def profiling_reports(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     """What an agent reports once every GPU of its node plan is profiled: the real profile's
     rows of each GPU's stage."""
-    out = []
-    for a in spec["assignments"]:
-        stage = a["stage"]
-        rows = []
-        for name in ("forward", "backward"):
-            m = PROFILE.get(stage, name)
-            for clock, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True):
-                rows.append(
-                    {
-                        "stage": stage,
-                        "instruction": name,
-                        "frequency_mhz": int(clock),
-                        "time_s": float(t),
-                        "energy_j": float(e),
-                        "samples": 2,
-                    }
-                )
-        out.append(
-            {
-                "uuid": f"GPU-{a['gpu_index']}",
-                "index": a["gpu_index"],
-                "stage": stage,
-                "done": True,
-                "rows": rows,
-                "blocking_power_w": 80.0,
-                "blocking_s": 1.0,
-            }
-        )
-    return out
+    return [profiled(a, PROFILE) for a in spec["assignments"]]
 
 
 def now_rfc3339(age_s: float = 0.0) -> str:
