@@ -180,10 +180,12 @@ async def reconcile(
     now_s: float | None = None,
     default_policy: Mapping[str, Any] | None = None,
 ) -> Outcome:
-    # now_s: Unix time (the agents' reports carry wall-clock times).
     """Advance the job as far as the cluster allows; never raises for the job's own problems
-    (they become the status' message, conditions and events). ``default_policy``: values of
-    the ``spec.policy`` fields the job leaves unset."""
+    (they become the status' message, conditions and events).
+
+    ``now_s``: Unix time (the agents' reports carry wall-clock times); default now.
+    ``default_policy``: values of the ``spec.policy`` fields the job leaves unset.
+    """
     from perseus_operator.kube import owner_reference
 
     metadata = body.get("metadata") or {}
