@@ -1,0 +1,44 @@
+"""Simulated data-parallel x pipeline-parallel training under different clock assignments.
+
+Pure and fast: one iteration of one pipeline is a longest-path pass over the planner's DAG
+with the profile's measured times (see :mod:`perseus_planner.sim.engine`); replicas are
+combined with numpy, and only the few distinct clock assignments of a run are simulated::
+
+    setup = sim_setup(frontier, max_frequency_baseline(frontier.problem))
+    run = run_method(setup, "perseus-instruction", Scenario(4, 100, 1.2, 50))
+    print(summarize(setup, run))
+"""
+
+from perseus_planner.sim.engine import (
+    Assignment,
+    ClockTable,
+    PipelineGraph,
+    RunResult,
+    clock_table,
+    makespans_s,
+    measure_assignments,
+    pipeline_graph,
+    simulate_run,
+)
+from perseus_planner.sim.methods import METHODS, SimSetup, sim_setup
+from perseus_planner.sim.run import MethodRun, Scenario, Summary, run_method, summarize
+
+__all__ = [
+    "METHODS",
+    "Assignment",
+    "ClockTable",
+    "MethodRun",
+    "PipelineGraph",
+    "RunResult",
+    "Scenario",
+    "SimSetup",
+    "Summary",
+    "clock_table",
+    "makespans_s",
+    "measure_assignments",
+    "pipeline_graph",
+    "run_method",
+    "sim_setup",
+    "simulate_run",
+    "summarize",
+]
