@@ -312,6 +312,9 @@ class Profiling(_Spec):
 
 STRAGGLER_RULES: Final = (
     (
+        # The API server also checks the rule against the section's default ({}), before
+        # the nested defaults fill it in: fields that are absent there pass.
+        "!has(self.recoveryThreshold) || !has(self.slowdownThreshold) || "
         "self.recoveryThreshold < self.slowdownThreshold",
         "recoveryThreshold must be below slowdownThreshold (hysteresis)",
     ),

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Build (or reuse from cache) a kube-apiserver and an etcd for end-to-end tests
+# that run a real control plane on 127.0.0.1.
+#
+# Both are built from Go modules with the local Go toolchain (no registry
+# ships a kube-apiserver binary). Binaries are cached OUTSIDE the repository,
+# keyed by version:
+#
+#   $PERSEUS_K8S_CACHE/kube-apiserver-<K8S_VERSION>/kube-apiserver
+#   $PERSEUS_K8S_CACHE/etcd-<ETCD_VERSION>/etcd
+#
+# (default cache: ~/.cache/perseus-k8s). A second run with the same versions
+# only checks that the binaries exist and run, and prints their paths.
+#
+# Usage:
+#   scripts/build_test_control_plane.sh            # build/reuse both, print paths
+#   eval "$(scripts/build_test_control_plane.sh --env)"
+#       # ... and print shell exports PERSEUS_ETCD_BIN=... PERSEUS_KUBE_APISERVER_BIN=...
+#       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
+#       # and warns "unrecognized environment variable" about ETCD_BIN)
+#
+# Environment:
+#   K8S_VERSION        k8s.io/kubernetes version      (default v1.36.3)
+#   ETCD_VERSION       go.etcd.io/etcd/server/v3 ver. (default v3.6.16)
+#   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
+#   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
+#   BUILD_NICE         nice level for the builds      (default 10)
+#   BUILD_PARALLEL     go build -p value              (default 1; raise on big machines)
+#
+# Build output goes to <cache>/logs/*.log; on failure the tail of the log (the
+# exact compiler/go-command error) is printed and the script exits non-zero.
+set -euo pipefail
+
+K8S_VERSION="${K8S_VERSION:-v1.36.3}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+CACHE="${PERSEUS_K8S_CACHE:-$HOME/.cache/perseus-k8s}"
+BUILD_NICE="${BUILD_NICE:-10}"
+BUILD_PARALLEL="${BUILD_PARALLEL:-1}"
+
+PRINT_ENV=0
+for arg in "$@"; do
+  case "$arg" in
+    --env) PRINT_ENV=1 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+if [[ -z "${GO:-}" ]]; then
+  if command -v go >/dev/null 2>&1; then GO="$(command -v go)"
+  elif [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go
+  else echo "ERROR: no Go toolchain found (set GO=/path/to/go)" >&2; exit 1
+  fi
+fi
+
+log() { echo "[build_test_control_plane] $*" >&2; }
+die() { echo "[build_test_control_plane] ERROR: $*" >&2; exit 1; }
+
+[[ "$K8S_VERSION" =~ ^v1\.([0-9]+)\.([0-9]+)$ ]] \
+  || die "K8S_VERSION must look like v1.MINOR.PATCH, got '$K8S_VERSION'"
+K8S_MINOR="${BASH_REMATCH[1]}"
+STAGING_VERSION="v0.${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"
+[[ "$ETCD_VERSION" =~ ^v3\.[0-9]+\.[0-9]+$ ]] \
+  || die "ETCD_VERSION must look like v3.MINOR.PATCH, got '$ETCD_VERSION'"
+
+APISERVER_BIN="$CACHE/kube-apiserver-$K8S_VERSION/kube-apiserver"
+ETCD_BIN="$CACHE/etcd-$ETCD_VERSION/etcd"
+LOG_DIR="$CACHE/logs"
+mkdir -p "$CACHE" "$LOG_DIR"
+
+# One build at a time per cache directory.
+exec 9>"$CACHE/.lock"
+if command -v flock >/dev/null 2>&1; then
+  flock 9
+fi
+
+# Go environment for the builds: static binaries, no VCS stamping (the module
+# cache has no .git), module mode, workspace off.
+export CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" GOWORK=off GO111MODULE=on
+
+# run_logged LOGFILE CMD... : run CMD niced, output to LOGFILE; on failure show
+# the tail of the log and exit.
+run_logged() {
+  local logfile="$1"; shift
+  echo "+ $*" >>"$logfile"
+  if ! nice -n "$BUILD_NICE" "$@" >>"$logfile" 2>&1; then
+    echo "[build_test_control_plane] ERROR: command failed: $*" >&2
+    echo "[build_test_control_plane] ---- last 60 lines of $logfile ----" >&2
+    tail -n 60 "$logfile" >&2
+    echo "[build_test_control_plane] ---- end of log ----" >&2
+    exit 1
+  fi
+}
+
+build_apiserver() {
+  local work="$CACHE/build/kube-apiserver-$K8S_VERSION"
+  local logfile="$LOG_DIR/kube-apiserver-$K8S_VERSION.log"
+  : >"$logfile"
+  log "building kube-apiserver $K8S_VERSION (staging modules $STAGING_VERSION); log: $logfile"
+  rm -rf "$work"; mkdir -p "$work"
+  cd "$work"
+
+  # The k8s.io/kubernetes go.mod replaces every k8s.io/* staging module with a
+  # local path (./staging/src/k8s.io/...). Those replaces are ignored for a
+  # dependency, so our own go.mod replaces each of them with its published
+  # v0.MINOR.PATCH version instead.
+  local modinfo gomod
+  modinfo="$("$GO" mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>&1)" \
+    || die "go mod download k8s.io/kubernetes@$K8S_VERSION failed:
+$modinfo"
+  gomod="$(printf '%s\n' "$modinfo" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
+  [[ -f "$gomod" ]] || die "cannot find go.mod of k8s.io/kubernetes@$K8S_VERSION in: $modinfo"
+  local staging
+  staging="$(sed -n 's|^[[:space:]]*\(k8s\.io/[^[:space:]]*\)[[:space:]]*=>[[:space:]]*\./staging/.*|\1|p' "$gomod" | sort -u)"
+  [[ -n "$staging" ]] || die "no staging replaces found in $gomod"
+  local goline
+  goline="$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$gomod" | head -n1)"
+
+  {
+    echo "module perseus.local/kube-apiserver-build"
+    echo
+    echo "go ${goline:-1.26.0}"
+    echo
+    echo "require k8s.io/kubernetes $K8S_VERSION"
+    echo
+    echo "replace ("
+    local m
+    for m in $staging; do echo "	$m => $m $STAGING_VERSION"; done
+    echo ")"
+  } >go.mod
+  cat >tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import _ "k8s.io/kubernetes/cmd/kube-apiserver"
+EOF
+  cp go.mod "$LOG_DIR/kube-apiserver-$K8S_VERSION.go.mod"
+
+  run_logged "$logfile" "$GO" mod tidy
+  local ldflags="-s -w"
+  ldflags+=" -X k8s.io/component-base/version.gitVersion=$K8S_VERSION"
+  ldflags+=" -X k8s.io/component-base/version.gitMajor=1"
+  ldflags+=" -X k8s.io/component-base/version.gitMinor=$K8S_MINOR"
+  ldflags+=" -X k8s.io/component-base/version.gitTreeState=clean"
+  ldflags+=" -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
+  mkdir -p "$(dirname "$APISERVER_BIN")"
+  run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath -ldflags "$ldflags" \
+    -o "$APISERVER_BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver
+  mv -f "$APISERVER_BIN.tmp" "$APISERVER_BIN"
+  cd - >/dev/null
+}
+
+build_etcd() {
+  local work="$CACHE/build/etcd-$ETCD_VERSION"
+  local logfile="$LOG_DIR/etcd-$ETCD_VERSION.log"
+  : >"$logfile"
+  log "building etcd $ETCD_VERSION (go.etcd.io/etcd/server/v3); log: $logfile"
+  rm -rf "$work"; mkdir -p "$work"
+  cd "$work"
+  # etcd's server/go.mod replaces its sibling modules with ../ paths; as a
+  # dependency those replaces are ignored, so pin the siblings to the same tag.
+  cat >go.mod <<EOF
+module perseus.local/etcd-build
+
+go 1.26.0
+
+require (
+	go.etcd.io/etcd/server/v3 $ETCD_VERSION
+	go.etcd.io/etcd/api/v3 $ETCD_VERSION
+	go.etcd.io/etcd/client/pkg/v3 $ETCD_VERSION
+	go.etcd.io/etcd/client/v3 $ETCD_VERSION
+	go.etcd.io/etcd/pkg/v3 $ETCD_VERSION
+)
+EOF
+  cat >tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import _ "go.etcd.io/etcd/server/v3"
+EOF
+  run_logged "$logfile" "$GO" mod tidy
+  # tidy may raise the siblings above the tag; put them back.
+  run_logged "$logfile" "$GO" mod edit \
+    -require="go.etcd.io/etcd/api/v3@$ETCD_VERSION" \
+    -require="go.etcd.io/etcd/client/pkg/v3@$ETCD_VERSION" \
+    -require="go.etcd.io/etcd/client/v3@$ETCD_VERSION" \
+    -require="go.etcd.io/etcd/pkg/v3@$ETCD_VERSION"
+  mkdir -p "$(dirname "$ETCD_BIN")"
+  run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath \
+    -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION" \
+    -o "$ETCD_BIN.tmp" go.etcd.io/etcd/server/v3
+  mv -f "$ETCD_BIN.tmp" "$ETCD_BIN"
+  cd - >/dev/null
+}
+
+check_bin() {  # check_bin PATH ARGS... : binary exists and runs
+  local bin="$1"; shift
+  [[ -x "$bin" ]] || return 1
+  "$bin" "$@" >/dev/null 2>&1
+}
+
+t0=$SECONDS
+if check_bin "$ETCD_BIN" --version; then
+  log "etcd $ETCD_VERSION: cached"
+else
+  build_etcd
+  check_bin "$ETCD_BIN" --version || die "built $ETCD_BIN but '$ETCD_BIN --version' fails: $("$ETCD_BIN" --version 2>&1 || true)"
+  log "etcd $ETCD_VERSION built in $((SECONDS - t0)) s"
+fi
+
+t1=$SECONDS
+if check_bin "$APISERVER_BIN" --version; then
+  log "kube-apiserver $K8S_VERSION: cached"
+else
+  build_apiserver
+  check_bin "$APISERVER_BIN" --version || die "built $APISERVER_BIN but '$APISERVER_BIN --version' fails: $("$APISERVER_BIN" --version 2>&1 || true)"
+  log "kube-apiserver $K8S_VERSION built in $((SECONDS - t1)) s"
+fi
+
+log "etcd:           $ETCD_BIN ($("$ETCD_BIN" --version 2>/dev/null | head -n1))"
+log "kube-apiserver: $APISERVER_BIN ($("$APISERVER_BIN" --version 2>/dev/null | head -n1))"
+if [[ "$PRINT_ENV" == 1 ]]; then
+  printf 'export PERSEUS_ETCD_BIN=%q\n' "$ETCD_BIN"
+  printf 'export PERSEUS_KUBE_APISERVER_BIN=%q\n' "$APISERVER_BIN"
+else
+  echo "PERSEUS_ETCD_BIN=$ETCD_BIN"
+  echo "PERSEUS_KUBE_APISERVER_BIN=$APISERVER_BIN"
+fi
