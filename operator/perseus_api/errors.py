@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 
 class ApiError(ValueError):
     """Base for every error about malformed shared data."""
@@ -33,3 +35,12 @@ class ProfileError(ApiError):
 
 class ScheduleError(ApiError):
     """Invalid pipeline schedule or sizes."""
+
+
+def validation_summary(exc: ValidationError) -> str:
+    """A pydantic error on one line: ``field.path: problem`` per error, ``; ``-separated."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        location = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{location}: {error['msg']}" if location else str(error["msg"]))
+    return "; ".join(problems)

@@ -56,7 +56,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from perseus_api.errors import ApiError
+from perseus_api.errors import ApiError, validation_summary
 from perseus_api.node_plan import NodePlan
 from perseus_api.plan import API_VERSION
 
@@ -209,12 +209,4 @@ def parse_node_plan_object(body: Mapping[str, Any]) -> NodePlan:
     try:
         return NodePlan.model_validate(spec)
     except ValidationError as exc:
-        raise NodePlanObjectError(f"{where}: invalid spec: {_one_line(exc)}") from None
-
-
-def _one_line(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors(include_url=False):
-        location = ".".join(str(part) for part in error["loc"])
-        problems.append(f"{location}: {error['msg']}" if location else str(error["msg"]))
-    return "; ".join(problems)
+        raise NodePlanObjectError(f"{where}: invalid spec: {validation_summary(exc)}") from None

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from perseus_api.errors import validation_summary
 from perseus_api.job import Policy
 
 PREFIX: Final = "PERSEUS_OPERATOR_"
@@ -91,9 +92,5 @@ class OperatorConfig:
         try:
             Policy.model_validate(fields)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                for e in exc.errors(include_url=False)
-            )
-            raise ConfigError(f"{key} is not a valid policy: {problems}") from None
+            raise ConfigError(f"{key} is not a valid policy: {validation_summary(exc)}") from None
         return fields

@@ -25,6 +25,7 @@ from typing import Any, Final, Literal, Protocol
 from pydantic import ValidationError
 
 from perseus_api import resources
+from perseus_api.errors import validation_summary
 from perseus_api.job import (
     Condition,
     ConditionType,
@@ -206,20 +207,12 @@ async def reconcile(
         raw_spec = body.get("spec") or {}
         spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
     except ValidationError as exc:
-        step.fail("InvalidSpec", f"invalid spec: {_one_line(exc)}")
+        step.fail("InvalidSpec", f"invalid spec: {validation_summary(exc)}")
         return step.outcome()
     step.status.mode = spec.policy.mode
     step.status.granularity = spec.policy.granularity
     await step.run(spec)
     return step.outcome()
-
-
-def _one_line(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in error["loc"])
-        parts.append(f"{where}: {error['msg']}" if where else str(error["msg"]))
-    return "; ".join(parts)
 
 
 # -- the step ----------------------------------------------------------------------------------
