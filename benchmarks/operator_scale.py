@@ -86,6 +86,7 @@ if importlib.util.find_spec("perseus_operator") is None:
 
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
+from perseus_operator.kube import config_map_object  # noqa: E402
 from perseus_operator.lifecycle import (  # noqa: E402
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
@@ -243,17 +244,7 @@ class Cluster:
     ) -> None:
         self.calls += 1
         self.config_maps[(namespace, name)] = json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": {
-                    "name": name,
-                    "namespace": namespace,
-                    "ownerReferences": [dict(owner)],
-                    "annotations": dict(annotations or {}),
-                },
-                "data": dict(data),
-            }
+            config_map_object(namespace, name, data, owner, annotations)
         )
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:

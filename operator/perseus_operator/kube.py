@@ -71,6 +71,27 @@ def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def config_map_object(
+    namespace: str,
+    name: str,
+    data: Mapping[str, str],
+    owner: Mapping[str, Any],
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A ConfigMap owned by ``owner`` (an owner reference), ready to create."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "ownerReferences": [dict(owner)],
+            "annotations": dict(annotations or {}),
+        },
+        "data": dict(data),
+    }
+
+
 class KubeClient:
     """Async facade over the blocking ``kubernetes`` client for what the operator needs."""
 
@@ -130,17 +151,7 @@ class KubeClient:
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
     ) -> None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "ownerReferences": [dict(owner)],
-                "annotations": dict(annotations or {}),
-            },
-            "data": dict(data),
-        }
+        body = config_map_object(namespace, name, data, owner, annotations)
         existing = await self.get_config_map(namespace, name)
         if existing is None:
             await self._call(
