@@ -250,9 +250,28 @@ def test_read_errors_are_kept_and_stop_the_thread() -> None:
     assert isinstance(manual.error, GpuLostError)
 
 
+class _SteppingClock:
+    """One time source for the GPU and the sampler that moves 100 us per sampler reading.
+
+    With real clocks, a thread descheduled between a read and its timestamps shifts a point by
+    up to the delay, which on a loaded CI machine exceeds the few milliseconds sampled here.
+    """
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def sampler_ns(self) -> int:
+        self.now_ns += 100_000
+        return self.now_ns
+
+    def gpu_s(self) -> float:
+        return self.now_ns / 1e9
+
+
 def test_background_thread_samples_until_stopped(gpus: EmulatedBackend) -> None:
-    real = EmulatedBackend(1, gpus.profile, blocking_power_w=BLOCKING_W)
-    sampler = EnergySampler(lambda: real.energy_j(0), interval_s=0.001)
+    clock = _SteppingClock()
+    real = EmulatedBackend(1, gpus.profile, blocking_power_w=BLOCKING_W, clock=clock.gpu_s)
+    sampler = EnergySampler(lambda: real.energy_j(0), interval_s=0.001, time_ns=clock.sampler_ns)
     sampler.start()
     sampler.start()  # idempotent
     deadline = time.monotonic() + 5
@@ -269,7 +288,7 @@ def test_background_thread_samples_until_stopped(gpus: EmulatedBackend) -> None:
     middle = (span[0] + span[1]) // 2
     assert sampler.energy_at(middle) == pytest.approx(
         sampler.energy_at(span[0]) + BLOCKING_W * (middle - span[0]) / 1e9,  # type: ignore[operator]
-        rel=0.05,  # two clocks (the GPU's wall clock, the sampler's monotonic one), real time
+        rel=1e-9,
     )
 
 
