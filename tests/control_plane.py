@@ -1,0 +1,219 @@
+"""A real Kubernetes control plane on 127.0.0.1 for end-to-end tests: etcd and kube-apiserver.
+
+The binaries come from ``scripts/build_test_control_plane.sh`` (built from Go modules, cached
+outside the repository), found through ``PERSEUS_ETCD_BIN`` and ``PERSEUS_KUBE_APISERVER_BIN``
+(``eval "$(scripts/build_test_control_plane.sh --env)"``; ``make test`` does it). The apiserver
+runs with RBAC authorization and signs service-account tokens, so a process given
+:meth:`ControlPlane.service_account_kubeconfig` acts under that account's permissions only.
+Findings behind the command lines are in ``scripts/control_plane.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from operator_harness import free_port
+
+READY_TIMEOUT_S = 60.0
+KUBECTL = shutil.which("kubectl")
+
+
+def binaries() -> tuple[Path, Path] | str:
+    """``(etcd, kube-apiserver)``, or why they cannot be used."""
+    found = []
+    for variable in ("PERSEUS_ETCD_BIN", "PERSEUS_KUBE_APISERVER_BIN"):
+        value = os.environ.get(variable, "")
+        if not value:
+            return (
+                f"{variable} is not set: build the test control plane with "
+                '`eval "$(scripts/build_test_control_plane.sh --env)"` (make test does)'
+            )
+        path = Path(value)
+        if not os.access(path, os.X_OK):
+            return f"{variable}={value} is not an executable file"
+        found.append(path)
+    if KUBECTL is None:
+        return "kubectl is not on PATH"
+    return found[0], found[1]
+
+
+class ControlPlane:
+    """etcd + kube-apiserver in ``workdir``; :meth:`stop` (apiserver first) always cleans up."""
+
+    def __init__(self, workdir: Path, etcd: Path, apiserver: Path) -> None:
+        self.workdir = workdir
+        self.etcd_bin = etcd
+        self.apiserver_bin = apiserver
+        self.port = free_port()
+        self.server = f"https://127.0.0.1:{self.port}"
+        self.admin_token = secrets.token_hex(16)
+        self.admin_kubeconfig = workdir / "admin.kubeconfig"
+        self.ca_file = workdir / "certs" / "apiserver.crt"
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        d = self.workdir
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(d / "sa.key"), "2048"],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(d / "sa.key"), "-pubout", "-out", str(d / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
+        (d / "tokens.csv").write_text(f"{self.admin_token},admin,admin-uid,system:masters\n")
+        client_port, peer_port = free_port(), free_port()
+        self._spawn(
+            "etcd",
+            [
+                str(self.etcd_bin),
+                "--name=perseus-test",
+                f"--data-dir={d / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{client_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{client_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-cluster=perseus-test=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(self.apiserver_bin),
+                f"--etcd-servers=http://127.0.0.1:{client_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.port}",
+                f"--cert-dir={d / 'certs'}",
+                f"--token-auth-file={d / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={d / 'sa.pub'}",
+                f"--service-account-signing-key-file={d / 'sa.key'}",
+                # No controller manager creates the default service accounts pods would need.
+                "--disable-admission-plugins=ServiceAccount",
+                "--endpoint-reconciler-type=none",
+            ],
+        )
+        self._write_kubeconfig(self.admin_kubeconfig, "admin", self.admin_token)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, proc in zip(("etcd", "kube-apiserver"), self._procs, strict=True):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log(name)}")
+            done = self.kubectl("get", "--raw", "/readyz", check=False)
+            if done.returncode == 0 and done.stdout.strip() == "ok":
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"kube-apiserver not ready in {READY_TIMEOUT_S} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        # The apiserver first: stopped together, it keeps retrying etcd and does not exit.
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self._procs.clear()
+
+    def log(self, name: str = "kube-apiserver") -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-20000:] if path.exists() else ""
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        with (self.workdir / f"{name}.log").open("wb") as log:
+            self._procs.append(
+                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            )
+
+    # -- identities ------------------------------------------------------------------------------
+
+    def _write_kubeconfig(self, path: Path, user: str, token: str) -> None:
+        # The apiserver writes a serving certificate and its one-off CA there at start-up.
+        cluster = {"server": self.server, "certificate-authority": str(self.ca_file)}
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "test", "cluster": cluster}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": user, "context": {"cluster": "test", "user": user}}],
+            "current-context": user,
+        }
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+
+    def service_account_kubeconfig(
+        self, namespace: str, name: str, *, bound_pod: str | None = None
+    ) -> Path:
+        """A kubeconfig acting as service account ``namespace/name``. With ``bound_pod`` the
+        token is bound to that pod and, the pod being on a node, names the node in the user's
+        extra info, as a DaemonSet pod's projected token does."""
+        bound = (
+            []
+            if bound_pod is None
+            else ["--bound-object-kind=Pod", f"--bound-object-name={bound_pod}"]
+        )
+        token = self.kubectl(
+            "create", "token", name, "-n", namespace, "--duration=2h", *bound
+        ).stdout.strip()
+        path = self.workdir / f"sa-{namespace}-{name}-{bound_pod or 'unbound'}.kubeconfig"
+        self._write_kubeconfig(path, f"{namespace}-{name}", token)
+        return path
+
+    # -- kubectl ---------------------------------------------------------------------------------
+
+    def kubectl(
+        self,
+        *args: str,
+        kubeconfig: Path | None = None,
+        stdin: str | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        """``kubectl`` as admin (or as ``kubeconfig``'s user); fails with its output if
+        ``check`` and it exits non-zero."""
+        assert KUBECTL is not None
+        argv = [
+            KUBECTL,
+            f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
+            f"--cache-dir={self.workdir / 'kubectl-cache'}",
+            *args,
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env)
+        if check and done.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+            )
+        return done
+
+    def apply(self, objects: Sequence[dict[str, Any]], *, kubeconfig: Path | None = None) -> None:
+        """``kubectl apply`` of ``objects`` (server-side, so CRDs need no annotation room)."""
+        self.kubectl(
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            "-",
+            kubeconfig=kubeconfig,
+            stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}),
+        )

@@ -1,0 +1,160 @@
+"""The end-to-end tests' real Kubernetes control plane, with the Helm chart installed.
+
+One control plane per test session (etcd + kube-apiserver, RBAC on): the chart's CRDs and
+everything it renders by default (service accounts, RBAC, the agents' admission policy, the
+Deployment and DaemonSet, which no kubelet runs here) are applied, and the operator and each
+node agent get a kubeconfig of their own service account. A node agent's token is bound to a
+pod scheduled on its node, as the DaemonSet's would be, so the admission policy that keeps an
+agent to its own node's plans applies.
+
+Without the binaries the tests are skipped with the reason, or fail under
+``PERSEUS_REQUIRE_E2E=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from control_plane import ControlPlane, binaries
+from helm_render import NAMESPACE, crds, render
+
+OPERATOR_SA = "perseus-operator"
+AGENT_SA = "perseus-node-agent"
+
+
+def require(reason: str) -> None:
+    """Skip (loudly: ``-ra`` lists it) or, in CI, fail: a missing end-to-end prerequisite."""
+    if os.environ.get("PERSEUS_REQUIRE_E2E") == "1":
+        pytest.fail(f"end-to-end prerequisite missing (PERSEUS_REQUIRE_E2E=1): {reason}")
+    pytest.skip(f"end-to-end prerequisite missing: {reason}")
+
+
+@dataclass
+class Cluster:
+    """The control plane, an admin API client and the components' identities."""
+
+    plane: ControlPlane
+    api: Any  # kubernetes.client.ApiClient as admin
+    operator_kubeconfig: Path
+    _agent_kubeconfigs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def core(self) -> Any:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    @property
+    def custom(self) -> Any:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    def node(self, name: str, gpus: int) -> None:
+        """A Node with ``gpus`` allocatable GPUs, created once."""
+        if any(n.metadata.name == name for n in self.core.list_node().items):
+            return
+        capacity = {"nvidia.com/gpu": str(gpus), "cpu": "16", "memory": "64Gi", "pods": "110"}
+        self.core.create_node(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+                "status": {"capacity": capacity, "allocatable": capacity},
+            }
+        )
+
+    def agent_kubeconfig(self, node: str) -> Path:
+        """The node agent's identity on ``node``: a token bound to an agent pod on that node."""
+        if node not in self._agent_kubeconfigs:
+            pod = f"perseus-node-agent-{node}"
+            self.core.create_namespaced_pod(
+                NAMESPACE,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": pod, "labels": {"app": "perseus-node-agent-test"}},
+                    "spec": {
+                        "nodeName": node,
+                        "serviceAccountName": AGENT_SA,
+                        "containers": [{"name": "agent", "image": "perseus-node-agent"}],
+                    },
+                },
+            )
+            self._agent_kubeconfigs[node] = self.plane.service_account_kubeconfig(
+                NAMESPACE, AGENT_SA, bound_pod=pod
+            )
+        return self._agent_kubeconfigs[node]
+
+
+# The workload kinds a PerseusJob may point at, as schema-less stand-ins of their CRDs (no
+# training operator runs here): the operator reads them, and RBAC is checked on them.
+WORKLOAD_KINDS = [
+    ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs"),
+    ("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets"),
+    ("trainer.kubeflow.org", "v1alpha1", "TrainJob", "trainjobs"),
+]
+
+
+def workload_crd(group: str, version: str, kind: str, plural: str) -> dict[str, Any]:
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": version,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}},
+                }
+            ],
+        },
+    }
+
+
+def api_client(kubeconfig: Path) -> Any:
+    """A ``kubernetes.client.ApiClient`` acting as ``kubeconfig``'s user (close it after use)."""
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(
+        config_file=str(kubeconfig), client_configuration=configuration
+    )
+    return kubernetes.client.ApiClient(configuration)
+
+
+def install_chart(plane: ControlPlane) -> None:
+    """CRDs first (Established before anything uses them), then the rendered templates."""
+    definitions = [*crds(), *(workload_crd(*kind) for kind in WORKLOAD_KINDS)]
+    plane.apply(definitions)
+    for crd in definitions:
+        plane.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}"
+        )
+    plane.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
+    plane.apply(render().objects)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
+    found = binaries()
+    if isinstance(found, str):
+        require(found)
+        raise AssertionError("unreachable")
+    plane = ControlPlane(tmp_path_factory.mktemp("control-plane"), *found)
+    try:
+        plane.start()
+        install_chart(plane)
+        with api_client(plane.admin_kubeconfig) as api:
+            yield Cluster(plane, api, plane.service_account_kubeconfig(NAMESPACE, OPERATOR_SA))
+    finally:
+        plane.stop()

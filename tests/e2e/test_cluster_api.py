@@ -1,0 +1,238 @@
+"""What the real API server enforces: the CRDs' validation, RBAC and the agents' admission policy.
+
+- Every malformed PerseusJob that a schema or CEL rule can catch is refused at ``kubectl
+  create`` with a message naming the field (the operator's own checks, for the rest, are
+  tested in ``test_cluster_training``).
+- The operator's and the node agents' service accounts can do what they need and nothing
+  else (``kubectl auth can-i``, asked as each identity).
+- An agent may write the status of its own node's plans only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from conftest import Cluster, api_client
+from factories import pipeline_plan_fields
+from helm_render import NAMESPACE
+from malformed_jobs import MALFORMED, malformed
+from operator_harness import perseus_job
+from perseus_api import resources
+from perseus_api.node_plan import NodePlan
+
+pytestmark = pytest.mark.e2e
+
+JOB_NAMESPACE = "api-checks"
+
+# What the API server itself cannot know: these reach the operator, which fails or waits.
+OPERATOR_ONLY = {
+    "missing-workload-object",
+    "parallelism-does-not-fit-the-pods",
+    "missing-stored-profile",
+}
+# The API server's words for each case: the field path and the rule's message or its type.
+SERVER_MESSAGE = {
+    "no-workload": ("spec.workload", "Required value"),
+    "unknown-workload-kind": ("spec.workload.kind", "Unsupported value"),
+    "pods-with-a-name": ("spec.workload", "kind Pods needs podSelector (and no name)"),
+    "empty-pod-selector": ("spec.workload.podSelector", "matchLabels or matchExpressions"),
+    "in-without-values": ("spec.workload.podSelector.matchExpressions[0]", "need values"),
+    "no-parallelism": ("spec.parallelism", "Required value"),
+    "stages-not-a-number": ("spec.parallelism.pipelineStages", "must be of type integer"),
+    "one-stage": ("spec.parallelism.pipelineStages", "should be greater than or equal to 2"),
+    "zero-replicas": ("spec.parallelism.dataParallel", "should be greater than or equal to 1"),
+    "too-few-microbatches": ("spec.parallelism", "1F1B needs at least as many microbatches"),
+    "unknown-schedule": ("spec.parallelism.schedule", "Unsupported value"),
+    "unknown-rank-order": ("spec.rankMapping.order", "Unsupported value"),
+    "unknown-mode": ("spec.policy.mode", "Unsupported value"),
+    "unknown-granularity": ("spec.policy.granularity", "Unsupported value"),
+    "negative-slowdown": ("spec.policy.maxSlowdown", "should be greater than or equal to 0"),
+    "slowdown-too-large": ("spec.policy.maxSlowdown", "should be less than or equal to 0.5"),
+    "clock-range-inverted": ("spec.policy.frequencyMHz", "minMHz must not exceed maxMHz"),
+    "zero-blocking-power": ("spec.policy.blockingPowerWatts", "should be greater than 0"),
+    "zero-iterations-per-clock": (
+        "spec.profiling.iterationsPerFrequency",
+        "should be greater than or equal to 1",
+    ),
+    "no-hysteresis": ("spec.stragglers", "recoveryThreshold must be below slowdownThreshold"),
+    "unknown-field": ("spec.policy.turbo", "unknown field"),
+}
+
+
+@pytest.fixture(scope="module")
+def namespace(cluster: Cluster) -> str:
+    cluster.plane.apply(
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": JOB_NAMESPACE}}]
+    )
+    return JOB_NAMESPACE
+
+
+def test_every_malformed_case_is_classified() -> None:
+    assert {case for case, *_ in MALFORMED} == OPERATOR_ONLY | set(SERVER_MESSAGE)
+
+
+@pytest.mark.parametrize(
+    ("case", "mutation"),
+    [pytest.param(c, m, id=c) for c, m, *_ in MALFORMED if c not in OPERATOR_ONLY],
+)
+def test_malformed_job_is_refused_by_the_api_server(
+    cluster: Cluster, namespace: str, case: str, mutation: Any
+) -> None:
+    job = perseus_job(case, namespace, "trainer", stages=4, dp=2, microbatches=8)
+    job["spec"] = malformed(job["spec"], mutation)
+    done = cluster.plane.kubectl("create", "-f", "-", stdin=json.dumps(job), check=False)
+    assert done.returncode != 0, f"{case} was accepted: {done.stdout}"
+    field, words = SERVER_MESSAGE[case]
+    message = done.stderr
+    assert f'PerseusJob "{case}" is invalid' in message or "unknown field" in message, message
+    assert field in message and words in message, message
+    got = cluster.plane.kubectl("get", "perseusjob", case, "-n", namespace, check=False)
+    assert got.returncode != 0  # nothing stored
+
+
+def test_a_valid_job_is_stored_with_the_crd_defaults(cluster: Cluster, namespace: str) -> None:
+    job = perseus_job("valid", namespace, "trainer", stages=4, dp=2, microbatches=8)
+    cluster.plane.kubectl("create", "-f", "-", stdin=json.dumps(job))
+    stored = json.loads(
+        cluster.plane.kubectl("get", "perseusjob", "valid", "-n", namespace, "-o", "json").stdout
+    )
+    assert stored["spec"]["parallelism"]["schedule"] == "1F1B"
+    assert stored["spec"]["rankMapping"] == {
+        "nodeRankEnv": "JOB_COMPLETION_INDEX",
+        "order": "tp-dp-pp",
+    }
+    cluster.plane.kubectl("delete", "perseusjob", "valid", "-n", namespace)
+
+
+# -- RBAC ----------------------------------------------------------------------------------------
+
+# (verb, resource, namespace or None for cluster scope)
+OPERATOR_MAY = [
+    ("list", "perseusjobs.perseus.energy", "ml"),
+    ("watch", "perseusjobs.perseus.energy", "ml"),
+    ("patch", "perseusjobs.perseus.energy", "ml"),  # finalizers, annotations
+    ("patch", "perseusjobs.perseus.energy/status", "ml"),
+    ("list", "perseusnodeplans.perseus.energy", "ml"),
+    ("create", "perseusnodeplans.perseus.energy", "ml"),
+    ("patch", "perseusnodeplans.perseus.energy", "ml"),
+    ("delete", "perseusnodeplans.perseus.energy", "ml"),
+    ("list", "pods", "ml"),
+    ("get", "configmaps", "ml"),
+    ("create", "configmaps", "ml"),
+    ("patch", "configmaps", "ml"),
+    ("create", "events", "ml"),
+    ("get", "pytorchjobs.kubeflow.org", "ml"),
+    ("get", "jobsets.jobset.x-k8s.io", "ml"),
+    ("get", "trainjobs.trainer.kubeflow.org", "ml"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io", None),
+]
+OPERATOR_MAY_NOT = [
+    ("create", "perseusjobs.perseus.energy", "ml"),
+    ("delete", "perseusjobs.perseus.energy", "ml"),
+    ("patch", "perseusnodeplans.perseus.energy/status", "ml"),  # the agents' reports
+    ("create", "pods", "ml"),
+    ("delete", "pods", "ml"),
+    ("get", "secrets", "ml"),
+    ("list", "secrets", "ml"),
+    ("delete", "configmaps", "ml"),
+    ("patch", "nodes", None),
+    ("patch", "pytorchjobs.kubeflow.org", "ml"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io", None),
+    ("create", "serviceaccounts/token", NAMESPACE),
+]
+AGENT_MAY = [
+    ("list", "perseusnodeplans.perseus.energy", "ml"),
+    ("watch", "perseusnodeplans.perseus.energy", "ml"),
+    ("list", "perseusnodeplans.perseus.energy", None),  # across namespaces, by node label
+    ("watch", "perseusnodeplans.perseus.energy", None),
+    ("patch", "perseusnodeplans.perseus.energy/status", "ml"),
+]
+AGENT_MAY_NOT = [
+    ("create", "perseusnodeplans.perseus.energy", "ml"),
+    ("patch", "perseusnodeplans.perseus.energy", "ml"),  # the plan itself is the operator's
+    ("delete", "perseusnodeplans.perseus.energy", "ml"),
+    ("get", "perseusjobs.perseus.energy", "ml"),
+    ("patch", "perseusjobs.perseus.energy/status", "ml"),
+    ("list", "pods", "ml"),
+    ("get", "secrets", "ml"),
+    ("get", "configmaps", "ml"),
+    ("patch", "nodes", None),
+    ("create", "events", "ml"),
+]
+
+
+def can_i(cluster: Cluster, kubeconfig: Path, verb: str, resource: str, ns: str | None) -> bool:
+    """``kubectl auth can-i`` as ``kubeconfig``'s user; ``resource`` may end in
+    ``/<subresource>``."""
+    resource, _, subresource = resource.partition("/")
+    argv = ["auth", "can-i", verb, resource, *(["--all-namespaces"] if ns is None else ["-n", ns])]
+    if subresource:
+        argv.append(f"--subresource={subresource}")
+    done = cluster.plane.kubectl(*argv, kubeconfig=kubeconfig, check=False)
+    answer = done.stdout.strip()
+    assert answer in {"yes", "no"}, f"can-i {verb} {resource}: {done.stdout}{done.stderr}"
+    return answer == "yes"
+
+
+@pytest.mark.parametrize(
+    ("who", "allowed", "denied"),
+    [("operator", OPERATOR_MAY, OPERATOR_MAY_NOT), ("agent", AGENT_MAY, AGENT_MAY_NOT)],
+)
+def test_each_identity_may_do_what_it_needs_and_nothing_else(
+    cluster: Cluster,
+    who: str,
+    allowed: list[tuple[str, str, str | None]],
+    denied: list[tuple[str, str, str | None]],
+) -> None:
+    cluster.node("api-node-0", 4)
+    kubeconfig = (
+        cluster.operator_kubeconfig if who == "operator" else cluster.agent_kubeconfig("api-node-0")
+    )
+    wrong = [
+        f"may not {v} {r} in {n}" for v, r, n in allowed if not can_i(cluster, kubeconfig, v, r, n)
+    ]
+    wrong += [f"may {v} {r} in {n}" for v, r, n in denied if can_i(cluster, kubeconfig, v, r, n)]
+    assert not wrong, f"{who}: " + "; ".join(wrong)
+
+
+def test_an_agent_writes_the_status_of_its_own_nodes_plans_only(
+    cluster: Cluster, namespace: str
+) -> None:
+    for node in ("api-node-0", "api-node-1"):
+        cluster.node(node, 4)
+        plan = NodePlan(
+            node=node,
+            namespace=namespace,
+            job="job",
+            revision=1,
+            granularity="Instruction",
+            plans={"p": pipeline_plan_fields()},
+            assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+        )
+        cluster.plane.apply([resources.node_plan_object(plan)])
+    # As the agent does it: a merge patch of the status subresource, no read first.
+    with api_client(cluster.agent_kubeconfig("api-node-0")) as agent:
+        custom = kubernetes.client.CustomObjectsApi(agent)
+
+        def patch(node: str) -> None:
+            custom.patch_namespaced_custom_object_status(
+                resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL,
+                resources.node_plan_name("job", node), {"status": {"observedRevision": 1}},
+            )  # fmt: skip
+
+        patch("api-node-0")
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            patch("api-node-1")
+    assert refused.value.status == 403
+    assert "may write the status of its own node's PerseusNodePlans only" in str(refused.value.body)
+    stored = cluster.custom.get_namespaced_custom_object_status(
+        resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL,
+        resources.node_plan_name("job", "api-node-1"),
+    )  # fmt: skip
+    assert "status" not in stored or "observedRevision" not in stored["status"]
