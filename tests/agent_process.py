@@ -51,12 +51,14 @@ def wait_for(condition: Callable[[], bool], what: str, agent: Agent | None = Non
     pytest.fail(f"timed out waiting for {what}" + (f":\n{agent.log}" if agent else ""))
 
 
-def locked_clocks(gpu_state: Path, num_gpus: int = NUM_GPUS) -> list[int | None]:
+def locked_clocks(
+    gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE
+) -> list[int | None]:
     """The SM clock lock of each emulated GPU, read from the shared hardware state."""
     from perseus_agent.gpu.emulated import EmulatedBackend
 
     gpus = EmulatedBackend.from_csv(
-        num_gpus, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=gpu_state
+        num_gpus, PROFILE, blocking_power_w=83.64, node_name=node, state_file=gpu_state
     )
     return [gpus.locked_sm_clock_mhz(i) for i in range(num_gpus)]
 
@@ -71,8 +73,12 @@ class Agent:
         socket_dir: Path,
         num_gpus: int = NUM_GPUS,
         kubeconfig: Path | None = None,
+        node: str = NODE,
+        log_level: str = "debug",
     ) -> None:
         self.num_gpus = num_gpus
+        self.node = node
+        self.log_level = log_level
         self.kubeconfig = kubeconfig
         self.workdir = workdir
         self.socket_dir = socket_dir
@@ -89,7 +95,7 @@ class Agent:
         return self.log_file.read_text() if self.log_file.exists() else ""
 
     def clocks(self) -> list[int | None]:
-        return locked_clocks(self.gpu_state, self.num_gpus)
+        return locked_clocks(self.gpu_state, self.num_gpus, self.node)
 
     def start(self) -> None:
         self.starts += 1
@@ -110,12 +116,12 @@ class Agent:
                     "--gpu-backend=emulated",
                     f"--emulated-gpus={self.num_gpus}",
                     f"--emulated-state-file={self.gpu_state}",
-                    f"--node-name={NODE}",
+                    f"--node-name={self.node}",
                     "--metrics-port=0",
                     "--metrics-address=127.0.0.1",
                     f"--socket-dir={self.socket_dir}",
                     f"--state-dir={self.state_dir}",
-                    "--log-level=debug",
+                    f"--log-level={self.log_level}",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

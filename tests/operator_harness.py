@@ -13,6 +13,9 @@ Shared by the operator's integration test and the dashboards' end-to-end test:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,6 +108,7 @@ class OperatorProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its planner worker processes go with it (kill)
         )
 
     @property
@@ -118,9 +122,14 @@ class OperatorProcess:
         try:
             out, _ = self.proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             out, _ = self.proc.communicate(timeout=5)
         return out or ""
+
+    def kill(self) -> None:
+        """SIGKILL the operator and its planner workers, as losing its node would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
         """``check()``'s first truthy value; fails with the operator's output on time-out."""

@@ -24,7 +24,6 @@ must, and the joins must carry dcgm-exporter's labels.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -33,11 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -46,8 +42,21 @@ import kubernetes
 import pytest
 
 from agent_process import NODE, PROFILE, Agent, source_env, write_atomically
+from dashboard_queries import (
+    PromClient,
+    Query,
+    _finite,
+    dashboard_queries,
+    failing,
+    load_dashboards,
+    missing_data,
+    poll,
+    prometheus,
+    resolve_variables,
+    scrape_jobs,
+    substitute,
+)
 from factories import pipeline_plan_fields
-from helm_render import CHART, render
 from kmock_server import KmockServer
 from operator_harness import (
     JOBS,
@@ -59,19 +68,14 @@ from operator_harness import (
     profile_of,
 )
 from perseus_api import resources
-from prometheus_server import PROMETHEUS, running_prometheus
+from prometheus_server import PROMETHEUS
 
 pytestmark = pytest.mark.e2e
 
-SCRAPE_S = 1.0
-RATE_INTERVAL = "5s"  # Grafana: max($__interval + scrape interval, 4 x scrape interval)
-RANGE = "5m"  # the dashboard's time range; longer than the test runs
-RANGE_WINDOW_S = 10.0  # range queries: the last seconds, one step per scrape
 STAGES, MICROBATCHES = 8, 4
 # The operator's jobs (2 pods x 4 GPUs = 2 replicas x 4 stages; their agents simulated).
 OPERATOR_STAGES, OPERATOR_MICROBATCHES, OPERATOR_GPUS = 4, 8, 4
 NUM_GPUS = 3
-TIMEOUT_S = 40.0
 DCGM_EXTRA_UUID = "GPU-00000000-dcgm-only"  # a GPU on a node without a Perseus agent
 
 
@@ -84,142 +88,7 @@ def _prometheus_installed() -> None:
         pytest.skip(message)
 
 
-# -- the dashboards ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Query:
-    dashboard: str
-    panel: str
-    ref: str
-    expr: str
-    instant: bool
-    needs_dcgm: bool  # declared so by its legend or panel title
-
-    @property
-    def name(self) -> str:
-        return f"{self.dashboard} / {self.panel} / {self.ref}"
-
-
-def load_dashboards() -> dict[str, dict[str, Any]]:
-    return {
-        p.stem: json.loads(p.read_text()) for p in sorted((CHART / "dashboards").glob("*.json"))
-    }
-
-
-def dashboard_queries(dashboards: Mapping[str, Mapping[str, Any]]) -> list[Query]:
-    queries = []
-    for uid, dash in dashboards.items():
-        panels = [p for top in dash["panels"] for p in (top, *top.get("panels", []))]
-        for panel in panels:
-            for target in panel.get("targets", []):
-                marker = "(dcgm-exporter)"
-                needs = marker in target.get("legendFormat", "") or marker in panel["title"]
-                queries.append(
-                    Query(
-                        uid,
-                        panel["title"],
-                        target["refId"],
-                        target["expr"],
-                        target["instant"],
-                        needs,
-                    )
-                )
-    return queries
-
-
-def substitute(expr: str, variables: Mapping[str, str]) -> str:
-    """Grafana's interpolation of the built-in and template variables used here."""
-    builtins = {"__rate_interval": RATE_INTERVAL, "__range": RANGE, "__interval": "1s"}
-
-    def value(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        if name in builtins:
-            return builtins[name]
-        if name in variables:
-            return variables[name]
-        return match.group(0)  # e.g. label_replace's "$1"
-
-    return re.sub(r"\$\{(\w+)\}|\$([A-Za-z_]\w*)", value, expr)
-
-
 # -- servers -------------------------------------------------------------------------------------
-
-
-class PromClient:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-
-    def get(self, path: str, params: Mapping[str, str] | list[tuple[str, str]]) -> Any:
-        url = f"{self.url}{path}?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                body = json.load(response)
-        except urllib.error.HTTPError as exc:  # 400: the query does not parse
-            body = json.load(exc)
-        if body.get("status") != "success":
-            raise AssertionError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
-        return body["data"]
-
-    def values(self, expr: str, instant: bool, at_s: float) -> list[dict[str, Any]]:
-        """The series ``expr`` returns at ``at_s`` (instant) or in the window before it."""
-        if instant:
-            result: list[dict[str, Any]] = self.get(
-                "/api/v1/query", {"query": expr, "time": f"{at_s:.3f}"}
-            )["result"]
-            return [s for s in result if _finite(s["value"][1])]
-        result = self.get(
-            "/api/v1/query_range",
-            {
-                "query": expr,
-                "start": f"{at_s - RANGE_WINDOW_S:.3f}",
-                "end": f"{at_s:.3f}",
-                "step": f"{SCRAPE_S:g}",
-            },
-        )["result"]
-        return [s for s in result if any(_finite(v) for _, v in s["values"])]
-
-    def label_values(self, query: str, at_s: float) -> list[str]:
-        """Grafana's ``label_values(metric{...}, label)``."""
-        match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query.strip())
-        assert match, f"unsupported variable query {query!r}"
-        selector, label = match.groups()
-        data: list[str] = self.get(
-            f"/api/v1/label/{label}/values",
-            [("match[]", selector), ("start", f"{at_s - 60:.3f}"), ("end", f"{at_s:.3f}")],
-        )
-        return data
-
-
-def _finite(value: str) -> bool:
-    return math.isfinite(float(value))
-
-
-@contextmanager
-def prometheus(workdir: Path, jobs: list[dict[str, Any]]) -> Iterator[PromClient]:
-    with running_prometheus(workdir, [], SCRAPE_S, scrape_configs=jobs) as server:
-        yield PromClient(int(server.url.rsplit(":", 1)[1]))
-
-
-def scrape_jobs(targets: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Static scrape configs with what the chart's PodMonitors set: job name, honor_labels."""
-    rendered = render({"metrics": {"podMonitor": {"enabled": True}}})
-    jobs = []
-    for monitor in rendered.of_kind("PodMonitor"):
-        component = monitor["metadata"]["labels"]["app.kubernetes.io/component"]
-        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-        (job,) = [r["replacement"] for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
-        jobs.append(
-            {
-                "job_name": job,
-                "honor_labels": endpoint["honorLabels"],
-                "metrics_path": endpoint["path"],
-                "static_configs": [{"targets": [targets[component]]}],
-            }
-        )
-    assert len(jobs) == 2
-    jobs.append({"job_name": "dcgm-exporter", "static_configs": [{"targets": [targets["dcgm"]]}]})
-    return jobs
 
 
 class _Server:
@@ -438,44 +307,6 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-def resolve_variables(prom: PromClient, dash: Mapping[str, Any], at_s: float) -> dict[str, str]:
-    """Each variable's value as Grafana picks it: "All" (``.*``) for a multi-value variable,
-    else the first value of its query; every query must find values."""
-    values: dict[str, str] = {}
-    for var in dash["templating"]["list"]:
-        if var["type"] != "query":
-            continue
-        found = prom.label_values(substitute(var["definition"], values), at_s)
-        assert found, f"{dash['uid']}: variable {var['name']} finds no values"
-        values[var["name"]] = var["allValue"] if var["multi"] else sorted(found)[0]
-    return values
-
-
-def failing(
-    prom: PromClient, queries: list[Query], variables: Mapping[str, Mapping[str, str]], at_s: float
-) -> list[str]:
-    """Names of the queries that return no (finite) data at ``at_s``."""
-    return [
-        q.name
-        for q in queries
-        if not prom.values(substitute(q.expr, variables[q.dashboard]), q.instant, at_s)
-    ]
-
-
-def poll(check: Callable[[], list[str]], what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            missing = check()
-        except AssertionError as exc:  # e.g. a variable without values yet
-            missing = [str(exc)]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: no data for\n  " + "\n  ".join(missing))
-        time.sleep(0.5)
-
-
 def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
     stack: dict[str, Any],
 ) -> None:
@@ -483,16 +314,11 @@ def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
     dashboards = load_dashboards()
     queries = dashboard_queries(dashboards)
     assert len(queries) >= 30
-    variables: dict[str, dict[str, str]] = {}
-
-    def own_queries_fail() -> list[str]:
-        now = time.time()
-        variables.update({uid: resolve_variables(prom, d, now) for uid, d in dashboards.items()})
-        return failing(prom, [q for q in queries if not q.needs_dcgm], variables, now)
 
     # Without dcgm-exporter: every panel has data, only the dcgm-exporter queries are empty.
-    poll(own_queries_fail, "without dcgm-exporter")
+    poll(lambda: missing_data(prom, time.time()), "without dcgm-exporter")
     without_s = time.time()
+    variables = {uid: resolve_variables(prom, d, without_s) for uid, d in dashboards.items()}
     assert variables["perseus-job"] == {"namespace": "ml", "job": "gpt3"}
     assert variables["perseus-node"] == {"node": ".*", "gpu": ".*"}
     dcgm_queries = [q for q in queries if q.needs_dcgm]
