@@ -9,8 +9,9 @@ fast). The GPU's energy counter, read by the node agent, then reflects the
 plan the agent applied.
 
 Waiting on other stages is modelled only as ``--bubble-s``: an idle wait (the GPU at
-blocking power) at the start of every iteration, as a stage waits for its first input; a
-multi-rank harness models the real dependencies.
+blocking power) at the start of every iteration, as a stage waits for its first input;
+:mod:`perseus_agent.emulated_job` runs every rank of a data-parallel x pipeline-parallel job
+with the real dependencies between them.
 
 It prints one JSON line at the end: ``step_times_s`` (each iteration's wall time) and
 ``busy_s`` (how long the GPU computed in all, sleep overshoot included).

@@ -16,6 +16,10 @@ The workload side (an emulated training rank) drives the activity with :meth:`se
 and asks :meth:`instruction_time_s` how long an instruction takes at the current clock; the
 agent side uses the :class:`GpuBackend` methods.
 
+A GPU can be made a straggler with :meth:`set_slowdown`: a factor ``>= 1`` by which its
+instructions take longer than the profile says, at the same power (as a thermally throttled
+or degraded GPU would), so the energy of each instruction grows by that factor too.
+
 Hardware state is in memory by default. With ``state_file`` it lives in a JSON file shared by
 every process that opens it: every change rewrites it atomically (temporary file + rename)
 under an ``fcntl.flock`` on a sidecar ``<file>.lock``, and every read checks, under that lock,
@@ -23,7 +27,8 @@ whether the file was replaced since this process last read or wrote it (inode, m
 and decodes it again only then.
 So a clock lock survives the agent process being killed, and a restarted agent or an emulated
 training rank in another process sees the same hardware. Faults injected with
-:meth:`inject_fault` are part of that shared state too.
+:meth:`inject_fault` and slowdowns set with :meth:`set_slowdown` are part of that shared state
+too.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class _GpuState:
     busy_s: float = 0.0
     activity: Activity | None = None
     fault: GpuError | None = None
+    slowdown: float = 1.0
 
 
 @dataclass
@@ -257,9 +263,7 @@ class EmulatedBackend(GpuBackend):
 
     def energy_j(self, index: int) -> float:
         with self._transaction(write=False) as txn:
-            gpu = self._gpu(txn, index)
-            elapsed_s = max(0.0, self._clock() - gpu.last_change_s)
-            return gpu.energy_j + self._power_w(gpu) * elapsed_s
+            return self._energy_j(self._gpu(txn, index))
 
     def lock_sm_clock(self, index: int, clock_mhz: int) -> bool:
         with self._transaction(write=True) as txn:
@@ -335,6 +339,11 @@ class EmulatedBackend(GpuBackend):
             txn.dirty = True
             return True
 
+    def metered_energy_j(self, index: int) -> float:
+        """The energy counter of :meth:`energy_j`, as a test harness reads it: no fault applies."""
+        with self._transaction(write=False) as txn:
+            return self._energy_j(self._gpu(txn, index, check_fault=False))
+
     def busy_s(self, index: int) -> float:
         """Seconds the GPU has run computations since its state began (emulated telemetry)."""
         with self._transaction(write=False) as txn:
@@ -348,12 +357,41 @@ class EmulatedBackend(GpuBackend):
             return self._gpu(txn, index, check_fault=False).activity
 
     def instruction_time_s(self, index: int, stage: int, instruction: str) -> float:
-        """Measured time of ``instruction`` of ``stage`` at the GPU's current SM clock."""
+        """Time of ``instruction`` of ``stage`` at the GPU's current SM clock.
+
+        The profile's measured time times the GPU's :meth:`slowdown`.
+        """
         activity = self._activity_arg(stage, instruction)
         assert activity is not None
         with self._transaction(write=False) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
-            return self._tables[activity].at(self._current_clock_mhz(gpu)).time_s
+            return self._tables[activity].at(self._current_clock_mhz(gpu)).time_s * gpu.slowdown
+
+    def set_slowdown(self, index: int, factor: float) -> bool:
+        """Make the GPU's instructions take ``factor`` times as long as profiled; 1 restores it.
+
+        A straggler: power stays the profile's, so each instruction's energy grows by
+        ``factor`` too. With a state file the slowdown is shared with other processes.
+        Returns ``False`` if the GPU already had that factor.
+
+        Raises:
+            GpuNotFoundError: no GPU ``index``.
+            ValueError: ``factor`` is not a finite number ``>= 1``.
+        """
+        factor = _slowdown_arg(factor)
+        with self._transaction(write=True) as txn:
+            gpu = self._gpu(txn, index, check_fault=False)
+            if gpu.slowdown == factor:
+                return False
+            # Power does not depend on the slowdown: no energy to bank.
+            gpu.slowdown = factor
+            txn.dirty = True
+            return True
+
+    def slowdown(self, index: int) -> float:
+        """Factor by which the GPU's instructions take longer than profiled (1: not slowed)."""
+        with self._transaction(write=False) as txn:
+            return self._gpu(txn, index, check_fault=False).slowdown
 
     def locked_sm_clock_mhz(self, index: int) -> int | None:
         """The locked SM clock, ``None`` when unlocked."""
@@ -420,6 +458,10 @@ class EmulatedBackend(GpuBackend):
         if gpu.activity is None:
             return self._blocking_power_w
         return self._tables[gpu.activity].at(self._current_clock_mhz(gpu)).power_w
+
+    def _energy_j(self, gpu: _GpuState) -> float:
+        elapsed_s = max(0.0, self._clock() - gpu.last_change_s)
+        return gpu.energy_j + self._power_w(gpu) * elapsed_s
 
     def _bank_energy(self, gpu: _GpuState) -> None:
         """Add the energy since the last change at the current power; call before a change."""
@@ -505,7 +547,8 @@ class EmulatedBackend(GpuBackend):
     def _write_state(self, gpus: list[_GpuState]) -> None:
         path = self._state_file
         assert path is not None
-        text = json.dumps(self._encode(gpus), indent=1)
+        # Compact: json.dumps with an indent runs the pure-Python encoder, several times slower.
+        text = json.dumps(self._encode(gpus))
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             try:
@@ -547,6 +590,7 @@ class EmulatedBackend(GpuBackend):
                             "message": str(gpu.fault),
                         }
                     ),
+                    "slowdown": gpu.slowdown,
                 }
                 for info, gpu in zip(self._infos, gpus, strict=True)
             ],
@@ -590,6 +634,8 @@ class EmulatedBackend(GpuBackend):
             busy_s=_number(entry.get("busy_s", 0.0), "busy_s"),
             activity=activity,
             fault=fault,
+            # Absent from files written before slowdowns existed.
+            slowdown=_slowdown_arg(entry.get("slowdown", 1.0)),
         )
 
 
@@ -602,6 +648,17 @@ def _file_key(st: os.stat_result) -> tuple[int, int, int]:
 def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _slowdown_arg(value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 1.0
+    ):
+        raise ValueError(f"slowdown must be a finite number >= 1, got {value!r}")
     return float(value)
 
 

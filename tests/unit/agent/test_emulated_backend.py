@@ -4,6 +4,7 @@ state file shared across instances and processes, and fault injection."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -612,3 +613,136 @@ def test_busy_time_counts_only_computations(
     gpus.set_activity(0, None, None)
     again = make(a100, clock, state_file=tmp_path / "gpus.json")  # shared through the file
     assert again.busy_s(0) == pytest.approx(0.75) and again.busy_s(1) == 0.0
+
+
+# -- slowdown (a straggler GPU) ----------------------------------------------------------------
+
+
+def test_slowdown_stretches_instruction_time_at_the_same_power(
+    a100: Profile, clock: FakeClock
+) -> None:
+    gpus = make(a100, clock)
+    assert gpus.slowdown(0) == 1.0
+    assert gpus.set_slowdown(0, 1.25)
+    assert not gpus.set_slowdown(0, 1.25)  # no change
+    assert gpus.slowdown(0) == 1.25 and gpus.slowdown(1) == 1.0
+    assert gpus.instruction_time_s(0, 0, "forward") == pytest.approx(1.25 * FWD0_1410[0])
+    assert gpus.instruction_time_s(1, 0, "forward") == pytest.approx(FWD0_1410[0])
+    # It follows the clock the agent locked.
+    gpus.lock_sm_clock(0, 1005)
+    assert gpus.instruction_time_s(0, 0, "forward") == pytest.approx(1.25 * FWD0_1005[0])
+    assert gpus.instruction_time_s(0, 0, "backward") == pytest.approx(1.25 * BWD0_1005[0])
+    gpus.set_activity(0, 0, "forward")
+    assert gpus.power_w(0) == pytest.approx(power(FWD0_1005), rel=1e-12)
+    assert gpus.set_slowdown(0, 1)
+    assert gpus.slowdown(0) == 1.0 and isinstance(gpus.slowdown(0), float)
+    assert gpus.instruction_time_s(0, 0, "forward") == pytest.approx(FWD0_1005[0], rel=1e-12)
+
+
+def test_slowed_instruction_uses_proportionally_more_energy(
+    a100: Profile, clock: FakeClock
+) -> None:
+    """Energy is power x elapsed time: running a slowed instruction for its (longer) time
+    counts exactly ``factor`` times the profiled energy, and blocking power meanwhile.
+    (The tolerance is the rounding of clock differences around 1000 s.)"""
+    gpus = make(a100, clock)
+    factor = 1.2
+    gpus.set_slowdown(0, factor)
+    slow_s = gpus.instruction_time_s(0, 0, "forward")
+    fast_s = gpus.instruction_time_s(1, 0, "forward")
+    gpus.set_activity(0, 0, "forward")
+    gpus.set_activity(1, 0, "forward")
+    clock.advance(fast_s)
+    gpus.set_activity(1, None, None)
+    clock.advance(slow_s - fast_s)
+    gpus.set_activity(0, None, None)
+    # GPU 0 computed for factor x t; GPU 1 waited at blocking power while GPU 0 ran on.
+    assert gpus.energy_j(0) == pytest.approx(factor * FWD0_1410[1], rel=1e-9)
+    expected_fast = FWD0_1410[1] + A100_BLOCKING_W * (factor - 1) * FWD0_1410[0]
+    assert gpus.energy_j(1) == pytest.approx(expected_fast, rel=1e-9)
+    assert gpus.busy_s(0) == pytest.approx(factor * FWD0_1410[0], rel=1e-9)
+    # Changing the slowdown mid-instruction changes no power: energy keeps integrating.
+    gpus.set_activity(0, 0, "forward")
+    clock.advance(0.01)
+    gpus.set_slowdown(0, 2.0)
+    clock.advance(0.01)
+    gpus.set_activity(0, None, None)
+    expected = factor * FWD0_1410[1] + 0.02 * power(FWD0_1410)
+    assert gpus.energy_j(0) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("factor", [0.99, 0.0, -1.0, math.nan, math.inf, True, "1.5", None])
+def test_invalid_slowdown_is_rejected(a100: Profile, clock: FakeClock, factor: object) -> None:
+    gpus = make(a100, clock)
+    with pytest.raises(ValueError, match="slowdown must be a finite number >= 1"):
+        gpus.set_slowdown(0, factor)  # type: ignore[arg-type]
+    assert gpus.slowdown(0) == 1.0
+    with pytest.raises(GpuNotFoundError):
+        gpus.set_slowdown(5, 1.5)
+
+
+def test_slowdown_is_shared_through_the_state_file_across_processes(
+    a100: Profile, tmp_path: Path
+) -> None:
+    state_file = tmp_path / "gpus.json"
+    harness = EmulatedBackend(
+        2, a100, blocking_power_w=A100_BLOCKING_W, node_name="node-a", state_file=state_file
+    )
+    harness.set_slowdown(1, 1.5)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from perseus_agent.gpu.emulated import EmulatedBackend\n"
+        "gpus = EmulatedBackend.from_csv(2, sys.argv[1], blocking_power_w=83.64,"
+        " node_name='node-a', state_file=Path(sys.argv[2]))\n"
+        "print(gpus.slowdown(0), gpus.slowdown(1), gpus.instruction_time_s(1, 0, 'forward'))\n"
+        "gpus.set_slowdown(0, 3.0)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "operator"), str(REPO_ROOT / "node_agent")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(A100_PROFILE), str(state_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
+    assert float(out[0]) == 1.0 and float(out[1]) == 1.5
+    assert float(out[2]) == pytest.approx(1.5 * FWD0_1410[0], rel=1e-12)
+    assert harness.slowdown(0) == 3.0  # the other process's change is seen here
+    assert json.loads(state_file.read_text())["gpus"][0]["slowdown"] == 3.0
+
+
+def test_state_file_without_slowdown_reads_as_not_slowed(
+    a100: Profile, clock: FakeClock, tmp_path: Path
+) -> None:
+    state_file = tmp_path / "gpus.json"
+    make(a100, clock, state_file=state_file).lock_sm_clock(0, 1005)
+    state = json.loads(state_file.read_text())
+    for gpu in state["gpus"]:
+        del gpu["slowdown"]  # as written before slowdowns existed
+    state_file.write_text(json.dumps(state))
+    old = make(a100, clock, state_file=state_file)
+    assert old.slowdown(0) == 1.0 and old.slowdown(1) == 1.0
+    assert old.sm_clock_mhz(0) == 1005
+    assert old.instruction_time_s(0, 0, "forward") == pytest.approx(FWD0_1005[0], rel=1e-12)
+    # A bad value in the file is an invalid state file.
+    state["gpus"][1]["slowdown"] = 0.5
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(GpuError, match=r"invalid.*slowdown"):
+        old.slowdown(1)
+
+
+def test_metered_energy_ignores_injected_faults(a100: Profile, clock: FakeClock) -> None:
+    gpus = make(a100, clock)
+    gpus.set_activity(0, 0, "forward")
+    clock.advance(1.0)
+    gpus.inject_fault(0, GpuLostError("GPU 0 fell off the bus", gpu_index=0))
+    with pytest.raises(GpuLostError):
+        gpus.energy_j(0)
+    assert gpus.metered_energy_j(0) == pytest.approx(power(FWD0_1410), rel=1e-9)
+    gpus.inject_fault(0, None)
+    assert gpus.metered_energy_j(0) == gpus.energy_j(0)

@@ -1,0 +1,859 @@
+"""An emulated data-parallel x pipeline-parallel training job: every rank a thread.
+
+It plays all the pods of a training job, on several emulated nodes, for end-to-end tests and
+demos without GPUs. Each rank is a thread that behaves like :mod:`perseus_agent.emulated_rank`
+(the ``perseus_client`` hooks around each forward and backward, the emulated GPU busy for the
+time the profile measured at the clock now in effect, scaled by ``time_scale``), but the ranks
+also wait on each other as real pipeline-parallel training does:
+
+* Layout, as the operator assigns it: global rank ``r`` is stage ``r % S`` of data-parallel
+  replica ``r // S`` (``S`` stages); node ``k`` (in the order given) hosts ranks
+  ``k*G .. k*G+G-1`` on its GPU indices ``0..G-1`` (``G`` GPUs per node, the same on every
+  node, and nodes x ``G`` = ``S`` x replicas).
+* Pipeline dependencies: before the forward of microbatch ``m``, stage ``s > 0`` waits until
+  stage ``s-1`` of its replica has finished the forward of ``m``; before the backward of ``m``,
+  stage ``s < S-1`` waits until stage ``s+1`` has finished the backward of ``m``. A waiting
+  GPU is idle (it draws blocking power).
+* Gradient all-reduce: after its iteration's ``on_step_end`` every rank waits for all ranks of
+  every replica (a barrier), outside the step hooks: each replica's reported iteration time is
+  its own pipeline's, as the operator's straggler detection expects, while the GPUs of a fast
+  replica idle at blocking power until the slowest replica is done.
+
+An instruction runs for its profiled time at the GPU's current SM clock times the GPU's
+slowdown (:meth:`EmulatedBackend.set_slowdown`), scaled by ``time_scale``. The clock and the
+slowdown are read again every ``clock_poll_s`` seconds while an instruction runs (except in its
+last stretch, up to twice that) and the rest of its work goes at the new rate: the node agent
+applies the clock of an instruction a moment after the (pipelined) hook that announced it.
+A rank marks its GPU busy as an instruction starts, and idle only when it has to wait (for
+another stage or the all-reduce): between back-to-back instructions it goes straight from one
+to the next, so that no state-file write delays the hand-off to the next stage.
+
+Timing overhead: each hand-off along the pipeline's critical path costs a thread wake-up and
+some sleep overshoot (``time.sleep`` oversleeps by ~0.1 ms; the rank learns by how much and
+wakes up that much earlier). Measured on a 2-CPU test machine, 4 stages x 8 microbatches x 2
+replicas, iterations came out ~2-4 ms (~22 hand-offs) longer than the profile's critical path
+with in-memory GPUs, ~10 ms with state files (each GPU state change rewrites the file): use a
+``time_scale`` of 0.2 or more with state files to stay within a few percent.
+
+After every iteration (once all ranks are at the barrier, every GPU idle) the job records an
+:class:`IterationRecord`; as JSON (:meth:`IterationRecord.to_json`)::
+
+    {"iteration": 3,                       # step number, from 0
+     "end_s": 81234.567,                   # time.monotonic() when the iteration ended
+     "replica_times_s": [0.081, 0.097],    # per replica: its ranks' earliest on_step_begin
+                                           # to their latest on_step_end, in seconds
+     "energy_j": 51234.5,                  # sum of the energy counters of all the job's GPUs
+     "node_energy_j": {"node-0": 25617.2, "node-1": 25617.3},
+     "busy_s": 12.34,                      # sum of the GPUs' busy-time counters
+     "node_busy_s": {"node-0": 6.17, "node-1": 6.17}}
+
+Counters are the emulated GPUs' own (:meth:`EmulatedBackend.metered_energy_j`,
+:meth:`EmulatedBackend.busy_s`): cumulative since the GPU state was created, so with a shared
+state file they include whatever ran before; the energy of an iteration is the difference of
+two records'.
+
+The job runs ``steps`` iterations, or until :meth:`EmulatedJob.stop` (SIGTERM or SIGINT in the
+command line); it stops between iterations. An error in any rank (or in the iteration
+bookkeeping) stops every rank and :meth:`EmulatedJob.run` raises :class:`EmulatedJobError`.
+On the way out every rank leaves its GPU idle and closes its client (which first waits for
+the agent to answer the hooks already sent).
+
+Command line (one JSON record a line appended to ``--log`` after each iteration, flushed; a
+summary JSON line on stdout at the end; exit status 0, 1 when the job failed, 2 for bad
+arguments)::
+
+    python -m perseus_agent.emulated_job --profile gpt3.csv --blocking-power 83.64 \\
+        --stages 4 --replicas 2 --microbatches 8 --time-scale 0.1 --steps 20 \\
+        --log iterations.jsonl \\
+        --node name=node-0,gpus=4,socket=/run/perseus-0/agent.sock,state=/tmp/node-0.json \\
+        --node name=node-1,gpus=4,socket=/run/perseus-1/agent.sock,state=/tmp/node-1.json
+
+``--node`` is repeated in node-rank order: ``gpus`` is required; ``name`` defaults to
+``node-<k>``; ``socket`` (the node agent's socket; a missing socket makes the hooks no-ops)
+and ``state`` (the emulated GPU state file shared with that node's agent) are optional: without
+``socket`` no hooks are sent, without ``state`` the GPUs live in memory. Paths cannot contain
+commas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol, TextIO
+
+from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_api.profile import Profile, load_profile
+from perseus_api.schedule import BACKWARD, FORWARD, Schedule, stage_instruction_order
+from perseus_client import PerseusClient
+
+__all__ = [
+    "ClientFactory",
+    "EmulatedJob",
+    "EmulatedJobError",
+    "IterationRecord",
+    "JobResult",
+    "NodeSpec",
+    "RankClient",
+    "RankInfo",
+    "main",
+]
+
+DEFAULT_CLOCK_POLL_S = 0.005
+
+# Oversleep compensation (see EmulatedJob._compute): how fast the estimate follows, and its cap.
+_SLACK_GAIN = 0.25
+_MAX_SLACK_S = 0.001
+
+
+class RankClient(Protocol):
+    """What a rank calls: the hooks of :class:`perseus_client.PerseusClient`, and ``close``."""
+
+    def on_step_begin(self, step: int) -> None: ...
+
+    def on_step_end(self, step: int) -> None: ...
+
+    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None: ...
+
+    def on_instruction_end(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One emulated node (one pod of the job).
+
+    Attributes:
+        name: Node name; part of its GPUs' UUIDs (``GPU-emu-<name>-<index>``).
+        gpus: Its GPUs, one rank each.
+        socket: The node agent's socket; ``None``: the ranks send no hooks.
+        state_file: Emulated GPU state file shared with the node's agent; ``None``: in memory.
+    """
+
+    name: str
+    gpus: int
+    socket: Path | None = None
+    state_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank sits: what a :data:`ClientFactory` is given."""
+
+    rank: int
+    replica: int
+    stage: int
+    node_rank: int
+    node: NodeSpec
+    gpu_index: int
+    gpu_uuid: str
+
+
+ClientFactory = Callable[[RankInfo], RankClient]
+"""Makes a rank's client; called in the rank's thread before its first iteration."""
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One completed iteration of the whole job (see the module docstring)."""
+
+    iteration: int
+    end_s: float
+    """``time.monotonic()`` when the last rank reached the all-reduce barrier."""
+    replica_times_s: tuple[float, ...]
+    """Per replica: its ranks' earliest ``on_step_begin`` to their latest ``on_step_end``."""
+    energy_j: float
+    """Sum of the energy counters of all the job's GPUs, read after the iteration."""
+    node_energy_j: dict[str, float]
+    """Per node name, the sum of its GPUs' energy counters."""
+    busy_s: float
+    """Sum of the busy-time counters of all the job's GPUs."""
+    node_busy_s: dict[str, float]
+    """Per node name, the sum of its GPUs' busy-time counters."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "end_s": self.end_s,
+            "replica_times_s": list(self.replica_times_s),
+            "energy_j": self.energy_j,
+            "node_energy_j": dict(self.node_energy_j),
+            "busy_s": self.busy_s,
+            "node_busy_s": dict(self.node_busy_s),
+        }
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a run did: its records and the energy counters before and after."""
+
+    records: tuple[IterationRecord, ...]
+    stopped: bool
+    """Ended before ``steps`` iterations (by :meth:`EmulatedJob.stop` or an error), or ran
+    without a number of steps."""
+    wall_s: float
+    """Monotonic time from the start of the run until every rank had exited."""
+    start_energy_j: float | None
+    """Sum of the GPUs' energy counters when the run started (``None``: unreadable)."""
+    energy_j: float | None
+    """Sum of the GPUs' energy counters when the run ended, every GPU idle (``None``:
+    unreadable)."""
+    node_energy_j: dict[str, float] = field(default_factory=dict)
+    """Per node, the energy counters when the run ended (empty: unreadable)."""
+
+    @property
+    def iterations(self) -> int:
+        return len(self.records)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: iterations, stopped, wall_s, energy (end, used), mean replica times."""
+        num_replicas = len(self.records[0].replica_times_s) if self.records else 0
+        return {
+            "iterations": self.iterations,
+            "stopped": self.stopped,
+            "wall_s": self.wall_s,
+            "energy_j": self.energy_j,
+            "energy_used_j": (
+                None
+                if self.energy_j is None or self.start_energy_j is None
+                else self.energy_j - self.start_energy_j
+            ),
+            "node_energy_j": dict(self.node_energy_j),
+            "mean_replica_times_s": [
+                sum(r.replica_times_s[d] for r in self.records) / len(self.records)
+                for d in range(num_replicas)
+            ],
+        }
+
+
+class EmulatedJobError(RuntimeError):
+    """A rank, or the iteration bookkeeping, failed; every rank was stopped.
+
+    Attributes:
+        rank: The failing rank, ``None`` when it was not a rank: the iteration bookkeeping
+            (e.g. the ``on_iteration`` callback raised), or reading the GPUs' state before or
+            after the ranks ran.
+        result: What the run did until then.
+    """
+
+    def __init__(self, message: str, rank: int | None, result: JobResult) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.result = result
+
+
+class _AbortedError(Exception):
+    """Raised in a rank whose job is being torn down because of an error elsewhere."""
+
+
+class _NoClient:
+    """Hooks that do nothing: a node without an agent socket."""
+
+    def on_step_begin(self, step: int) -> None:
+        pass
+
+    def on_step_end(self, step: int) -> None:
+        pass
+
+    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
+        return None
+
+    def on_instruction_end(self, name: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def default_client(info: RankInfo) -> RankClient:
+    """A pipelined :class:`PerseusClient` on the node's socket, or no hooks without one."""
+    if info.node.socket is None:
+        return _NoClient()
+    return PerseusClient(
+        info.node.socket,
+        rank=info.rank,
+        local_rank=info.gpu_index,
+        gpu_uuids=[info.gpu_uuid],
+        pipelined=True,
+    )
+
+
+# (step, replica, stage, instruction, microbatch): one finished computation a later one needs.
+_DepKey = tuple[int, int, int, str, int]
+
+
+class EmulatedJob:
+    """A ``replicas`` x ``stages`` training job on emulated GPUs, one thread per rank.
+
+    Args:
+        profile: Time and energy per (stage, instruction) and SM clock; stage ``s`` of the
+            pipeline runs the profile's stage ``s`` (the profile needs at least ``stages``).
+        nodes: The nodes, in node-rank order (see the module docstring for the layout).
+        blocking_power_w: Power of an idle or waiting GPU.
+        stages, replicas, microbatches: Pipeline stages, data-parallel replicas and
+            microbatches per iteration.
+        schedule: Pipeline schedule.
+        time_scale: Factor on every instruction's profiled time.
+        clock_poll_s: While an instruction runs, how often its rate is read again from the
+            GPU's clock and slowdown (seconds of wall time; its last stretch, up to twice
+            that, runs at the rate read last).
+        client_factory: Makes each rank's client; default :func:`default_client`.
+        on_iteration: Called with each :class:`IterationRecord` as it is made, while every
+            rank waits; an exception in it fails the job.
+
+    Raises:
+        ValueError: an argument is invalid, or a node's state file is unusable.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        nodes: Sequence[NodeSpec],
+        *,
+        blocking_power_w: float,
+        stages: int,
+        replicas: int,
+        microbatches: int,
+        schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+        time_scale: float = 1.0,
+        clock_poll_s: float = DEFAULT_CLOCK_POLL_S,
+        client_factory: ClientFactory = default_client,
+        on_iteration: Callable[[IterationRecord], None] | None = None,
+    ) -> None:
+        for what, value in (
+            ("stages", stages),
+            ("replicas", replicas),
+            ("microbatches", microbatches),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+        for what, number in (("time_scale", time_scale), ("clock_poll_s", clock_poll_s)):
+            if (
+                isinstance(number, bool)
+                or not isinstance(number, int | float)
+                or not math.isfinite(number)
+                or number <= 0
+            ):
+                raise ValueError(f"{what} must be a positive finite number, got {number!r}")
+        if profile.num_stages < stages:
+            raise ValueError(
+                f"the profile {profile.source} has {profile.num_stages} stages, "
+                f"the pipeline {stages}"
+            )
+        nodes = list(nodes)
+        if not nodes:
+            raise ValueError("at least one node is needed")
+        names = [n.name for n in nodes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
+        gpus_per_node = {n.gpus for n in nodes}
+        if len(gpus_per_node) != 1:
+            raise ValueError(
+                f"every node must have the same number of GPUs, got {[n.gpus for n in nodes]}"
+            )
+        num_ranks = stages * replicas
+        gpus = nodes[0].gpus
+        if len(nodes) * gpus != num_ranks:
+            raise ValueError(
+                f"{len(nodes)} nodes x {gpus} GPUs = {len(nodes) * gpus} GPUs, but "
+                f"{stages} stages x {replicas} replicas = {num_ranks} ranks"
+            )
+
+        self._profile = profile
+        self._nodes = nodes
+        self._stages = stages
+        self._replicas = replicas
+        self._schedule = Schedule.parse(schedule)
+        self._time_scale = float(time_scale)
+        self._clock_poll_s = float(clock_poll_s)
+        self._client_factory = client_factory
+        self._on_iteration = on_iteration
+        self._gpus_per_node = gpus
+        self._num_ranks = num_ranks
+        # One backend per node, shared by its ranks' threads: it serializes its own calls, and
+        # a shared instance keeps its decoded state across its ranks' writes.
+        self._backends = [
+            EmulatedBackend(
+                n.gpus,
+                profile,
+                blocking_power_w=blocking_power_w,
+                node_name=n.name,
+                state_file=n.state_file,
+            )
+            for n in nodes
+        ]
+        self._orders = [
+            stage_instruction_order(self._schedule, stages, microbatches, s) for s in range(stages)
+        ]
+
+        self._started = False
+        self._steps: int | None = None
+        self._stop_requested = False  # a plain flag: stop() may run in a signal handler
+        self._continue = True
+        self._records: list[IterationRecord] = []
+        self._begin_s = [0.0] * num_ranks
+        self._end_s = [0.0] * num_ranks
+        self._barrier = threading.Barrier(num_ranks, action=self._iteration_done)
+        self._deps_lock = threading.Lock()
+        self._deps: dict[_DepKey, threading.Event] = {}
+        self._aborted = False
+        self._error: tuple[int | None, str, BaseException] | None = None
+        self._bookkeeping_error: BaseException | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def backends(self) -> list[EmulatedBackend]:
+        """Each node's emulated GPUs, in node-rank order (e.g. to set a slowdown)."""
+        return list(self._backends)
+
+    @property
+    def nodes(self) -> list[NodeSpec]:
+        return list(self._nodes)
+
+    @property
+    def records(self) -> list[IterationRecord]:
+        """The iterations completed so far."""
+        return list(self._records)
+
+    def rank_info(self, rank: int) -> RankInfo:
+        """Where global rank ``rank`` sits."""
+        if not 0 <= rank < self._num_ranks:
+            raise ValueError(f"no rank {rank} in a job of {self._num_ranks} ranks")
+        node_rank, gpu_index = divmod(rank, self._gpus_per_node)
+        return RankInfo(
+            rank=rank,
+            replica=rank // self._stages,
+            stage=rank % self._stages,
+            node_rank=node_rank,
+            node=self._nodes[node_rank],
+            gpu_index=gpu_index,
+            gpu_uuid=self._backends[node_rank].devices()[gpu_index].uuid,
+        )
+
+    def stop(self) -> None:
+        """End the run after the current iteration. Safe from any thread or a signal handler."""
+        self._stop_requested = True
+
+    def run(self, steps: int | None = None) -> JobResult:
+        """Run ``steps`` iterations (``None``: until :meth:`stop`); once per job.
+
+        Raises:
+            EmulatedJobError: a rank or the bookkeeping failed; every rank has exited.
+            ValueError: ``steps`` is not ``None`` or an integer >= 1.
+        """
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+            raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps must be an integer >= 1 or None, got {steps!r}")
+        if self._started:
+            raise RuntimeError("an EmulatedJob runs once")
+        self._started = True
+        self._steps = steps
+        start_s = time.monotonic()
+        start_energy_j: float | None = None
+        threads = [
+            threading.Thread(
+                target=self._rank_main, args=(rank,), name=f"emulated-rank-{rank}", daemon=True
+            )
+            for rank in range(self._num_ranks)
+        ]
+        try:
+            for backend in self._backends:
+                for index in range(backend.num_gpus):
+                    backend.set_activity(index, None, None)  # e.g. left busy by a killed run
+            start_energy_j = sum(self._node_energy_j().values())
+        except Exception as exc:  # an unusable state file
+            self._fail(None, exc, "preparing the GPUs")
+            threads = []
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        except BaseException as exc:  # e.g. KeyboardInterrupt: tear down, then re-raise
+            self._fail(None, exc, "the run")
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            raise
+        node_energy_j: dict[str, float] = {}
+        energy_j: float | None = None
+        try:
+            node_energy_j = self._node_energy_j()
+            energy_j = sum(node_energy_j.values())
+        except Exception as exc:
+            self._fail(None, exc, "reading the energy counters")
+        result = JobResult(
+            records=tuple(self._records),
+            stopped=self._steps is None or len(self._records) < self._steps,
+            wall_s=time.monotonic() - start_s,
+            start_energy_j=start_energy_j,
+            energy_j=energy_j,
+            node_energy_j=node_energy_j,
+        )
+        if self._error is not None:
+            rank, where, error = self._error
+            raise EmulatedJobError(
+                f"emulated job failed in {where}: {type(error).__name__}: {error}", rank, result
+            ) from error
+        return result
+
+    # -- ranks --------------------------------------------------------------------------------
+
+    def _rank_main(self, rank: int) -> None:
+        error: BaseException | None = None
+        info = self.rank_info(rank)
+        backend = self._backends[info.node_rank]
+        client: RankClient | None = None
+        try:
+            client = self._client_factory(info)
+            self._rank_loop(info, backend, client)
+        except BaseException as exc:
+            error = exc
+        # Leave the GPU idle and the agent told, whatever happened; the first error counts.
+        try:
+            backend.set_activity(info.gpu_index, None, None)
+        except BaseException as exc:
+            error = error or exc
+        if client is not None:
+            try:
+                client.close()
+            except BaseException as exc:
+                error = error or exc
+        if error is None or isinstance(error, _AbortedError):
+            return
+        if error is self._bookkeeping_error:
+            self._fail(None, error, "the iteration bookkeeping")
+        elif isinstance(error, threading.BrokenBarrierError):
+            # Broken by abort() (an error elsewhere) or by a failed barrier action: both are
+            # reported by the thread that saw the error.
+            if not self._aborted and self._bookkeeping_error is None:  # not expected
+                self._fail(rank, RuntimeError("the all-reduce barrier broke"))
+        else:
+            self._fail(rank, error)
+
+    def _rank_loop(self, info: RankInfo, backend: EmulatedBackend, client: RankClient) -> None:
+        rank, replica, stage, index = info.rank, info.replica, info.stage, info.gpu_index
+        last_stage = self._stages - 1
+        slack_s = 0.0
+        step = 0
+        while True:
+            self._begin_s[rank] = time.monotonic()
+            client.on_step_begin(step)
+            busy = False  # the GPU is still marked busy with the previous instruction
+            for instruction, microbatch in self._orders[stage]:
+                if self._aborted:
+                    raise _AbortedError
+                dependency: _DepKey | None = None
+                if instruction == FORWARD and stage > 0:
+                    dependency = (step, replica, stage - 1, FORWARD, microbatch)
+                elif instruction == BACKWARD and stage < last_stage:
+                    dependency = (step, replica, stage + 1, BACKWARD, microbatch)
+                if dependency is not None:
+                    event = self._event(dependency)
+                    if busy and not event.is_set():
+                        backend.set_activity(index, None, None)  # it waits idle
+                        busy = False
+                    self._wait(dependency, event)
+                client.on_instruction_begin(instruction, microbatch)
+                slack_s = self._compute(backend, index, stage, instruction, slack_s)
+                busy = True
+                client.on_instruction_end(instruction)
+                if (instruction == FORWARD and stage < last_stage) or (
+                    instruction == BACKWARD and stage > 0
+                ):
+                    self._signal((step, replica, stage, instruction, microbatch))
+            backend.set_activity(index, None, None)  # idle through the all-reduce
+            client.on_step_end(step)
+            self._end_s[rank] = time.monotonic()
+            self._barrier.wait()  # the gradient all-reduce; its action records the iteration
+            if not self._continue:
+                return
+            step += 1
+
+    def _compute(
+        self, backend: EmulatedBackend, index: int, stage: int, instruction: str, slack_s: float
+    ) -> float:
+        """Run one instruction: busy for its time, re-reading the rate every ``clock_poll_s``.
+
+        The time starts before the GPU is marked busy, so that marking it (a state file
+        write) is part of the instruction rather than added to it. The GPU stays marked busy
+        after it: the caller marks it idle only when it has to wait. ``slack_s`` is how much
+        earlier than its end the last sleep wakes up, to make up for the usual oversleep of
+        ``time.sleep``; returns it updated with this instruction's oversleep.
+        """
+        last_s = time.monotonic()
+        backend.set_activity(index, stage, instruction)
+        duration_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
+        remaining = 1.0  # fraction of the work still to do
+        while True:
+            end_s = last_s + remaining * duration_s
+            now_s = time.monotonic()
+            # The last stretch is at least one poll long, so that the oversleep correction
+            # always has room (a sleep of a few microseconds cannot wake up early).
+            if end_s - now_s <= 2 * self._clock_poll_s:
+                delay_s = end_s - now_s - slack_s
+                if delay_s > 0:
+                    time.sleep(delay_s)
+                    late_s = time.monotonic() - end_s
+                    slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
+                break
+            time.sleep(self._clock_poll_s)
+            now_s = time.monotonic()
+            remaining -= (now_s - last_s) / duration_s
+            last_s = now_s
+            duration_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
+        return slack_s
+
+    def _event(self, key: _DepKey) -> threading.Event:
+        """The event of ``key``, made on first use; already set once the job is aborted."""
+        with self._deps_lock:
+            event = self._deps.get(key)
+            if event is None:
+                event = self._deps[key] = threading.Event()
+                if self._aborted:
+                    event.set()
+            return event
+
+    def _signal(self, key: _DepKey) -> None:
+        self._event(key).set()
+
+    def _wait(self, key: _DepKey, event: threading.Event) -> None:
+        """Wait for the computation ``key`` (its :meth:`_event`); each key has one waiter."""
+        event.wait()
+        if self._aborted:
+            raise _AbortedError
+        with self._deps_lock:
+            del self._deps[key]
+
+    def _fail(self, rank: int | None, error: BaseException, where: str | None = None) -> None:
+        """Record the first error and make every rank exit: wake every waiter."""
+        with self._deps_lock:
+            if self._error is None:
+                self._error = (rank, where or f"rank {rank}", error)
+            self._aborted = True
+            events = list(self._deps.values())
+        for event in events:
+            event.set()
+        self._barrier.abort()
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _iteration_done(self) -> None:
+        """The barrier's action: every rank is waiting in it, every GPU idle."""
+        try:
+            end_s = time.monotonic()
+            replica_times_s = []
+            for replica in range(self._replicas):
+                ranks = range(replica * self._stages, (replica + 1) * self._stages)
+                begin = min(self._begin_s[r] for r in ranks)
+                end = max(self._end_s[r] for r in ranks)
+                replica_times_s.append(end - begin)
+            node_energy_j = self._node_energy_j()
+            node_busy_s = {
+                node.name: sum(backend.busy_s(i) for i in range(backend.num_gpus))
+                for node, backend in zip(self._nodes, self._backends, strict=True)
+            }
+            record = IterationRecord(
+                iteration=len(self._records),
+                end_s=end_s,
+                replica_times_s=tuple(replica_times_s),
+                energy_j=sum(node_energy_j.values()),
+                node_energy_j=node_energy_j,
+                busy_s=sum(node_busy_s.values()),
+                node_busy_s=node_busy_s,
+            )
+            self._records.append(record)
+            if self._on_iteration is not None:
+                self._on_iteration(record)
+            self._continue = not self._stop_requested and (
+                self._steps is None or len(self._records) < self._steps
+            )
+        except BaseException as exc:
+            # Raised out of the barrier in this thread (the others see it broken): the rank
+            # reports it as the bookkeeping's error, not its own.
+            self._bookkeeping_error = exc
+            raise
+
+    def _node_energy_j(self) -> dict[str, float]:
+        return {
+            node.name: sum(backend.metered_energy_j(i) for i in range(backend.num_gpus))
+            for node, backend in zip(self._nodes, self._backends, strict=True)
+        }
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+_NODE_KEYS = ("name", "gpus", "socket", "state")
+
+
+@dataclass
+class _NodeArg:
+    """A ``--node`` value before node ranks (default names) are known."""
+
+    gpus: int
+    name: str | None = None
+    socket: Path | None = None
+    state: Path | None = None
+
+
+def _node_arg(text: str) -> _NodeArg:
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not value:
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=VALUE items separated by commas, got {item!r} in {text!r}"
+            )
+        if key not in _NODE_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {key!r} in {text!r}; expected {', '.join(_NODE_KEYS)}"
+            )
+        if key in fields:
+            raise argparse.ArgumentTypeError(f"{key!r} given twice in {text!r}")
+        fields[key] = value
+    if "gpus" not in fields:
+        raise argparse.ArgumentTypeError(f"gpus=N is required, missing in {text!r}")
+    return _NodeArg(
+        gpus=_positive_int(fields["gpus"]),
+        name=fields.get("name"),
+        socket=Path(fields["socket"]) if "socket" in fields else None,
+        state=Path(fields["state"]) if "state" in fields else None,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="perseus-emulated-job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--profile", type=Path, required=True, help="profile CSV")
+    parser.add_argument(
+        "--blocking-power", type=_positive_float, required=True, help="watts of an idle GPU"
+    )
+    parser.add_argument("--stages", type=_positive_int, required=True)
+    parser.add_argument("--replicas", type=_positive_int, default=1, help="data-parallel")
+    parser.add_argument("--microbatches", type=_positive_int, required=True)
+    parser.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, help="1f1b or gpipe")
+    parser.add_argument(
+        "--time-scale", type=_positive_float, default=1.0, help="factor on profiled times"
+    )
+    parser.add_argument(
+        "--steps", type=_positive_int, default=None, help="iterations (default: until signalled)"
+    )
+    parser.add_argument("--log", type=Path, default=None, help="append JSON records here")
+    parser.add_argument(
+        "--node",
+        type=_node_arg,
+        action="append",
+        required=True,
+        metavar="gpus=N[,name=NAME][,socket=PATH][,state=PATH]",
+        help="one emulated node, repeated in node-rank order",
+    )
+    return parser
+
+
+@contextlib.contextmanager
+def _stop_on_signals(job: EmulatedJob) -> Iterator[None]:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        job.stop()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    nodes = [
+        NodeSpec(
+            name=n.name if n.name is not None else f"node-{k}",
+            gpus=n.gpus,
+            socket=n.socket,
+            state_file=n.state,
+        )
+        for k, n in enumerate(args.node)
+    ]
+    log: TextIO | None = None
+    try:
+        profile = load_profile(args.profile)
+        if args.log is not None:
+            log = args.log.open("a", encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+
+    def write(record: IterationRecord) -> None:
+        if log is not None:
+            log.write(json.dumps(record.to_json()) + "\n")
+            log.flush()
+
+    try:
+        try:
+            job = EmulatedJob(
+                profile,
+                nodes,
+                blocking_power_w=args.blocking_power,
+                stages=args.stages,
+                replicas=args.replicas,
+                microbatches=args.microbatches,
+                schedule=args.schedule,
+                time_scale=args.time_scale,
+                on_iteration=write,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+        with _stop_on_signals(job):
+            try:
+                result = job.run(args.steps)
+            except EmulatedJobError as exc:
+                print(f"perseus-emulated-job: error: {exc}", file=sys.stderr)
+                print(json.dumps({**exc.result.summary(), "error": str(exc)}), flush=True)
+                return 1
+    finally:
+        if log is not None:
+            log.close()
+    print(json.dumps(result.summary()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
