@@ -51,9 +51,7 @@ def wait_for(condition: Callable[[], bool], what: str, agent: Agent | None = Non
     pytest.fail(f"timed out waiting for {what}" + (f":\n{agent.log}" if agent else ""))
 
 
-def locked_clocks(
-    gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE
-) -> list[int | None]:
+def locked_clocks(gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE) -> list[int | None]:
     """The SM clock lock of each emulated GPU, read from the shared hardware state."""
     from perseus_agent.gpu.emulated import EmulatedBackend
 
