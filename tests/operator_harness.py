@@ -32,6 +32,7 @@ import pytest
 from agent_process import REPO_ROOT, source_env
 from perseus_api import resources
 from perseus_api.profile import Profile, parse_profile
+from perseus_operator.lifecycle import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
 
 JOBS = f"{resources.GROUP}/{resources.VERSION}/perseusjobs"
@@ -195,6 +196,11 @@ class SimulatedAgents:
         plans = self.api.list_namespaced_custom_object(
             resources.GROUP, resources.VERSION, self.namespace, resources.NODE_PLAN_PLURAL
         )["items"]
+        fastest_s: dict[str, float] = {}  # per job: a re-targeted replica runs slower
+        for obj in plans:
+            for seconds in expected_iteration_s(obj).values():
+                job = obj["spec"]["job"]
+                fastest_s[job] = min(seconds, fastest_s.get(job, seconds))
         for obj in plans:
             spec = obj["spec"]
             if self.jobs is not None and spec["job"] not in self.jobs:
@@ -208,17 +214,23 @@ class SimulatedAgents:
             if spec.get("profiling"):
                 status["profiling"] = [profiled(a, self.profile) for a in spec["assignments"]]
             elif t_min_s is not None:
-                status["ranks"] = [
-                    {
-                        "rank": a["rank"],
-                        "dp_rank": a["dp_rank"],
-                        "pp_rank": a["stage"],
-                        "iterations": self.iterations,
-                        "last_iteration_s": t_min_s * self.slow.get(a["dp_rank"], 1.0),
-                        "mean_iteration_s": t_min_s * self.slow.get(a["dp_rank"], 1.0),
-                    }
-                    for a in spec["assignments"]
-                ]
+                expected = expected_iteration_s(obj)
+                status["ranks"] = []
+                for a in spec["assignments"]:
+                    time_s = t_min_s * self.slow.get(a["dp_rank"], 1.0)
+                    if a["rank"] in expected:
+                        time_s *= expected[a["rank"]] / fastest_s[spec["job"]]
+                    status["ranks"].append(
+                        {
+                            "rank": a["rank"],
+                            "dp_rank": a["dp_rank"],
+                            "pp_rank": a["stage"],
+                            "iterations": self.iterations,
+                            "last_iteration_s": time_s,
+                            "mean_iteration_s": time_s,
+                            "revision": spec["revision"],
+                        }
+                    )
             self.api.patch_namespaced_custom_object_status(
                 resources.GROUP,
                 resources.VERSION,

@@ -110,7 +110,14 @@ class RankReport(_Report):
     pp_rank: int | None = None
     iterations: int = Field(description="Iterations measured since the rank called in.")
     last_iteration_s: float
-    mean_iteration_s: float = Field(description=f"Over the last {_ITERATION_WINDOW} iterations.")
+    mean_iteration_s: float = Field(
+        description=f"Over the last {_ITERATION_WINDOW} iterations under ``revision``."
+    )
+    revision: int | None = Field(
+        default=None,
+        description="Node plan revision every iteration of the mean ran under (None: no plan). "
+        "The mean restarts with each revision, so it reflects the plan now in effect only.",
+    )
 
 
 class GpuProfilingReport(_Report):
@@ -224,6 +231,7 @@ class _Session:
     pod: str | None
     gpus: list[int] = field(default_factory=list)
     step_begin_ns: int | None = None
+    step_revision: int | None = None
 
 
 @dataclass
@@ -231,6 +239,7 @@ class _RankTimes:
     dp_rank: int | None
     pp_rank: int | None
     count: int = 0
+    revision: int | None = None
     recent_s: deque[float] = field(default_factory=lambda: deque(maxlen=_ITERATION_WINDOW))
 
 
@@ -449,19 +458,22 @@ class PlanApplier:
     def step_begin(
         self, session: ClientSession, msg: StepBeginRequest, t_ns: int
     ) -> dict[str, Any]:
-        """An iteration begins: back to the first computation of the stage."""
+        """An iteration begins: back to the first computation of the stage, and its clock."""
         with self._lock:
             s = self._sessions.get(session)
             if s is None:
                 return {"ok": True}
             s.step_begin_ns = t_ns
+            s.step_revision = None if self._plan is None else self._plan.revision
             for index in s.gpus:
                 g = self._gpus[index]
                 g.position = 0
                 if g.profiler is not None:
                     self._profile_step_begin(g, g.profiler, t_ns)
-                elif g.granularity == Granularity.INSTRUCTION and g.status == GpuStatus.FAILED:
-                    g.status = GpuStatus.WAITING  # retry once per iteration
+                elif g.granularity == Granularity.INSTRUCTION:
+                    if g.status == GpuStatus.FAILED:
+                        g.status = GpuStatus.WAITING  # retry once per iteration
+                    self._prepare_next(g)
         return {"ok": True}
 
     def step_end(self, session: ClientSession, msg: StepEndRequest, t_ns: int) -> dict[str, Any]:
@@ -498,7 +510,14 @@ class PlanApplier:
                 if times is None or (times.dp_rank, times.pp_rank) != (dp_rank, pp_rank):
                     times = self._ranks[s.rank] = _RankTimes(dp_rank, pp_rank)
                 times.count += 1
-                times.recent_s.append(seconds)
+                revision = None if self._plan is None else self._plan.revision
+                if revision != times.revision:
+                    # A new plan changes the pace on purpose (e.g. re-targeted to a straggler):
+                    # the operator compares means under one plan, so start a new one.
+                    times.revision = revision
+                    times.recent_s.clear()
+                if s.step_revision == revision:  # not an iteration the change cut in two
+                    times.recent_s.append(seconds)
         return {"ok": True}
 
     def instruction_begin(
@@ -528,13 +547,21 @@ class PlanApplier:
     def instruction_end(
         self, session: ClientSession, msg: InstructionEndRequest, t_ns: int
     ) -> dict[str, Any]:
-        """A computation ends; the clock stays until the next one begins."""
+        """A computation ends: lock the clock of the plan's next one already.
+
+        The GPU idles until the next computation's inputs arrive (or the next iteration), and a
+        clock change takes effect some time after it is asked for; set now, it is in place when
+        that computation starts, and its own hook finds nothing to change.
+        """
         with self._lock:
             s = self._sessions.get(session)
             for index in s.gpus if s is not None else ():
                 g = self._gpus[index]
-                if g.profiler is not None and self._profiling_ok(g):
-                    g.profiler.instruction_end(msg["name"], t_ns)
+                if g.profiler is not None:
+                    if self._profiling_ok(g):
+                        g.profiler.instruction_end(msg["name"], t_ns)
+                elif g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
+                    self._prepare_next(g)
         return {"ok": True}
 
     def disconnected(self, session: ClientSession) -> None:
@@ -690,6 +717,11 @@ class PlanApplier:
         g.position = found + 1
         self._set_clock(g, instructions[found].frequency_mhz)
 
+    def _prepare_next(self, g: _Gpu) -> None:
+        instructions = g.stage_plan.instructions
+        if g.position < len(instructions):
+            self._set_clock(g, instructions[g.position].frequency_mhz)
+
     def _fail(self, g: _Gpu, reason: str, message: str, target_mhz: int | None) -> None:
         log.error("GPU %d (%s): %s", g.info.index, g.info.uuid, message)
         self.metrics.count_error(reason)
@@ -774,6 +806,7 @@ class PlanApplier:
                 iterations=t.count,
                 last_iteration_s=t.recent_s[-1],
                 mean_iteration_s=statistics.fmean(t.recent_s),
+                revision=t.revision,
             )
             for rank, t in sorted(self._ranks.items())
             if t.recent_s

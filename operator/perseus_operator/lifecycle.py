@@ -703,13 +703,22 @@ def rank_samples(
 ) -> list[RankSample]:
     """The straggler detector's input from the agents' reports in the node plans' status.
 
-    A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``.
+    A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``. A report measured
+    under an older revision of its node plan than the one written is left out (agents say which
+    revision their mean covers). Each rank's mean is given at the pace of the job's fastest
+    plan: times the fastest plan's expected iteration time over that of the rank's own plan.
+    So a replica re-targeted to a straggler's ``T'`` on purpose neither looks slow nor moves
+    the baseline the straggler is measured against, which would end the straggler state as
+    soon as the re-targeted plans took effect, and start it again once they were undone.
     """
     placed = {r.rank: r for r in ranks}
+    expected = [expected_iteration_s(plan) for plan in plans]
+    fastest_s = min((s for e in expected for s in e.values()), default=None)
     samples = []
-    for plan in plans:
+    for plan, expected_s in zip(plans, expected, strict=True):
         status = plan.get("status") or {}
-        node = (plan.get("spec") or {}).get("node", "")
+        spec = plan.get("spec") or {}
+        node = spec.get("node", "")
         reported_at = _reported_at_s(status, now_s)
         for report in status.get("ranks") or ():
             if not isinstance(report, Mapping):
@@ -723,6 +732,12 @@ def rank_samples(
             where = placed.get(rank)
             if where is None or not math.isfinite(mean_s) or mean_s <= 0:
                 continue
+            measured_under = report.get("revision")
+            if isinstance(measured_under, int) and measured_under != spec.get("revision"):
+                continue
+            own_s = expected_s.get(rank)
+            if fastest_s is not None and own_s is not None:
+                mean_s *= fastest_s / own_s
             samples.append(
                 RankSample(
                     rank=rank,
@@ -735,6 +750,25 @@ def rank_samples(
                 )
             )
     return samples
+
+
+def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
+    """Expected iteration time (seconds) of each rank's plan in a node plan's spec."""
+    spec = plan.get("spec") or {}
+    pipelines = spec.get("plans") or {}
+    estimate_key = (
+        "stage_estimate" if spec.get("granularity") == Granularity.STAGE else "instruction_estimate"
+    )
+    out: dict[int, float] = {}
+    for assignment in spec.get("assignments") or ():
+        try:
+            seconds = float(pipelines[assignment["plan"]][estimate_key]["iteration_time_s"])
+            rank = int(assignment["rank"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(seconds) and seconds > 0:
+            out[rank] = seconds
+    return out
 
 
 def _reported_at_s(status: Mapping[str, Any], now_s: float) -> float:

@@ -287,6 +287,8 @@ class StragglerDetector:
         self._tolerance = retarget_tolerance
         self._iterations: dict[int, int] = {}
         self._replicas: dict[int, _Replica] = {}
+        self._baseline_s: float | None = None
+        """The last reference time measured, for rounds that measure no reference."""
         self._published = _Published()
 
     @property
@@ -301,7 +303,9 @@ class StragglerDetector:
         self._iterations = {s.rank: s.iterations for s in samples}
         rounds, degraded = _summarize(samples, now_s, settings)
 
-        replicas: dict[int, _Replica] = {}
+        # A replica without a report this round (e.g. none measured under its new plan yet) is
+        # no evidence either way: it keeps what is known about it.
+        replicas: dict[int, _Replica] = dict(self._replicas)
         for dp_rank, round_ in rounds.items():
             previous = self._replicas.get(dp_rank, _Replica())
             if round_.stale:
@@ -316,19 +320,21 @@ class StragglerDetector:
         baseline_s: float | None = None
         if len(times_s) >= 2:
             baseline_s = statistics.median_low(times_s.values())
-        if baseline_s is None or baseline_s <= 0:
-            # No reference, no straggler: start over once there is one again.
-            baseline_s = None
-            replicas = {dp: _Replica() for dp in replicas}
-        else:
+        if baseline_s is not None and baseline_s > 0:
             for dp_rank in times_s:
                 replicas[dp_rank] = _advance(
                     replicas[dp_rank], rounds[dp_rank], baseline_s, now_s, settings
                 )
+            self._baseline_s = baseline_s
+        else:
+            # Fewer than two replicas measured (all plans were just rewritten, say): no
+            # reference this round, so no evidence; the verdict so far stands.
+            baseline_s = None
         self._replicas = replicas
 
         stragglers: dict[int, Straggler] = {}
-        if baseline_s is not None:
+        reference_s = self._baseline_s
+        if reference_s is not None:
             for dp_rank, replica in sorted(replicas.items()):
                 if not replica.flagged:
                     continue
@@ -337,7 +343,7 @@ class StragglerDetector:
                 stragglers[dp_rank] = Straggler(
                     dp_rank=dp_rank,
                     node=replica.node,
-                    slowdown=iteration_s / baseline_s,
+                    slowdown=iteration_s / reference_s,
                     since_s=replica.since_s,
                     iteration_s=iteration_s,
                 )
@@ -378,6 +384,7 @@ class StragglerDetector:
                 "dpRanks": sorted(self._published.dp_ranks),
                 "targetSeconds": self._published.target_s,
             },
+            "baselineSeconds": self._baseline_s,
         }
 
     @classmethod
@@ -405,6 +412,8 @@ class StragglerDetector:
                 dp_ranks=frozenset(_index(v) for v in _sequence(published["dpRanks"])),
                 target_s=_optional_seconds(published["targetSeconds"]),
             )
+            # Absent from states written before it was kept.
+            detector._baseline_s = _optional_seconds(state.get("baselineSeconds"))
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed straggler detector state: {error!r}") from error
         return detector

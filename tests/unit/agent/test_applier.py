@@ -333,6 +333,24 @@ def test_instruction_clock_follows_the_schedule(
     assert (g0.status, g0.target_mhz, g0.applied_mhz) == (GpuStatus.APPLIED, 1305, 1305)
 
 
+def test_the_next_computations_clock_is_locked_when_one_ends(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    """So it is in place when the next computation starts, however long a clock change takes."""
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    assert backend.locked() == {0: 1200}  # the iteration's first computation
+    for (name, mb, mhz), after in zip(STAGE0_SCHEDULE, [*STAGE0_SCHEDULE[1:], None], strict=True):
+        changes = applier.metrics.clock_changes(0)
+        assert begin(applier, s, name, mb) == mhz
+        assert applier.metrics.clock_changes(0) == changes  # nothing left to change
+        applier.instruction_end(s, {"op": "instruction_end", "name": name}, 0)
+        assert backend.locked() == {0: mhz if after is None else after[2]}
+    assert applier.metrics.clock_changes(0) == 4
+
+
 def test_instruction_without_microbatch_follows_the_schedule_by_name(
     applier: PlanApplier,
 ) -> None:
@@ -489,6 +507,31 @@ def test_iteration_time_is_recorded_per_rank(applier: PlanApplier) -> None:
     rank = applier.report().ranks[0]  # type: ignore[union-attr]
     assert (rank.rank, rank.dp_rank, rank.pp_rank, rank.iterations) == (3, 1, 1, 3)
     assert (rank.last_iteration_s, rank.mean_iteration_s) == (4.0, 3.0)
+    assert rank.revision == 1
+
+
+def test_iteration_mean_restarts_with_each_plan_revision(applier: PlanApplier) -> None:
+    """The operator compares means under one plan: a re-targeted plan (slower on purpose) must
+    not blend with the old one, and the iteration the change cuts in two counts for neither."""
+    applier.apply(node_plan([gpu(0, 0, rank=0)]))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"], rank=0)
+
+    def iteration(i: int, seconds: int, *, new_revision: int | None = None) -> None:
+        step_begin(applier, s, t_ns=100 * i * 10**9)
+        if new_revision is not None:
+            applier.apply(node_plan([gpu(0, 0, rank=0)], revision=new_revision))
+        applier.step_end(s, {"op": "step_end", "step": i}, (100 * i + seconds) * 10**9)
+
+    for i in range(3):
+        iteration(i, 2)
+    assert applier.report().ranks[0].revision == 1  # type: ignore[union-attr]
+    iteration(3, 7, new_revision=2)  # the plan changed during this one
+    assert applier.report().ranks == []  # type: ignore[union-attr]  # nothing measured under 2 yet
+    iteration(4, 5)
+    iteration(5, 3)
+    rank = applier.report().ranks[0]  # type: ignore[union-attr]
+    assert (rank.iterations, rank.revision, rank.mean_iteration_s) == (6, 2, 4.0)
 
 
 # -- through the real local server ---------------------------------------------------------------

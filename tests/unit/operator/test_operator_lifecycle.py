@@ -22,11 +22,14 @@ from perseus_operator.lifecycle import (
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
     Outcome,
+    expected_iteration_s,
     profile_config_map_name,
+    rank_samples,
     reconcile,
 )
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
+from perseus_operator.workloads import RankPlacement
 
 NS, JOB = "ml", "gpt3"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4
@@ -183,24 +186,33 @@ def now_rfc3339(age_s: float = 0.0) -> str:
     return (datetime.now(tz=UTC) - timedelta(seconds=age_s)).isoformat(timespec="microseconds")
 
 
+NODES = ("node-0", "node-1")
+
+
 def report_iterations(
     cluster: FakeCluster, slow_dp: dict[int, float], t_s: float, *, age_s: float = 0.0
 ) -> None:
-    """Every agent reports its ranks' mean iteration time (``t_s`` times the replica's
-    factor) and applied the current revision."""
-    for node in ("node-0", "node-1"):
+    """Every agent applied the current revision and reports its ranks' mean iteration time
+    under it: ``t_s`` times the replica's factor, and times how much slower than the job's
+    fastest plan the rank's own plan is meant to run (a re-targeted replica runs at ``T'``)."""
+    expected = {node: expected_iteration_s({"spec": cluster.spec(node)}) for node in NODES}
+    fastest_s = min(s for e in expected.values() for s in e.values())
+    for node in NODES:
         spec = cluster.spec(node)
-        ranks = [
-            {
-                "rank": a["rank"],
-                "dp_rank": a["dp_rank"],
-                "pp_rank": a["stage"],
-                "iterations": 50,
-                "last_iteration_s": t_s * slow_dp.get(a["dp_rank"], 1.0),
-                "mean_iteration_s": t_s * slow_dp.get(a["dp_rank"], 1.0),
-            }
-            for a in spec["assignments"]
-        ]
+        ranks = []
+        for a in spec["assignments"]:
+            time_s = t_s * slow_dp.get(a["dp_rank"], 1.0) * expected[node][a["rank"]] / fastest_s
+            ranks.append(
+                {
+                    "rank": a["rank"],
+                    "dp_rank": a["dp_rank"],
+                    "pp_rank": a["stage"],
+                    "iterations": 50,
+                    "last_iteration_s": time_s,
+                    "mean_iteration_s": time_s,
+                    "revision": spec["revision"],
+                }
+            )
         cluster.report(
             node,
             observedRevision=spec["revision"],
@@ -292,11 +304,14 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
         "slower"
     ]
 
-    # Steady: no rewrite while the straggler stays put.
+    # Steady: no rewrite while the straggler stays put, however long: the re-targeted replica
+    # now runs at T', as planned, which is not slow, and the straggler stays 1.2x slower.
     writes = cluster.writes
-    report_iterations(cluster, {1: 1.2}, t_min)
-    op.step()
+    for _ in range(5):
+        report_iterations(cluster, {1: 1.2}, t_min)
+        op.step()
     assert cluster.writes == writes
+    assert [s["slowdown"] for s in op.status["stragglers"]] == [pytest.approx(1.2, rel=1e-3)]
 
     # Recovery after 2 reports: everyone back to T_min.
     report_iterations(cluster, {}, t_min)
@@ -574,3 +589,48 @@ def step_with(op: Operator, defaults: dict[str, Any]) -> None:
         reconcile(op.body, op.cluster, InlinePlanner(), op.memo, default_policy=defaults)
     )
     op.body["status"] = outcome.status.model_dump(mode="json", by_alias=True)
+
+
+def test_rank_samples_compare_ranks_at_the_pace_of_the_fastest_plan() -> None:
+    """A replica re-targeted to ``T'`` reports ``T'``: at its plan's pace, not slow. A report
+    measured under an older revision than the one written is no evidence yet."""
+
+    def node_plan(node: str, revision: int, expected_s: float, reports: list[Any]) -> Any:
+        estimate = {"iteration_time_s": expected_s, "energy_j": 1.0, "savings_ratio": 0.1}
+        rank = 0 if node == "node-0" else 1
+        return {
+            "spec": {
+                "node": node,
+                "revision": revision,
+                "granularity": "Instruction",
+                "plans": {"p": {"instruction_estimate": estimate, "stage_estimate": estimate}},
+                "assignments": [{"rank": rank, "plan": "p", "stage": 0, "dp_rank": rank}],
+            },
+            "status": {"ranks": reports},
+        }
+
+    def report(rank: int, mean_s: float, revision: int | None) -> dict[str, Any]:
+        out = {
+            "rank": rank,
+            "iterations": 9,
+            "last_iteration_s": mean_s,
+            "mean_iteration_s": mean_s,
+        }
+        return out if revision is None else {**out, "revision": revision}
+
+    ranks = [
+        RankPlacement(rank=r, dp_rank=r, pp_rank=0, tp_rank=0, pod=f"p{r}", node=f"node-{r}",
+                      gpu_index=0, local_rank=0)
+        for r in (0, 1)
+    ]  # fmt: skip
+    plans = [
+        node_plan("node-0", 3, 1.2, [report(0, 1.2, 3)]),  # re-targeted to T' = 1.2 T_min
+        node_plan("node-1", 3, 1.0, [report(1, 1.2, 3)]),  # the straggler, on the T_min plan
+    ]
+    samples = {s.rank: s.mean_iteration_s for s in rank_samples(plans, ranks, now_s=0.0)}
+    assert samples == {0: pytest.approx(1.0), 1: pytest.approx(1.2)}
+
+    plans[0]["status"]["ranks"] = [report(0, 1.0, 2)]  # still the mean of revision 2
+    assert [s.rank for s in rank_samples(plans, ranks, now_s=0.0)] == [1]
+    plans[0]["status"]["ranks"] = [report(0, 1.2, None)]  # an agent that does not say
+    assert len(rank_samples(plans, ranks, now_s=0.0)) == 2

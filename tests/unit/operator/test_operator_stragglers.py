@@ -379,3 +379,24 @@ def test_streaks_stop_at_the_persistence_needed() -> None:
         detector.observe(round_samples(times, iterations, reported, r), now_s=reported[r, 0, 0])
     streaks = {v["fastStreak"] for v in detector.to_state()["replicas"].values()}
     assert streaks == {PERSISTENCE}  # so a healthy job's saved state stops changing
+
+
+@pytest.mark.parametrize("heard_from", [(), (2,), (0, 2)], ids=["none", "straggler", "two"])
+def test_rounds_without_a_reference_leave_the_verdict_standing(heard_from: tuple[int, ...]) -> None:
+    """Right after plans are rewritten no agent has a mean under the new revision yet: rounds
+    that measure fewer than two replicas are no evidence, and replicas not heard from keep their
+    state, so the straggler stays flagged and no plan changes; detection goes on afterwards."""
+    times = episode_trace()
+    detector = StragglerDetector(SETTINGS)
+    verdicts = run(times[:30], detector=detector)
+    assert 2 in verdicts[-1].stragglers
+    iterations, reported = default_iterations(times), default_reported(times)
+    for r in range(30, 40):
+        samples = [
+            s for s in round_samples(times, iterations, reported, r) if s.dp_rank in heard_from
+        ]
+        verdict = detector.observe(samples, now_s=PERIOD_S * r)
+        assert set(verdict.stragglers) == {2} and not verdict.changed, r
+        assert verdict.stragglers[2].slowdown == pytest.approx(1.2, rel=0.03)
+    later = run(times, detector=detector, first_round=40)
+    assert flagged_rounds(later, 2)[0] == 0 and not any(v.changed for v in later[:15])

@@ -1,0 +1,467 @@
+"""The whole system on a real Kubernetes API server, with emulated GPUs and training.
+
+Set-up (see ``conftest.py`` for the control plane and the chart):
+
+- two Nodes with four emulated GPUs each, following the bundled GPT-3 / A100 profile (its
+  first four stages); on each a ``perseus-node-agent`` process in Kubernetes mode, acting as
+  the chart's agent service account with a token bound to an agent pod on that node;
+- a PyTorchJob (a stand-in object: no training operator runs here) and its Master and Worker
+  pods, one per node, bound to the nodes and marked Running as a kubelet would;
+- the training itself: ``python -m perseus_agent.emulated_job``, all 2 x 4 ranks of a
+  data-parallel x pipeline-parallel 1F1B job with the real pipeline dependencies, calling
+  the node agents through ``perseus_client`` and writing one JSON record per iteration
+  (replica times, the GPUs' energy counters);
+- ``perseus-operator`` as the chart's operator service account; Prometheus scraping the
+  agents and the operator.
+
+The scenarios run in this file's order, on one job, as a user would meet them: profiling
+(the operator killed and restarted in the middle), the plan applied, a straggler and its
+recovery, a node agent killed, the job deleted; then a Stage-granularity job from a stored
+profile with no client hooks; last, the dashboards' queries against the scenario's Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_process import Agent, source_env
+from conftest import Cluster, require
+from operator_harness import OperatorProcess, cut_profile
+from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_api import resources
+from perseus_api.profile import parse_profile
+from perseus_operator.lifecycle import PROFILE_KEY, profile_config_map_name
+from perseus_operator.workloads import (
+    GPU_RESOURCE,
+    PYTORCH_CONTAINER,
+    PYTORCH_JOB_NAME,
+    PYTORCH_REPLICA_INDEX,
+    PYTORCH_REPLICA_TYPE,
+)
+from prometheus_server import PROMETHEUS
+
+pytestmark = pytest.mark.e2e
+
+NAMESPACE = "ml"
+JOB = "gpt3"
+STAGES, REPLICAS, MICROBATCHES, GPUS = 4, 2, 8, 4
+NODES = [f"gpu-node-{i}" for i in range(REPLICAS)]  # one pipeline replica each
+BLOCKING_W = 83.64
+# Profiled instruction times scaled by this: an iteration takes ~0.8 s instead of ~1.6 s.
+TIME_SCALE = 0.5
+TIMEOUT_S = 240.0
+MEASURED_ITERATIONS = 8
+SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one more
+
+
+# -- the emulated training job ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """Iterations between two records: mean energy and replica times per iteration."""
+
+    iterations: int
+    energy_j: float
+    node_energy_j: dict[str, float]
+    replica_times_s: list[float]
+
+    @property
+    def iteration_s(self) -> float:
+        return max(self.replica_times_s)
+
+
+class Training:
+    """``perseus_agent.emulated_job`` over the nodes' emulated GPUs, until :meth:`stop`."""
+
+    def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
+        self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
+        self.out = workdir / f"training-{'hooks' if hooks else 'no-hooks'}.out"
+        nodes = []
+        for agent in agents:
+            spec = f"name={agent.node},gpus={agent.num_gpus},state={agent.gpu_state}"
+            if hooks:
+                spec += f",socket={agent.socket_dir / 'agent.sock'}"
+            nodes += ["--node", spec]
+        profile = workdir / "profile.csv"
+        profile.write_text(cut_profile(STAGES) + "\n")
+        with self.out.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "perseus_agent.emulated_job",
+                    f"--profile={profile}", f"--blocking-power={BLOCKING_W}",
+                    f"--stages={STAGES}", f"--replicas={REPLICAS}",
+                    f"--microbatches={MICROBATCHES}", f"--time-scale={TIME_SCALE}",
+                    f"--log={self.log}", *nodes,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=source_env(),
+            )  # fmt: skip
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def wait_iterations(self, count: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+        """The records of the next ``count`` iterations, and the one before them."""
+        start = len(self.records())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = self.records()
+            if len(records) > start + count:
+                return records[start : start + count + 1]
+            if self.proc.poll() is not None:
+                pytest.fail(f"the training exited ({self.proc.returncode}):\n{self.output()}")
+            time.sleep(0.1)
+        pytest.fail(f"{count} iterations took over {timeout_s} s:\n{self.output()}")
+
+    def measure(self, count: int = MEASURED_ITERATIONS) -> Window:
+        records = self.wait_iterations(count)
+        first, last = records[0], records[-1]
+        n = last["iteration"] - first["iteration"]
+        return Window(
+            n,
+            (last["energy_j"] - first["energy_j"]) / n,
+            {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
+            [
+                statistics.fmean(r["replica_times_s"][d] for r in records[1:])
+                for d in range(REPLICAS)
+            ],
+        )
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")[-10000:] if self.out.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+# -- the cluster side ------------------------------------------------------------------------
+
+
+def pytorch_job(name: str) -> dict[str, Any]:
+    replica = {
+        "replicas": 1,
+        "template": {"spec": {"containers": [{"name": PYTORCH_CONTAINER, "image": "trainer"}]}},
+    }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": replica}},
+    }
+
+
+def training_pod(job: str, replica_type: str, node: str) -> dict[str, Any]:
+    """A pod as the training operator makes it, bound to ``node`` as the scheduler would."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job}-{replica_type}-0",
+            "namespace": NAMESPACE,
+            "labels": {
+                PYTORCH_JOB_NAME: job,
+                PYTORCH_REPLICA_TYPE: replica_type,
+                PYTORCH_REPLICA_INDEX: "0",
+            },
+        },
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": PYTORCH_CONTAINER,
+                    "image": "trainer",
+                    "resources": {"limits": {GPU_RESOURCE: str(GPUS)}},
+                }
+            ],
+        },
+    }
+
+
+def perseus_job(name: str, workload: str, **policy: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "workload": {"kind": "PyTorchJob", "name": workload},
+        "parallelism": {
+            "pipelineStages": STAGES,
+            "dataParallel": REPLICAS,
+            "microbatches": MICROBATCHES,
+        },
+        # Node k runs replica k (the emulated job's layout): one slow node, one slow replica.
+        "rankMapping": {"order": "tp-pp-dp"},
+        "policy": {"blockingPowerWatts": BLOCKING_W, **policy},
+        "profiling": {"iterationsPerFrequency": 2, "warmupIterations": 1, "frequencyStepMHz": 30},
+        "stragglers": {"persistenceReports": 2, "warmupIterations": 2, "windowIterations": 3},
+    }
+    return {
+        "apiVersion": resources.API_VERSION,
+        "kind": "PerseusJob",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": spec,
+    }
+
+
+@dataclass
+class Scenario:
+    cluster: Cluster
+    workdir: Path
+    agents: list[Agent]
+    operator: OperatorProcess
+    training: Training | None = None
+
+    def job(self, name: str = JOB) -> dict[str, Any]:
+        job: dict[str, Any] = self.cluster.custom.get_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", name
+        )
+        return job
+
+    def node_plans(self, job: str = JOB) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.cluster.custom.list_namespaced_custom_object(
+            resources.GROUP,
+            resources.VERSION,
+            NAMESPACE,
+            resources.NODE_PLAN_PLURAL,
+            label_selector=f"{resources.JOB_LABEL}={job}",
+        )["items"]
+        return items
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = check()
+            if value:
+                return value
+            for agent in self.agents:
+                if agent.proc is not None and agent.proc.poll() is not None:
+                    pytest.fail(f"agent {agent.node} exited waiting for {what}:\n{agent.log}")
+            if self.operator.proc.poll() is not None:
+                pytest.fail(f"the operator exited waiting for {what}:\n{self.operator.stop()}")
+            time.sleep(0.2)
+        job = json.dumps(self.job().get("status"), indent=1)
+        pytest.fail(
+            f"timed out waiting for {what}; job status: {job}\n"
+            f"operator output:\n{self.operator.stop()[-15000:]}"
+        )
+
+    def applied(self, job: str = JOB) -> int | None:
+        """The job's plan revision once every agent reports it applied, else None."""
+        status = self.job(job).get("status", {})
+        plan = status.get("plan")
+        if status.get("phase") != "Running" or plan is None:
+            return None
+        revision = status["revision"]
+        plans = self.node_plans(job)
+        done = len(plans) == len(NODES) and all(
+            p.get("status", {}).get("observedRevision") == revision for p in plans
+        )
+        return revision if done else None
+
+    def restart_operator(self) -> str:
+        """SIGKILL the operator, as a node failure would, and start another; its output."""
+        self.operator.kill()
+        out = self.operator.stop()
+        self.operator = OperatorProcess(self.cluster.operator_kubeconfig)
+        return out
+
+
+def gpus(agent: Agent) -> EmulatedBackend:
+    profile = parse_profile(cut_profile(STAGES), "bundled, 4 stages")
+    return EmulatedBackend(
+        agent.num_gpus,
+        profile,
+        blocking_power_w=BLOCKING_W,
+        node_name=agent.node,
+        state_file=agent.gpu_state,
+    )
+
+
+@pytest.fixture(scope="module")
+def scenario(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    if PROMETHEUS is None:
+        require("prometheus is not installed (apt-get install prometheus)")
+    workdir = tmp_path_factory.mktemp("training")
+    stack = ExitStack()
+    cluster.plane.apply(
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}]
+    )
+    agents = []
+    for node in NODES:
+        cluster.node(node, GPUS)
+        (workdir / node).mkdir()
+        # Unix socket paths are limited to 108 bytes, which pytest's tmp paths can exceed.
+        socket_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="perseus-")))
+        agents.append(
+            Agent(
+                workdir / node,
+                socket_dir,
+                num_gpus=GPUS,
+                kubeconfig=cluster.agent_kubeconfig(node),
+                node=node,
+                log_level="info",
+            )
+        )
+    operator = OperatorProcess(cluster.operator_kubeconfig)
+    state = Scenario(cluster, workdir, agents, operator)
+    try:
+        for agent in agents:
+            agent.start()
+        yield state
+    finally:
+        if state.training is not None:
+            state.training.stop()
+        for agent in agents:
+            agent.kill_if_running()
+        state.operator.stop()
+        stack.close()
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def test_profiling_survives_an_operator_restart_and_the_plan_saves_energy(
+    scenario: Scenario,
+) -> None:
+    s, core = scenario, scenario.cluster.core
+    s.training = training = Training(s.workdir, s.agents, hooks=True)
+    training.wait_iterations(2)  # warm
+    baseline = training.measure()  # every GPU at its maximum clock: no plan yet
+
+    s.cluster.custom.create_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job(JOB)
+    )
+    for replica_type, node in zip(("master", "worker"), NODES, strict=True):
+        pod = core.create_namespaced_pod(NAMESPACE, training_pod(JOB, replica_type, node))
+        core.patch_namespaced_pod_status(
+            pod.metadata.name, NAMESPACE, {"status": {"phase": "Running"}}
+        )
+    s.cluster.custom.create_namespaced_custom_object(
+        resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs",
+        perseus_job(JOB, JOB, mode="StragglerAware", granularity="Instruction"),
+    )  # fmt: skip
+
+    def profiling_started() -> dict[str, int] | None:
+        plans = s.node_plans()
+        reported = [
+            p for p in plans if p["spec"].get("profiling") and p.get("status", {}).get("profiling")
+        ]
+        rows = [len(g.get("rows", [])) for p in reported for g in p["status"]["profiling"]]
+        if len(reported) == len(NODES) and rows and min(rows) > 0:
+            return {p["metadata"]["name"]: p["spec"]["revision"] for p in plans}
+        return None
+
+    revisions = s.wait_for("the agents' first profiling rows", profiling_started)
+    s.restart_operator()
+
+    def planned() -> dict[str, Any] | None:
+        for p in s.node_plans():
+            # A profiling plan rewritten would restart the sweep and lose what was measured.
+            if p["spec"].get("profiling"):
+                assert p["spec"]["revision"] == revisions[p["metadata"]["name"]]
+        return s.job()["status"] if s.applied() else None
+
+    status = s.wait_for("the plan applied after profiling", planned)
+    profile_map = core.read_namespaced_config_map(profile_config_map_name(JOB), NAMESPACE)
+    profile = parse_profile(profile_map.data[PROFILE_KEY], "stored")
+    assert profile.num_stages == STAGES
+    clocks = sorted({int(f) for f in profile.frequencies_mhz})
+    # The whole sweep (1050-1410 MHz every 30 MHz), measured before and after the restart.
+    assert clocks == list(range(1050, 1411, 30)), clocks
+
+    training.wait_iterations(SETTLE_ITERATIONS)
+    planned_window = training.measure()
+    predicted = status["plan"]["expectedSavingsRatio"]
+    saved = 1 - planned_window.energy_j / baseline.energy_j
+    report = (
+        f"all-max {baseline.iteration_s:.4f} s {baseline.energy_j:.1f} J/iteration; planned "
+        f"{planned_window.iteration_s:.4f} s {planned_window.energy_j:.1f} J/iteration; saved "
+        f"{saved:.2%}, predicted {predicted:.2%}; planner T_min "
+        f"{status['frontier']['tMinSeconds']:.4f} s"
+    )
+    print(report)
+    assert predicted > 0.03, report
+    assert saved >= 0.8 * predicted, report
+    assert planned_window.iteration_s == pytest.approx(baseline.iteration_s, rel=0.01), report
+
+
+def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_restores_t_min(
+    scenario: Scenario,
+) -> None:
+    s = scenario
+    assert s.training is not None, "needs the running job of the first scenario"
+    training, slow_node = s.training, NODES[1]
+    revision = s.applied()
+    assert revision is not None
+    fast = training.measure()  # both replicas on the T_min plan
+    t_min_s = fast.iteration_s
+
+    for index in range(GPUS):  # e.g. thermal throttling on one node
+        gpus(s.agents[1]).set_slowdown(index, 1.2)
+    straggling = training.measure(4)  # replica 0 on the T_min plan, waiting for replica 1
+
+    def retargeted() -> dict[str, Any] | None:
+        # Detection may come while the agents' window still holds iterations from before the
+        # slowdown; the target follows as the window fills.
+        status = s.job()["status"]
+        stragglers = status.get("stragglers") or [{}]
+        settled = abs(stragglers[0].get("slowdown", 0) - 1.2) < 0.05
+        return status if settled and (s.applied() or 0) > revision else None
+
+    status = s.wait_for("the straggler detected and the plans re-targeted", retargeted)
+    [straggler] = status["stragglers"]
+    assert straggler["dataParallelRank"] == 1 and straggler["node"] == slow_node, straggler
+    assert status["plan"]["targetIterationSeconds"] == pytest.approx(1.2 * t_min_s, rel=0.05)
+    training.wait_iterations(SETTLE_ITERATIONS)
+    slowed = training.measure()
+    healthy = NODES[0]
+    # Slower than T* (the frontier's least-energy point) only costs energy: T' caps there.
+    target_s = status["plan"]["targetIterationSeconds"]
+    paced_s = min(target_s, status["frontier"]["tStarSeconds"])
+    report = (
+        f"T_min {t_min_s:.4f} s; straggler {straggling.replica_times_s} s; re-targeted "
+        f"{slowed.replica_times_s} s; healthy node {straggling.node_energy_j[healthy]:.1f} -> "
+        f"{slowed.node_energy_j[healthy]:.1f} J/iteration; target {target_s:.4f} s, T* "
+        f"{status['frontier']['tStarSeconds']:.4f} s"
+    )
+    print(report)
+    # The healthy replica now runs slower, up to the straggler's pace, on less energy.
+    assert slowed.replica_times_s[0] == pytest.approx(paced_s, rel=0.04), report
+    assert slowed.replica_times_s[0] <= slowed.replica_times_s[1] * 1.02, report
+    assert slowed.node_energy_j[healthy] < 0.98 * straggling.node_energy_j[healthy], report
+
+    for index in range(GPUS):
+        gpus(s.agents[1]).set_slowdown(index, 1.0)
+    after = s.applied() or 0
+
+    def recovered() -> dict[str, Any] | None:
+        status = s.job()["status"]
+        done = not status.get("stragglers") and (s.applied() or 0) > after
+        return status if done else None
+
+    status = s.wait_for("the recovery back to the T_min plan", recovered)
+    training.wait_iterations(SETTLE_ITERATIONS)
+    back = training.measure()
+    print(f"recovered: {back.replica_times_s} s, {back.energy_j:.1f} J/iteration")
+    assert back.iteration_s == pytest.approx(t_min_s, rel=0.01)
+    assert back.energy_j == pytest.approx(fast.energy_j, rel=0.02)
