@@ -87,6 +87,8 @@ class Agent:
         self.log_file = workdir / "agent-0.log"
         self.starts = 0
         self.port: int | None = None
+        self.metrics_port = 0
+        """Of the next start; 0: any free one (found in the log as :attr:`port`)."""
 
     @property
     def log(self) -> str:
@@ -115,7 +117,7 @@ class Agent:
                     f"--emulated-gpus={self.num_gpus}",
                     f"--emulated-state-file={self.gpu_state}",
                     f"--node-name={self.node}",
-                    "--metrics-port=0",
+                    f"--metrics-port={self.metrics_port}",
                     "--metrics-address=127.0.0.1",
                     f"--socket-dir={self.socket_dir}",
                     f"--state-dir={self.state_dir}",

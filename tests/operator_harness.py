@@ -89,8 +89,10 @@ def free_port() -> int:
 class OperatorProcess:
     """``perseus-operator`` as a process; ``stop()`` returns its output."""
 
-    def __init__(self, kubeconfig: Path, *, reconcile_interval_s: float = 0.5) -> None:
-        self.metrics_port = free_port()
+    def __init__(
+        self, kubeconfig: Path, *, reconcile_interval_s: float = 0.5, metrics_port: int = 0
+    ) -> None:
+        self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
         env = {
             **source_env(),

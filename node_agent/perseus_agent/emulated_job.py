@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import signal
@@ -95,6 +96,7 @@ from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api.profile import Profile, load_profile
 from perseus_api.schedule import BACKWARD, FORWARD, Schedule, stage_instruction_order
 from perseus_client import PerseusClient
+from perseus_client.client import DEFAULT_RETRY_INTERVAL_S
 
 __all__ = [
     "ClientFactory",
@@ -275,7 +277,9 @@ class _NoClient:
         pass
 
 
-def default_client(info: RankInfo) -> RankClient:
+def default_client(
+    info: RankInfo, *, retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
+) -> RankClient:
     """A pipelined :class:`PerseusClient` on the node's socket, or no hooks without one."""
     if info.node.socket is None:
         return _NoClient()
@@ -285,6 +289,7 @@ def default_client(info: RankInfo) -> RankClient:
         local_rank=info.gpu_index,
         gpu_uuids=[info.gpu_uuid],
         pipelined=True,
+        retry_interval_s=retry_interval_s,
     )
 
 
@@ -778,6 +783,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log", type=Path, default=None, help="append JSON records here")
     parser.add_argument(
+        "--client-retry-s",
+        type=_positive_float,
+        default=DEFAULT_RETRY_INTERVAL_S,
+        help="least time between a rank's attempts to reach its node agent again "
+        f"(default: {DEFAULT_RETRY_INTERVAL_S:g})",
+    )
+    parser.add_argument(
         "--node",
         type=_node_arg,
         action="append",
@@ -837,6 +849,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 microbatches=args.microbatches,
                 schedule=args.schedule,
                 time_scale=args.time_scale,
+                client_factory=functools.partial(
+                    default_client, retry_interval_s=args.client_retry_s
+                ),
                 on_iteration=write,
             )
         except ValueError as exc:

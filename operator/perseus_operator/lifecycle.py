@@ -846,8 +846,19 @@ async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any])
         if spec.get("assignments"):
             emptied = {**spec, "assignments": [], "plans": {}, "profiling": None}
             emptied["revision"] = revision + 1
-            body = {**obj, "spec": emptied}
-            body.pop("status", None)
+            metadata = obj.get("metadata") or {}
+            # Only what identifies it: a body with the server's fields (resourceVersion, uid)
+            # is refused on create (HTTP 500 from kube-apiserver).
+            body = {
+                "apiVersion": resources.API_VERSION,
+                "kind": resources.NODE_PLAN_KIND,
+                "metadata": {
+                    "name": metadata.get("name"),
+                    "namespace": metadata.get("namespace"),
+                    "labels": metadata.get("labels") or {},
+                },
+                "spec": emptied,
+            }
             await io.put_node_plan(body, owner)
             waiting.append(node)
         elif status.get(resources.STATUS_OBSERVED_REVISION) == revision:

@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 
+from factories import pipeline_plan_fields
 from malformed_jobs import MALFORMED, Mutation, malformed
 from operator_harness import cut_profile, profiled
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
+from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
+from perseus_operator.kube import KubeError
 from perseus_operator.lifecycle import (
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
@@ -26,6 +29,7 @@ from perseus_operator.lifecycle import (
     profile_config_map_name,
     rank_samples,
     reconcile,
+    release,
 )
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
@@ -73,13 +77,17 @@ class FakeCluster:
         }
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        return [
-            copy.deepcopy(p)
-            for (ns, _), p in sorted(self.node_plans.items())
-            if ns == namespace and p["metadata"]["labels"][resources.JOB_LABEL] == job
-        ]
+        listed = []
+        for (ns, _), p in sorted(self.node_plans.items()):
+            if ns == namespace and p["metadata"]["labels"][resources.JOB_LABEL] == job:
+                obj = copy.deepcopy(p)
+                obj["metadata"].update(resourceVersion=str(self.writes), uid=f"uid-{ns}")
+                listed.append(obj)
+        return listed
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        if "resourceVersion" in body["metadata"]:  # as kube-apiserver does, on create
+            raise KubeError("resourceVersion should not be set on objects to be created", 500)
         key = resources.object_key(body)
         current = self.node_plans.get(key, {})
         self.node_plans[key] = {
@@ -634,3 +642,38 @@ def test_rank_samples_compare_ranks_at_the_pace_of_the_fastest_plan() -> None:
     assert [s.rank for s in rank_samples(plans, ranks, now_s=0.0)] == [1]
     plans[0]["status"]["ranks"] = [report(0, 1.2, None)]  # an agent that does not say
     assert len(rank_samples(plans, ranks, now_s=0.0)) == 2
+
+
+def test_release_empties_every_node_plan_then_deletes_it_once_its_agent_confirms(
+    cluster: FakeCluster,
+) -> None:
+    owner = {"apiVersion": resources.API_VERSION, "kind": "PerseusJob", "name": JOB, "uid": "u"}
+    for node in ("node-0", "node-1"):
+        plan = NodePlan.model_validate(
+            {
+                "node": node,
+                "namespace": NS,
+                "job": JOB,
+                "revision": 4,
+                "granularity": "Instruction",
+                "plans": {"p": pipeline_plan_fields()},
+                "assignments": [{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+            }
+        )
+        asyncio.run(cluster.put_node_plan(resources.node_plan_object(plan), owner))
+
+    # Listed objects carry the server's metadata: the emptied ones must not.
+    first = asyncio.run(release(NS, JOB, cluster, owner))
+    assert (first.done, first.waiting_for) == (False, ("node-0", "node-1"))
+    for node in ("node-0", "node-1"):
+        spec = cluster.spec(node)
+        assert (spec["revision"], spec["assignments"], spec["plans"]) == (5, [], {})
+    assert asyncio.run(release(NS, JOB, cluster, owner)).waiting_for == ("node-0", "node-1")
+
+    cluster.report("node-0", observedRevision=5)  # its agent reset the GPUs
+    second = asyncio.run(release(NS, JOB, cluster, owner))
+    assert (second.done, second.waiting_for) == (False, ("node-1",))
+    assert set(cluster.node_plans) == {(NS, resources.node_plan_name(JOB, "node-1"))}
+    cluster.report("node-1", observedRevision=5)
+    assert asyncio.run(release(NS, JOB, cluster, owner)).done
+    assert cluster.node_plans == {}
