@@ -88,14 +88,14 @@ CLUSTER: list[Panel | Row] = [
     Row("Energy and power"),
     stat(
         "GPUs following a plan",
-        f"count(perseus_gpu_power_watts{{{MANAGED}}})",
+        f"count(perseus_gpu_power_watts{{{MANAGED}}}) or vector(0)",  # 0, not "No data"
         "short",
         4,
         "GPUs whose node agent applies a Perseus plan now.",
     ),
     stat(
         "GPUs without a plan",
-        f"count(perseus_gpu_power_watts{{{UNMANAGED}}})",
+        f"count(perseus_gpu_power_watts{{{UNMANAGED}}}) or vector(0)",
         "short",
         4,
         "GPUs on nodes with a Perseus agent that follow no plan (idle, or jobs without a "
@@ -140,7 +140,7 @@ CLUSTER: list[Panel | Row] = [
         "GPU power: with and without a plan",
         [
             Target(f"sum(perseus_gpu_power_watts{{{MANAGED}}})", "following a plan"),
-            Target(f"sum(perseus_gpu_power_watts{{{UNMANAGED}}})", "without a plan"),
+            Target(f"sum(perseus_gpu_power_watts{{{UNMANAGED}}}) or vector(0)", "without a plan"),
             Target(
                 f"sum({dcgm('DCGM_FI_DEV_POWER_USAGE')} unless on (uuid) perseus_gpu_power_watts)",
                 "without a Perseus agent (dcgm-exporter)",

@@ -482,6 +482,13 @@ def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_resto
     assert back.energy_j == pytest.approx(fast.energy_j, rel=0.02)
 
 
+def test_the_dashboards_show_the_scenarios_data(scenario: Scenario) -> None:
+    """Every query of the chart's dashboards (those not on dcgm-exporter) returns data from the
+    Prometheus that scraped the agents and the operator through the scenarios so far: the job
+    running its plan after a straggler came and went."""
+    poll(lambda: missing_data(scenario.prom, time.time()), "the cluster scenarios")
+
+
 def test_a_killed_agent_comes_back_and_no_gpu_stays_locked_once_the_job_is_deleted(
     scenario: Scenario,
 ) -> None:
@@ -592,9 +599,3 @@ def test_stage_granularity_from_a_stored_profile_needs_no_client_hooks(
     assert predicted > 0.01, report
     assert saved >= 0.8 * predicted, report
     assert planned.iteration_s <= baseline.iteration_s * 1.05 * 1.01, report
-
-
-def test_the_dashboards_show_the_scenarios_data(scenario: Scenario) -> None:
-    """Every query of the chart's dashboards (those not on dcgm-exporter) returns data from the
-    Prometheus that scraped the agents and the operator through the scenarios."""
-    poll(lambda: missing_data(scenario.prom, time.time()), "the cluster scenarios")
