@@ -13,6 +13,10 @@ from perseus_planner.dag import build_pipeline_dag
 from perseus_planner.frontier import Frontier, compute_frontier
 from perseus_planner.solver import build_problem
 
+# The end-to-end tests' Kubernetes control plane (a fixture module, not a second conftest.py:
+# test modules import helpers from this one as ``conftest``).
+pytest_plugins = ["cluster_harness"]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES_DIR = REPO_ROOT / "operator" / "perseus_planner" / "profiles"
 PUBLISHED_FRONTIERS_DIR = REPO_ROOT / "tests" / "data" / "perseus-sosp24" / "frontiers"

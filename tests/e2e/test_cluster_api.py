@@ -17,7 +17,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from conftest import Cluster, api_client
+from cluster_harness import Cluster, api_client
 from factories import pipeline_plan_fields
 from helm_render import NAMESPACE
 from malformed_jobs import MALFORMED, malformed

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from agent_process import Agent, source_env
-from conftest import Cluster, require
+from cluster_harness import Cluster, require
 from dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs
 from operator_harness import OperatorProcess, cut_profile
 from perseus_agent.gpu.emulated import EmulatedBackend

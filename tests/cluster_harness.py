@@ -1,5 +1,7 @@
 """The end-to-end tests' real Kubernetes control plane, with the Helm chart installed.
 
+A pytest plugin (``pytest_plugins`` in ``tests/conftest.py``): the session fixture ``cluster``.
+
 One control plane per test session (etcd + kube-apiserver, RBAC on): the chart's CRDs and
 everything it renders by default (service accounts, RBAC, the agents' admission policy, the
 Deployment and DaemonSet, which no kubelet runs here) are applied, and the operator and each
@@ -23,7 +25,6 @@ import kubernetes
 import pytest
 
 from control_plane import ControlPlane, binaries
-from helm_render import NAMESPACE, crds, render
 
 OPERATOR_SA = "perseus-operator"
 AGENT_SA = "perseus-node-agent"
@@ -43,6 +44,7 @@ class Cluster:
     plane: ControlPlane
     api: Any  # kubernetes.client.ApiClient as admin
     operator_kubeconfig: Path
+    namespace: str  # the chart's release namespace
     _agent_kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
     @property
@@ -72,7 +74,7 @@ class Cluster:
         if node not in self._agent_kubeconfigs:
             pod = f"perseus-node-agent-{node}"
             self.core.create_namespaced_pod(
-                NAMESPACE,
+                self.namespace,
                 {
                     "apiVersion": "v1",
                     "kind": "Pod",
@@ -85,7 +87,7 @@ class Cluster:
                 },
             )
             self._agent_kubeconfigs[node] = self.plane.service_account_kubeconfig(
-                NAMESPACE, AGENT_SA, bound_pod=pod
+                self.namespace, AGENT_SA, bound_pod=pod
             )
         return self._agent_kubeconfigs[node]
 
@@ -131,8 +133,11 @@ def api_client(kubeconfig: Path) -> Any:
     return kubernetes.client.ApiClient(configuration)
 
 
-def install_chart(plane: ControlPlane) -> None:
-    """CRDs first (Established before anything uses them), then the rendered templates."""
+def install_chart(plane: ControlPlane) -> str:
+    """CRDs first (Established before anything uses them), then the rendered templates; the
+    release namespace."""
+    from helm_render import NAMESPACE, crds, render  # skips without helm-python-sdk
+
     definitions = [*crds(), *(workload_crd(*kind) for kind in WORKLOAD_KINDS)]
     plane.apply(definitions)
     for crd in definitions:
@@ -141,6 +146,7 @@ def install_chart(plane: ControlPlane) -> None:
         )
     plane.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
     plane.apply(render().objects)
+    return NAMESPACE
 
 
 @pytest.fixture(scope="session")
@@ -153,8 +159,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane"), *found)
     try:
         plane.start()
-        install_chart(plane)
+        namespace = install_chart(plane)
         with api_client(plane.admin_kubeconfig) as api:
-            yield Cluster(plane, api, plane.service_account_kubeconfig(NAMESPACE, OPERATOR_SA))
+            operator = plane.service_account_kubeconfig(namespace, OPERATOR_SA)
+            yield Cluster(plane, api, operator, namespace)
     finally:
         plane.stop()
