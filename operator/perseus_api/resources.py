@@ -83,6 +83,7 @@ __all__ = [
     "node_plan_name",
     "node_plan_object",
     "object_key",
+    "object_name",
     "parse_node_plan_object",
 ]
 
@@ -130,19 +131,24 @@ def _digest(text: str) -> str:
 
 def node_plan_name(job: str, node: str) -> str:
     """Name of the node plan of ``job`` on ``node``: ``<job>-<node>`` when that is a DNS-1123
-    subdomain (as Kubernetes requires of object names).
-
-    Otherwise (upper case, other characters, too long) the name is the lower-cased pair with
-    every run of other characters than ``[a-z0-9]`` replaced by ``-``, plus a hash of ``job`` and
-    ``node``, so that pairs that sanitize alike still get distinct names. (``job`` ``a`` on node
-    ``b-c`` and ``job`` ``a-b`` on node ``c`` share a name; the operator's jobs do not.)
+    subdomain (as Kubernetes requires of object names), else :func:`object_name` of it with a
+    hash of ``job`` and ``node``, so that pairs that sanitize alike still get distinct names.
+    (``job`` ``a`` on node ``b-c`` and ``job`` ``a-b`` on node ``c`` share a name; the
+    operator's jobs do not.)
     """
-    raw = f"{job}-{node}"
-    if len(raw) <= _MAX_NAME and _DNS_SUBDOMAIN.match(raw):
+    return object_name(f"{job}-{node}", hashed=f"{job}\0{node}")
+
+
+def object_name(raw: str, *, hashed: str | None = None, max_chars: int = _MAX_NAME) -> str:
+    """``raw`` when it is a DNS-1123 subdomain of at most ``max_chars`` characters; otherwise
+    (upper case, other characters, too long) its lower-cased ``[a-z0-9]`` runs joined by ``-``,
+    cut to fit, plus a hash of ``hashed`` (default: ``raw``) so that names cut alike stay
+    distinct."""
+    if len(raw) <= max_chars and _DNS_SUBDOMAIN.match(raw):
         return raw
-    suffix = _digest(f"{job}\0{node}")
+    suffix = _digest(raw if hashed is None else hashed)
     head = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
-    head = head[: _MAX_NAME - _HASH_CHARS - 1].rstrip("-")
+    head = head[: max_chars - _HASH_CHARS - 1].rstrip("-")
     return f"{head}-{suffix}" if head else suffix
 
 
