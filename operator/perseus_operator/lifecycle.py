@@ -65,10 +65,12 @@ from perseus_operator.planning import (
 from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
 from perseus_operator.workloads import (
     RankPlacement,
+    WorkloadEnd,
     WorkloadError,
     matches,
     pod_selector,
     resolve_ranks,
+    workload_end,
     workload_failed,
     workload_finished,
 )
@@ -293,11 +295,13 @@ class _Step:
             self._spec_changed(spec)
         if status.phase in (Phase.COMPLETED, Phase.FAILED):
             return
-        pods, ranks = await self._resolve(spec)
-        if ranks is None:
+        pods, ranks, ended = await self._resolve(spec)
+        if ended is not None:  # by the workload object's own status, pods or not
+            finished, failure = ended.failure is None, ended.failure
+        elif ranks is None:
             return
-        finished = workload_finished(pods)
-        failure = workload_failed(pods)
+        else:
+            finished, failure = workload_finished(pods), workload_failed(pods)
         if finished or failure is not None:
             await self._release_plans()
             if failure is not None:
@@ -306,6 +310,7 @@ class _Step:
                 status.phase = Phase.COMPLETED
                 status.message = "the workload finished; every GPU clock was reset"
             return
+        assert ranks is not None  # an ended workload returned above
         if status.phase == Phase.PENDING:
             await self._start(spec, ranks)
         if status.phase == Phase.PROFILING:
@@ -332,7 +337,7 @@ class _Step:
 
     async def _resolve(
         self, spec: PerseusJobSpec
-    ) -> tuple[list[dict[str, Any]], tuple[RankPlacement, ...] | None]:
+    ) -> tuple[list[dict[str, Any]], tuple[RankPlacement, ...] | None, WorkloadEnd | None]:
         workload = spec.workload
         if workload.kind != WorkloadKind.PODS:
             assert workload.name is not None
@@ -343,7 +348,10 @@ class _Step:
                     f"{workload.kind.value} {self.ref.namespace}/{workload.name} does not exist "
                     "(yet); waiting for it",
                 )
-                return [], None
+                return [], None, None
+            ended = workload_end(workload.kind, found)
+            if ended is not None:
+                return [], None, ended
         pods = await self.io.list_pods(self.ref.namespace, pod_selector(workload))
         if workload.pod_selector is not None:  # the API's filtering is trusted, and checked
             selector = workload.pod_selector
@@ -352,16 +360,16 @@ class _Step:
             resolution = resolve_ranks(pods, workload, spec.parallelism, spec.rank_mapping)
         except WorkloadError as exc:
             self.fail("InvalidWorkload", str(exc))
-            return pods, None
+            return pods, None, None
         if resolution.waiting is not None:
             if self.status.phase in (Phase.PENDING,):
                 self._wait("WaitingForPods", resolution.waiting)
-                return pods, None
+                return pods, None, None
             # Running jobs whose pods are rescheduled keep their plans until they come back.
             self.condition(ConditionType.DEGRADED, True, "WaitingForPods", resolution.waiting)
-            return pods, None
+            return pods, None, None
         self.status.nodes = sorted({r.node for r in resolution.ranks})
-        return pods, resolution.ranks
+        return pods, resolution.ranks, None
 
     def _wait(self, reason: str, message: str) -> None:
         self.status.message = message

@@ -626,6 +626,44 @@ def workload_finished(pods: Sequence[Pod]) -> bool:
     return bool(pods) and all(_phase(p) == "Succeeded" for p in pods)
 
 
+# Status conditions that say a workload object ended: (succeeded, failed) condition types.
+_END_CONDITIONS: Final = {
+    WorkloadKind.PYTORCH_JOB: ("Succeeded", "Failed"),  # Kubeflow training operator v1
+    WorkloadKind.JOB_SET: ("Completed", "Failed"),
+    WorkloadKind.TRAIN_JOB: ("Complete", "Failed"),  # Kubeflow Trainer v2
+}
+
+
+@dataclass(frozen=True)
+class WorkloadEnd:
+    """How a workload object says it ended: ``failure`` is None when it succeeded."""
+
+    failure: str | None
+
+
+def workload_end(kind: WorkloadKind, workload: Mapping[str, Any]) -> WorkloadEnd | None:
+    """How the workload ended by its own status conditions, or None while it runs (or for
+    kind Pods, which has no object). Its pods may be gone by then (``cleanPodPolicy``, a TTL),
+    so this is read before them."""
+    types = _END_CONDITIONS.get(kind)
+    conditions = _get(workload, "status", "conditions")
+    if types is None or not isinstance(conditions, list):
+        return None
+    succeeded, failed = types
+    for condition in conditions:
+        if not isinstance(condition, Mapping) or condition.get("status") != "True":
+            continue
+        if condition.get("type") == failed:
+            why = ": ".join(
+                str(part) for part in (condition.get("reason"), condition.get("message")) if part
+            )
+            name = _get(workload, "metadata", "name") or "?"
+            return WorkloadEnd(f"{kind.value} {name} failed" + (f" ({why})" if why else ""))
+        if condition.get("type") == succeeded:
+            return WorkloadEnd(None)
+    return None
+
+
 def workload_failed(pods: Sequence[Pod]) -> str | None:
     """Which pods failed and why, or ``None`` when none has."""
     failed = sorted((_name(p), _failure(p)) for p in pods if _phase(p) == "Failed")

@@ -579,6 +579,43 @@ def test_a_pytorchjob_is_resolved_by_the_training_operators_labels() -> None:
     assert [a["rank"] for a in worker] == list(range(GPUS_PER_POD, 2 * GPUS_PER_POD))
 
 
+@pytest.mark.parametrize(
+    ("condition", "phase", "message"),
+    [
+        ({"type": "Succeeded", "status": "True"}, "Completed", "the workload finished"),
+        (
+            {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"},
+            "Failed",
+            "PyTorchJob gpt3-pretrain failed (BackoffLimitExceeded)",
+        ),
+    ],
+    ids=["succeeded", "failed"],
+)
+def test_a_pytorchjob_that_ended_ends_the_job_even_with_its_pods_gone(
+    condition: dict[str, str], phase: str, message: str
+) -> None:
+    """The training operator deletes the pods of a finished job (``cleanPodPolicy``): its own
+    status says how it ended, and the plans go (the agents reset the GPUs)."""
+    cluster = FakeCluster()
+    pytorchjob: dict[str, Any] = {"kind": "PyTorchJob", "metadata": {"name": "gpt3-pretrain"}}
+    cluster.workloads[(NS, "gpt3-pretrain")] = pytorchjob
+    cluster.pods = [pytorch_pod("worker", 0), pytorch_pod("master", 0)]
+    body = job_body()
+    body["spec"]["workload"] = {"kind": "PyTorchJob", "name": "gpt3-pretrain"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Profiling" and cluster.node_plans
+
+    cluster.pods = []
+    op.step()  # pods gone, nothing said yet: it waits, plans kept
+    assert op.status["phase"] == "Profiling" and cluster.node_plans
+    pytorchjob["status"] = {"conditions": [{"type": "Created", "status": "True"}, condition]}
+    op.step()
+    assert op.status["phase"] == phase
+    assert message in op.status["message"]
+    assert cluster.node_plans == {}
+
+
 def test_the_operators_default_policy_fills_the_fields_a_job_leaves_unset(
     cluster: FakeCluster,
 ) -> None:

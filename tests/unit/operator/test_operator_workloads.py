@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from perseus_api.job import LabelSelector, Parallelism, RankMapping, Workload
+from perseus_api.job import LabelSelector, Parallelism, RankMapping, Workload, WorkloadKind
 from perseus_operator.workloads import (
     Resolution,
+    WorkloadEnd,
     WorkloadError,
     gpus_of,
     matches,
@@ -18,6 +19,7 @@ from perseus_operator.workloads import (
     nodes_of,
     pod_selector,
     resolve_ranks,
+    workload_end,
     workload_failed,
     workload_finished,
 )
@@ -534,3 +536,35 @@ def test_finished_and_failed() -> None:
 def test_resolution_has_ranks_or_a_wait() -> None:
     with pytest.raises(ValueError, match="either ranks or a waiting message"):
         Resolution()
+
+
+@pytest.mark.parametrize(
+    ("kind", "conditions", "end"),
+    [
+        (WorkloadKind.PYTORCH_JOB, [("Running", "True")], None),
+        (
+            WorkloadKind.PYTORCH_JOB,
+            [("Running", "False"), ("Succeeded", "True")],
+            WorkloadEnd(None),
+        ),
+        (WorkloadKind.PYTORCH_JOB, [("Succeeded", "False")], None),
+        (WorkloadKind.JOB_SET, [("Completed", "True")], WorkloadEnd(None)),
+        (WorkloadKind.JOB_SET, [("Failed", "True")], WorkloadEnd("JobSet gpt3 failed (Why: how)")),
+        (WorkloadKind.TRAIN_JOB, [("Complete", "True")], WorkloadEnd(None)),
+        (WorkloadKind.TRAIN_JOB, [("Completed", "True")], None),  # JobSet's word, not Trainer's
+        (WorkloadKind.PODS, [("Succeeded", "True")], None),  # no object: its pods say
+    ],
+)
+def test_a_workload_object_says_how_it_ended(
+    kind: WorkloadKind, conditions: list[tuple[str, str]], end: WorkloadEnd | None
+) -> None:
+    obj = {
+        "metadata": {"name": "gpt3"},
+        "status": {
+            "conditions": [
+                {"type": t, "status": v, "reason": "Why", "message": "how"} for t, v in conditions
+            ]
+        },
+    }
+    assert workload_end(kind, obj) == end
+    assert workload_end(kind, {"metadata": {"name": "gpt3"}}) is None  # no status yet
