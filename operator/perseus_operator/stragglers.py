@@ -11,6 +11,8 @@ A replica's iteration time is the maximum over its ranks' ``mean_iteration_s`` (
 stage gates the whole pipeline), counting only ranks past warm-up with fresh telemetry. The
 reference time ``T`` is the lower median of the replicas' times, so one slow replica does not
 move it (with two replicas it is the faster one, so ``T'/T`` is the straggler's true slowdown).
+A round that measures fewer than two replicas (right after plans change, no agent has a mean
+under the new plan yet) is no evidence: the verdict and the last reference stand.
 Decisions need ``persistenceReports`` rounds in a row on the same side of a threshold, and the
 thresholds differ for entering and leaving the straggler state (hysteresis), so noise,
 checkpoint spikes and restarts do not make plans flap.
