@@ -67,6 +67,12 @@ TIME_SCALE = 0.5
 TIMEOUT_S = 240.0
 MEASURED_ITERATIONS = 8
 SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one more
+# Iteration time under a plan vs. all GPUs at their highest clock (the measured T_min). Over
+# eight runs on this 2-core VM the T_min plan ran +0.05% to +1.56% (median ~0.6%): once the
+# plan has used up the slack of the computations off the critical path, the emulation's own
+# latencies (hooks, the shared GPU state file, thread wake-ups) land on it, and the all-max
+# window is measured before the operator and agents start reporting. 1% failed one run in five.
+ITERATION_TOLERANCE = 0.02
 
 
 # -- the emulated training job ---------------------------------------------------------------
@@ -74,7 +80,8 @@ SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one
 
 @dataclass(frozen=True)
 class Window:
-    """Iterations between two records: mean energy and replica times per iteration."""
+    """Iterations between two records: energy per iteration (the mean) and each replica's
+    median iteration time."""
 
     iterations: int
     energy_j: float
@@ -170,8 +177,10 @@ class Training:
             n,
             (last["energy_j"] - first["energy_j"]) / n,
             {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
+            # The median: a 2-core machine stalls every process now and then (an iteration ~10%
+            # longer on both replicas at once), which says nothing about the plan.
             [
-                statistics.fmean(r["replica_times_s"][d] for r in records[1:])
+                statistics.median(r["replica_times_s"][d] for r in records[1:])
                 for d in range(REPLICAS)
             ],
         )
@@ -432,7 +441,9 @@ def test_profiling_survives_an_operator_restart_and_the_plan_saves_energy(
 
     planned, report = measure_plan(training, baseline, status, "Instruction at T_min")
     assert status["plan"]["expectedSavingsRatio"] > 0.03, report
-    assert planned.iteration_s == pytest.approx(baseline.iteration_s, rel=0.01), report
+    assert planned.iteration_s == pytest.approx(baseline.iteration_s, rel=ITERATION_TOLERANCE), (
+        report
+    )
 
 
 def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_restores_t_min(
@@ -451,11 +462,11 @@ def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_resto
     straggling = training.measure(4)  # replica 0 on the T_min plan, waiting for replica 1
 
     def retargeted() -> dict[str, Any] | None:
-        # Detection may come while the agents' window still holds iterations from before the
-        # slowdown; the target follows as the window fills.
+        # Detection comes while the agents' means still hold iterations from before the
+        # slowdown; T' follows (in steps of the re-target tolerance) as they fill.
         status = s.job()["status"]
-        stragglers = status.get("stragglers") or [{}]
-        settled = abs(stragglers[0].get("slowdown", 0) - 1.2) < 0.05
+        target_s = (status.get("plan") or {}).get("targetIterationSeconds", 0.0)
+        settled = status.get("stragglers") and abs(target_s / (1.2 * t_min_s) - 1) < 0.03
         return status if settled and (s.applied() or 0) > revision else None
 
     status = s.wait_for("the straggler detected and the plans re-targeted", retargeted)
@@ -496,7 +507,7 @@ def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_resto
     training.wait_iterations(SETTLE_ITERATIONS)
     back = training.measure()
     print(f"recovered: {back.replica_times_s} s, {back.energy_j:.1f} J/iteration")
-    assert back.iteration_s == pytest.approx(t_min_s, rel=0.01)
+    assert back.iteration_s == pytest.approx(t_min_s, rel=ITERATION_TOLERANCE)
     assert back.energy_j == pytest.approx(fast.energy_j, rel=0.02)
 
 
@@ -542,7 +553,7 @@ def test_a_killed_agent_comes_back_and_no_gpu_stays_locked_once_the_job_is_delet
     after = training.measure()
     print(f"agent restarted: {before.iteration_s:.4f} -> {after.iteration_s:.4f} s, "
           f"{before.energy_j:.1f} -> {after.energy_j:.1f} J/iteration")  # fmt: skip
-    assert after.iteration_s == pytest.approx(before.iteration_s, rel=0.01)
+    assert after.iteration_s == pytest.approx(before.iteration_s, rel=ITERATION_TOLERANCE)
     assert after.energy_j == pytest.approx(before.energy_j, rel=0.02)
 
     s.cluster.custom.delete_namespaced_custom_object(
@@ -606,4 +617,4 @@ def test_stage_granularity_from_a_stored_profile_needs_no_client_hooks(
 
     planned, report = measure_plan(training, baseline, status, "Stage, no hooks")
     assert status["plan"]["expectedSavingsRatio"] > 0.01, report
-    assert planned.iteration_s <= baseline.iteration_s * 1.05 * 1.01, report
+    assert planned.iteration_s <= baseline.iteration_s * 1.05 * (1 + ITERATION_TOLERANCE), report
