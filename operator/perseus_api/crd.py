@@ -1,9 +1,10 @@
 """The CustomResourceDefinitions of ``perseus.energy``, generated from the pydantic models.
 
-The models in :mod:`perseus_api.job` and :mod:`perseus_api.node_plan` are the single definition
-of the resources; the YAML in ``crds/`` is derived from them and committed so that it can be
-applied without Python (``kubectl apply -f crds/``) and packaged by the Helm chart. Regenerate
-it after changing a model, and check that it is current (CI and ``tests/unit/test_crd.py`` do)::
+The models in :mod:`perseus_api.job`, :mod:`perseus_api.node_plan` and
+:mod:`perseus_api.policy` are the single definition of the resources; the YAML in ``crds/`` is
+derived from them and committed so that it can be applied without Python
+(``kubectl apply -f crds/``) and packaged by the Helm chart. Regenerate it after changing a
+model, and check that it is current (CI and ``tests/unit/test_crd.py`` do)::
 
     python -m perseus_api.crd --out crds/           # write the CRDs
     python -m perseus_api.crd --out crds/ --check   # exit 1, with a diff, if they are stale
@@ -37,6 +38,15 @@ from perseus_api.job import (
     PerseusJobStatus,
 )
 from perseus_api.node_plan import NodePlan
+from perseus_api.policy import (
+    POLICY_KIND,
+    POLICY_PLURAL,
+    POLICY_SHORT_NAMES,
+    POLICY_SINGULAR,
+    PerseusPolicySpec,
+    PerseusPolicyStatus,
+)
+from perseus_api.policy import PRINTER_COLUMNS as POLICY_PRINTER_COLUMNS
 from perseus_api.resources import (
     CONDITION_APPLIED,
     GROUP,
@@ -61,6 +71,7 @@ __all__ = [
     "crd_files",
     "get_job_crd",
     "get_node_plan_crd",
+    "get_policy_crd",
     "main",
     "render_yaml",
     "structural_schema",
@@ -89,6 +100,10 @@ _JOB_DESCRIPTION: Final = (
 _NODE_PLAN_DESCRIPTION: Final = (
     "The frequency plans of one PerseusJob for the GPUs of one node: written by the operator "
     "(spec), applied and reported by the node agent of that node (status)."
+)
+_POLICY_DESCRIPTION: Final = (
+    "A cluster-wide energy policy: the operator creates a PerseusJob, with this policy, for "
+    "every training workload it selects (spec); what it manages (status)."
 )
 _NODE_PLAN_STATUS_DESCRIPTION: Final = (
     "Written by the node agent only. Besides the fields below it holds the agent's report of "
@@ -283,6 +298,7 @@ def _crd(
     short_names: Sequence[str],
     schema: Mapping[str, Any],
     printer_columns: Sequence[Mapping[str, Any]],
+    scope: Literal["Namespaced", "Cluster"] = "Namespaced",
 ) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -298,7 +314,7 @@ def _crd(
                 "shortNames": list(short_names),
                 "categories": list(CATEGORIES),
             },
-            "scope": "Namespaced",
+            "scope": scope,
             "versions": [
                 {
                     "name": VERSION,
@@ -376,6 +392,24 @@ def get_node_plan_crd() -> dict[str, Any]:
     )
 
 
+def get_policy_crd() -> dict[str, Any]:
+    """The ``perseuspolicies.perseus.energy`` CRD (cluster-scoped)."""
+    schema = _resource_schema(
+        _POLICY_DESCRIPTION,
+        structural_schema(PerseusPolicySpec),
+        structural_schema(PerseusPolicyStatus, mode="serialization"),
+    )
+    return _crd(
+        kind=POLICY_KIND,
+        plural=POLICY_PLURAL,
+        singular=POLICY_SINGULAR,
+        short_names=POLICY_SHORT_NAMES,
+        schema=schema,
+        printer_columns=POLICY_PRINTER_COLUMNS,
+        scope="Cluster",
+    )
+
+
 # -- YAML files ------------------------------------------------------------------------------------
 
 
@@ -391,6 +425,9 @@ def render_yaml(document: Mapping[str, Any]) -> str:
     # A subclass, so that the representer does not leak into yaml.SafeDumper itself.
     dumper: Any = type("CrdDumper", (yaml.SafeDumper,), {})
     dumper.add_representer(str, represent_str)
+    # Schemas share nodes (one selector model in several places): written out each time,
+    # since anchors and aliases make a CRD hard to read and to diff.
+    dumper.ignore_aliases = lambda *_: True
     # No line folding: CEL rules and descriptions stay on one line each.
     body: str = yaml.dump(
         dict(document), Dumper=dumper, sort_keys=False, width=1 << 16, allow_unicode=True
@@ -401,7 +438,7 @@ def render_yaml(document: Mapping[str, Any]) -> str:
 def crd_files() -> dict[str, str]:
     """File name -> YAML text of every CRD."""
     files = {}
-    for crd in (get_job_crd(), get_node_plan_crd()):
+    for crd in (get_job_crd(), get_node_plan_crd(), get_policy_crd()):
         files[f"{crd['spec']['group']}_{crd['spec']['names']['plural']}.yaml"] = render_yaml(crd)
     return files
 

@@ -32,6 +32,9 @@ class OperatorConfig:
     """Worker processes that solve frontiers (each solve uses one core)."""
     release_timeout_s: float = 60.0
     """On deletion, how long to wait for the agents to reset the job's GPUs."""
+    policy_interval_s: float = 15.0
+    """Longest time before a new workload gets its PerseusJob from a PerseusPolicy (a change
+    of a policy itself is acted on at once)."""
     metrics_port: int = 8080
     """Port of ``/metrics``; 0 disables it."""
     metrics_address: str = "0.0.0.0"
@@ -64,7 +67,12 @@ class OperatorConfig:
         return config
 
     def check(self) -> None:
-        positive = ("reconcile_interval_s", "planner_timeout_s", "release_timeout_s")
+        positive = (
+            "reconcile_interval_s",
+            "planner_timeout_s",
+            "release_timeout_s",
+            "policy_interval_s",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ once when this module is imported (the timer's interval is needed at registratio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -22,6 +23,7 @@ import kopf
 
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
+from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.config import OperatorConfig
 from perseus_operator.kube import KubeClient, load_api_client, owner_reference
 from perseus_operator.lifecycle import (
@@ -34,16 +36,26 @@ from perseus_operator.lifecycle import (
 )
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.planner_pool import CachingPlanner, PoolPlanner
+from perseus_operator.policy_controller import PolicyController
 
 CONFIG: Final = OperatorConfig.from_env()
 DEFAULT_POLICY: Final = CONFIG.default_policy_fields()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
+POLICY: Final = (resources.GROUP, resources.VERSION, POLICY_PLURAL)
 FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
 RELEASE_POLL_S: Final = 0.5
 RECONCILE_SLACK_S: Final = 120.0
 """A reconcile may take the planner's time limit plus this for its API calls."""
 
 log = logging.getLogger("perseus_operator")
+
+_watched_namespaces: list[str] = []
+
+
+def watch_namespaces(names: list[str]) -> None:
+    """Restrict the cluster-wide policies to these namespaces (``perseus-operator -n``), as
+    kopf restricts the PerseusJobs; call before the operator starts."""
+    _watched_namespaces[:] = names
 
 
 @dataclass
@@ -59,8 +71,10 @@ class _Operator:
     kube: KubeClient
     planner: CachingPlanner
     metrics: OperatorMetrics
+    policies: PolicyController
     jobs: dict[tuple[str, str], _Job] = field(default_factory=dict)
     stop_metrics: Any = None
+    policy_rounds: asyncio.Task[None] | None = None
 
 
 def _state(memo: kopf.Memo) -> _Operator:
@@ -76,12 +90,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.level = logging.WARNING  # events are ours; kopf posts only its warnings
     kubeconfig = CONFIG.kubeconfig or os.environ.get("KUBECONFIG", "")
     metrics = OperatorMetrics()
+    kube = KubeClient(load_api_client(kubeconfig))
     state = _Operator(
-        kube=KubeClient(load_api_client(kubeconfig)),
+        kube=kube,
         planner=CachingPlanner(
             PoolPlanner(CONFIG.planner_workers, CONFIG.planner_timeout_s, metrics.planner.observe)
         ),
         metrics=metrics,
+        policies=PolicyController(
+            kube, interval_s=CONFIG.policy_interval_s, namespaces=_watched_namespaces
+        ),
     )
     if CONFIG.metrics_port:
         from prometheus_client import start_http_server
@@ -90,6 +108,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             CONFIG.metrics_port, CONFIG.metrics_address, registry=metrics.registry
         )
         state.stop_metrics = server.shutdown
+    state.policy_rounds = asyncio.create_task(state.policies.run(), name="perseus-policies")
     memo["perseus"] = state
 
 
@@ -98,6 +117,10 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     state = memo.get("perseus")
     if state is None:
         return
+    if state.policy_rounds is not None:
+        state.policy_rounds.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.policy_rounds
     state.planner.close()
     state.kube.close()
     if state.stop_metrics is not None:
@@ -149,6 +172,14 @@ async def deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await force_release(namespace, name, state.kube)
     state.jobs.pop((namespace, name), None)
     state.metrics.forget_job(namespace, name)
+
+
+@kopf.on.event(*POLICY)
+async def policy_changed(memo: kopf.Memo, **_: Any) -> None:
+    """A PerseusPolicy was created, changed or deleted: act on it now, not at the next round."""
+    state = memo.get("perseus")
+    if state is not None:
+        state.policies.wake()
 
 
 # -- adapters ----------------------------------------------------------------------------------

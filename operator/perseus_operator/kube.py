@@ -14,7 +14,8 @@ from typing import Any, Final, TypeVar
 
 from perseus_api import resources
 from perseus_api.errors import ApiError
-from perseus_api.job import JOB_KIND, WorkloadKind
+from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
+from perseus_api.policy import POLICY_PLURAL
 
 T = TypeVar("T")
 
@@ -131,6 +132,123 @@ class KubeClient:
                 name,
                 _preload_content=False,
                 _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    async def list_workloads(self, namespace: str, kind: WorkloadKind) -> list[dict[str, Any]]:
+        """The namespace's workloads of ``kind``; none when the kind's CRD is not installed."""
+        group, version, plural = WORKLOAD_RESOURCES[kind]
+        try:
+            return await self._items(
+                lambda: self._custom.list_namespaced_custom_object(
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT_S,
+                )
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return []
+            raise
+
+    async def list_namespaces(self) -> list[dict[str, Any]]:
+        return await self._items(
+            lambda: self._core.list_namespace(
+                _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
+
+    # -- policies and the jobs they make --
+
+    async def list_policies(self) -> list[dict[str, Any]] | None:
+        """Every PerseusPolicy; None when their CRD is not installed."""
+        try:
+            return await self._items(
+                lambda: self._custom.list_cluster_custom_object(
+                    resources.GROUP,
+                    resources.VERSION,
+                    POLICY_PLURAL,
+                    _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT_S,
+                )
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def patch_policy_status(self, name: str, status: Mapping[str, Any]) -> None:
+        await self._call(
+            lambda: self._custom.patch_cluster_custom_object_status(
+                resources.GROUP,
+                resources.VERSION,
+                POLICY_PLURAL,
+                name,
+                {"status": dict(status)},
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        """PerseusJobs of ``namespace`` (None: of every namespace) matching ``selector``."""
+        args = (resources.GROUP, resources.VERSION)
+        if namespace is None:
+            return await self._items(
+                lambda: self._custom.list_cluster_custom_object(
+                    *args,
+                    JOB_PLURAL,
+                    label_selector=selector,
+                    _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT_S,
+                )
+            )
+        return await self._items(
+            lambda: self._custom.list_namespaced_custom_object(
+                *args,
+                namespace,
+                JOB_PLURAL,
+                label_selector=selector,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    async def create_job(self, body: Mapping[str, Any]) -> None:
+        namespace, _ = resources.object_key(body)
+        args = (resources.GROUP, resources.VERSION, namespace, JOB_PLURAL)
+        await self._call(
+            lambda: self._custom.create_namespaced_custom_object(
+                *args, dict(body), _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
+
+    async def patch_job(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        args = (resources.GROUP, resources.VERSION, namespace, JOB_PLURAL, name)
+        await self._call(
+            lambda: self._custom.patch_namespaced_custom_object(
+                *args, dict(patch), _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
+
+    async def delete_job(self, namespace: str, name: str) -> None:
+        args = (resources.GROUP, resources.VERSION, namespace, JOB_PLURAL, name)
+        try:
+            await self._call(
+                lambda: self._custom.delete_namespaced_custom_object(
+                    *args, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    async def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        await self._call(
+            lambda: self._core.create_namespaced_event(
+                namespace, dict(body), _request_timeout=REQUEST_TIMEOUT_S
             )
         )
 

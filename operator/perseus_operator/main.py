@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace",
         action="append",
         default=[],
-        help="watch PerseusJobs in this namespace (repeatable; default: all namespaces)",
+        help="manage PerseusJobs (and apply PerseusPolicies) in this namespace only "
+        "(repeatable; default: all namespaces)",
     )
     parser.add_argument(
         "--liveness",
@@ -54,8 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import kopf
 
-    import perseus_operator.handlers  # noqa: F401 - registers the handlers
+    import perseus_operator.handlers  # registers the handlers
 
+    perseus_operator.handlers.watch_namespaces(args.namespace)
     kopf.run(
         standalone=True,
         clusterwide=not args.namespace,

@@ -131,10 +131,24 @@ OPERATOR_MAY = [
     ("get", "trainjobs.trainer.kubeflow.org", "ml"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", None),
-]
-OPERATOR_MAY_NOT = [
+    # PerseusPolicies: the jobs they make, the workloads and namespaces they select.
     ("create", "perseusjobs.perseus.energy", "ml"),
     ("delete", "perseusjobs.perseus.energy", "ml"),
+    ("list", "perseusjobs.perseus.energy", None),
+    ("list", "pytorchjobs.kubeflow.org", "ml"),
+    ("list", "jobsets.jobset.x-k8s.io", "ml"),
+    ("list", "trainjobs.trainer.kubeflow.org", "ml"),
+    ("list", "perseuspolicies.perseus.energy", None),
+    ("watch", "perseuspolicies.perseus.energy", None),
+    ("patch", "perseuspolicies.perseus.energy/status", None),
+    ("list", "namespaces", None),
+]
+OPERATOR_MAY_NOT = [
+    ("update", "perseusjobs.perseus.energy", "ml"),
+    ("create", "perseuspolicies.perseus.energy", None),
+    ("patch", "perseuspolicies.perseus.energy", None),  # a policy's spec is its author's
+    ("delete", "perseuspolicies.perseus.energy", None),
+    ("patch", "namespaces", None),
     ("patch", "perseusnodeplans.perseus.energy/status", "ml"),  # the agents' reports
     ("create", "pods", "ml"),
     ("delete", "pods", "ml"),

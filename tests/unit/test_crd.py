@@ -41,7 +41,11 @@ SAMPLES = ("perseusjob-minimal.yaml", "perseusjob-full.yaml")
 REGENERATE = "python -m perseus_api.crd --out crds/"
 
 Crd = dict[str, Any]
-CRDS: dict[str, Callable[[], Crd]] = {"job": crd.get_job_crd, "node plan": crd.get_node_plan_crd}
+CRDS: dict[str, Callable[[], Crd]] = {
+    "job": crd.get_job_crd,
+    "node plan": crd.get_node_plan_crd,
+    "policy": crd.get_policy_crd,
+}
 
 
 def _open_api_schema(definition: Crd) -> dict[str, Any]:
@@ -139,6 +143,7 @@ def test_check_reports_missing_and_stale_files(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "perseus.energy_perseusjobs.yaml",
         "perseus.energy_perseusnodeplans.yaml",
+        "perseus.energy_perseuspolicies.yaml",
     ]
     assert crd.main(["--out", str(tmp_path), "--check"]) == 0
 
@@ -619,14 +624,16 @@ def test_every_cel_rule_is_tested() -> None:
 
 
 def test_names_and_printer_columns() -> None:
-    job, node_plan = crd.get_job_crd(), crd.get_node_plan_crd()
+    job, node_plan, policy = crd.get_job_crd(), crd.get_node_plan_crd(), crd.get_policy_crd()
     assert job["metadata"]["name"] == "perseusjobs.perseus.energy"
     assert node_plan["metadata"]["name"] == "perseusnodeplans.perseus.energy"
+    assert policy["metadata"]["name"] == "perseuspolicies.perseus.energy"
     assert job["spec"]["names"]["shortNames"] == ["pj"]
     assert node_plan["spec"]["names"]["shortNames"] == ["pnp"]
-    for definition in (job, node_plan):
+    assert policy["spec"]["names"]["shortNames"] == ["ppol"]
+    for definition, scope in ((job, "Namespaced"), (node_plan, "Namespaced"), (policy, "Cluster")):
         spec = definition["spec"]
-        assert spec["scope"] == "Namespaced"
+        assert spec["scope"] == scope
         assert spec["names"]["categories"] == ["perseus"]
         (version,) = spec["versions"]
         assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
@@ -638,6 +645,7 @@ def test_names_and_printer_columns() -> None:
     assert columns == {
         "job": ["Phase", "Mode", "Target T", "Expected savings", "Stragglers", "Age"],
         "node plan": ["Node", "Job", "Revision", "Applied", "Age"],
+        "policy": ["Priority", "Mode", "Workloads", "Jobs", "Expected savings", "Age"],
     }
 
 

@@ -295,7 +295,11 @@ def test_generated_chart_files_match_their_sources() -> None:
 def test_chart_crds_are_the_repository_crds() -> None:
     repo = [yaml.safe_load(p.read_text()) for p in sorted((REPO_ROOT / "crds").glob("*.yaml"))]
     assert crds() == repo
-    assert {c["spec"]["names"]["plural"] for c in crds()} == {"perseusjobs", "perseusnodeplans"}
+    assert {c["spec"]["names"]["plural"] for c in crds()} == {
+        "perseusjobs",
+        "perseusnodeplans",
+        "perseuspolicies",
+    }
 
 
 def test_default_policy_schema_is_the_crd_policy() -> None:

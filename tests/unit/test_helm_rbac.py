@@ -21,6 +21,7 @@ import pytest
 from helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
+from perseus_api.policy import POLICY_PLURAL
 
 ALL = "*"  # a ClusterRoleBinding: every namespace, and cluster-scoped resources
 GROUP = resources.GROUP
@@ -42,11 +43,11 @@ class Call:
     where: str
 
 
-def _workload_calls() -> list[Call]:
+def _workload_calls(verb: str, method: str) -> list[Call]:
     from perseus_operator.kube import WORKLOAD_RESOURCES
 
     return [
-        Call("get", group, plural, False, f"perseus_operator/kube.py get_workload ({kind.value})")
+        Call(verb, group, plural, False, f"perseus_operator/kube.py {method} ({kind.value})")
         for kind, (group, _version, plural) in WORKLOAD_RESOURCES.items()
     ]
 
@@ -54,7 +55,7 @@ def _workload_calls() -> list[Call]:
 # Client methods of operator/perseus_operator/kube.py -> the calls they make.
 OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     "list_namespaced_pod": [Call("list", "", "pods", False, "KubeClient.list_pods")],
-    "get_namespaced_custom_object": _workload_calls(),
+    "get_namespaced_custom_object": _workload_calls("get", "get_workload"),
     "read_namespaced_config_map": [
         Call("get", "", "configmaps", False, "KubeClient.get_config_map (profiles)")
     ],
@@ -65,16 +66,35 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         Call("patch", "", "configmaps", False, "KubeClient.put_config_map")
     ],
     "list_namespaced_custom_object": [
-        Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.list_node_plans")
+        Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.list_node_plans"),
+        Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policies)"),
+        *_workload_calls("list", "list_workloads (policies)"),
+    ],
+    "list_cluster_custom_object": [
+        Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies"),
+        # All namespaces in cluster-wide mode (a ClusterRoleBinding): not a cluster-scoped call.
+        Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policy-made, anywhere)"),
+    ],
+    "patch_cluster_custom_object_status": [
+        Call("patch", GROUP, f"{POLICY_PLURAL}/status", True, "KubeClient.patch_policy_status")
+    ],
+    "list_namespace": [
+        Call("list", "", "namespaces", True, "KubeClient.list_namespaces (policy selectors)")
     ],
     "create_namespaced_custom_object": [
-        Call("create", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan")
+        Call("create", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan"),
+        Call("create", GROUP, JOB_PLURAL, False, "KubeClient.create_job (policies)"),
     ],
     "patch_namespaced_custom_object": [
-        Call("patch", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan (409)")
+        Call("patch", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.put_node_plan (409)"),
+        Call("patch", GROUP, JOB_PLURAL, False, "KubeClient.patch_job (policies)"),
     ],
     "delete_namespaced_custom_object": [
-        Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan")
+        Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan"),
+        Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job (policies)"),
+    ],
+    "create_namespaced_event": [
+        Call("create", "", "events", False, "KubeClient.create_event (policies, on workloads)")
     ],
 }
 
@@ -89,6 +109,9 @@ KOPF_CALLS = [
         "list", CRD_GROUP, "customresourcedefinitions", True, "kopf observation.resource_observer"
     ),
     Call("watch", CRD_GROUP, "customresourcedefinitions", True, "kopf resource_observer"),
+    # handlers.policy_changed (kopf.on.event): PerseusPolicies are cluster-scoped.
+    Call("list", GROUP, POLICY_PLURAL, True, "kopf watcher: initial listing of the policies"),
+    Call("watch", GROUP, POLICY_PLURAL, True, "kopf watcher: policies"),
 ]
 # Only when the operator runs with --namespace (observation.namespace_observer).
 KOPF_NAMESPACED_MODE_CALLS = [
@@ -278,8 +301,11 @@ def test_the_agent_can_read_plans_everywhere_and_write_only_their_status() -> No
         ("list", "", "secrets"),
         ("delete", "", "pods"),
         ("create", "", "pods"),
-        ("delete", GROUP, JOB_PLURAL),
-        ("create", GROUP, JOB_PLURAL),
+        ("update", GROUP, JOB_PLURAL),
+        ("create", GROUP, POLICY_PLURAL),
+        ("patch", GROUP, POLICY_PLURAL),
+        ("delete", GROUP, POLICY_PLURAL),
+        ("patch", "", "namespaces"),
         ("delete", "", "configmaps"),
         ("create", CRD_GROUP, "customresourcedefinitions"),
         ("patch", "kubeflow.org", "pytorchjobs"),
