@@ -15,6 +15,8 @@ project's components need:
 - label selectors (``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k``, comma-separated) filter lists
   and watches (kmock ignores them; ``enforce_label_selectors=False`` keeps that behaviour so a
   client's own filtering can be tested);
+- the collection of namespaces, ``/api/v1/namespaces`` (kmock cannot parse its path): list
+  and create, kept apart from the other objects;
 - a watch with ``resourceVersion`` does not replay the objects not changed since that version
   (kmock replays every object as ADDED on every watch), and ``timeoutSeconds`` ends it.
 
@@ -55,6 +57,7 @@ from kmock._internal import rendering  # Request / Payload types of the handler 
 __all__ = ["Emulator", "KmockServer", "label_selector_matches"]
 
 START_TIMEOUT_S = 10.0
+_NAMESPACES_PATH = "/api/v1/namespaces"
 
 
 def label_selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
@@ -110,6 +113,44 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._revisions = itertools.count(1000)
         self.last_resource_version = "999"
+        self.namespace_objects: dict[str, dict[str, Any]] = {}
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path.rstrip("/") == _NAMESPACES_PATH:
+            return await self._serve_namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _serve_namespaces(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.Response:
+        if raw.method == "POST":
+            body = await raw.json()
+            name = (body.get("metadata") or {}).get("name")
+            if not name:
+                return aiohttp.web.json_response({"code": 422, "message": "no name"}, status=422)
+            async with self._lock:
+                if name in self.namespace_objects:
+                    return aiohttp.web.json_response(
+                        {"code": 409, "message": f"namespace {name} exists"}, status=409
+                    )
+                metadata = body["metadata"]
+                metadata.update(
+                    uid=str(uuid.uuid4()), resourceVersion=self._next_resource_version()
+                )
+                self.namespace_objects[name] = body
+            return aiohttp.web.json_response(body, status=201)
+        if raw.method == "GET":
+            async with self._lock:
+                items = [copy.deepcopy(o) for o in self.namespace_objects.values()]
+            selector = raw.query.get("labelSelector")
+            if selector and self.enforce_label_selectors:
+                items = [i for i in items if label_selector_matches(selector, _labels(i))]
+            listing = {
+                "apiVersion": "v1",
+                "kind": "NamespaceList",
+                "metadata": {"resourceVersion": self.last_resource_version},
+                "items": items,
+            }
+            return aiohttp.web.json_response(listing)
+        return aiohttp.web.json_response({"code": 405, "message": raw.method}, status=405)
 
     def _next_resource_version(self) -> str:
         self.last_resource_version = str(next(self._revisions))

@@ -90,7 +90,12 @@ class OperatorProcess:
     """``perseus-operator`` as a process; ``stop()`` returns its output."""
 
     def __init__(
-        self, kubeconfig: Path, *, reconcile_interval_s: float = 0.5, metrics_port: int = 0
+        self,
+        kubeconfig: Path,
+        *,
+        reconcile_interval_s: float = 0.5,
+        metrics_port: int = 0,
+        policy_interval_s: float = 15.0,
     ) -> None:
         self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
@@ -101,6 +106,7 @@ class OperatorProcess:
             "PERSEUS_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "PERSEUS_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
             "PERSEUS_OPERATOR_RELEASE_TIMEOUT_S": "20",
+            "PERSEUS_OPERATOR_POLICY_INTERVAL_S": str(policy_interval_s),
         }
         env.pop("KUBECONFIG", None)
         liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"
