@@ -6,7 +6,8 @@ What is generated in ``helm/perseus/``:
   ``perseus_api``);
 - ``dashboards/*.json``: the Grafana dashboards of ``scripts/grafana_dashboards.py``;
 - ``values.schema.json``'s ``properties.defaultPolicy``: the CRD's ``spec.policy`` schema,
-  turned from OpenAPI v3 into JSON Schema.
+  turned from OpenAPI v3 into JSON Schema; and ``properties.clusterPolicy.properties.spec``:
+  the PerseusPolicy CRD's ``spec`` schema, likewise.
 
 ``tests/unit/test_helm_chart.py`` fails, naming this script, when any of them is stale.
 
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "perseus"
 CRDS = REPO / "crds"
 JOB_CRD = CRDS / "perseus.energy_perseusjobs.yaml"
+POLICY_CRD = CRDS / "perseus.energy_perseuspolicies.yaml"
 
 
 def _dashboards_module() -> ModuleType:
@@ -69,15 +71,25 @@ def openapi_to_json_schema(node: Any) -> Any:
     return out
 
 
-def policy_schema() -> dict[str, Any]:
-    crd = yaml.safe_load(JOB_CRD.read_text())
+def _spec_schema(crd_path: Path) -> dict[str, Any]:
+    crd = yaml.safe_load(crd_path.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v.get("storage")]
-    policy = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["policy"]
-    schema: dict[str, Any] = openapi_to_json_schema(policy)
+    spec: dict[str, Any] = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec
+
+
+def policy_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = openapi_to_json_schema(_spec_schema(JOB_CRD)["properties"]["policy"])
     schema["description"] = (
         "Default energy policy of PerseusJobs that leave spec.policy fields unset (the CRD's "
         "spec.policy)."
     )
+    return schema
+
+
+def cluster_policy_spec_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = openapi_to_json_schema(_spec_schema(POLICY_CRD))
+    schema["description"] = "spec of the PerseusPolicy (the CRD's spec)."
     return schema
 
 
@@ -91,6 +103,7 @@ def expected_files() -> dict[Path, str]:
     schema_path = CHART / "values.schema.json"
     schema = json.loads(schema_path.read_text())
     schema["properties"]["defaultPolicy"] = policy_schema()
+    schema["properties"]["clusterPolicy"]["properties"]["spec"] = cluster_policy_spec_schema()
     files[schema_path] = json.dumps(schema, indent=2) + "\n"
     return files
 

@@ -302,6 +302,16 @@ def test_samples_parse_with_the_model(name: str) -> None:
     assert spec.parallelism.world_size >= spec.parallelism.pipeline_stages
 
 
+def test_policy_sample_validates_and_parses() -> None:
+    from perseus_api.policy import parse_policy
+
+    sample = _sample("perseuspolicy.yaml")
+    assert not _schema_errors(_open_api_schema(crd.get_policy_crd()), sample)
+    assert "namespace" not in sample["metadata"]
+    spec = parse_policy(sample)
+    assert [w.kind.value for w in spec.workloads] == ["PyTorchJob", "JobSet", "Pods"]
+
+
 def test_minimal_sample() -> None:
     spec = PerseusJobSpec.model_validate(_sample("perseusjob-minimal.yaml")["spec"])
     assert (spec.workload.kind, spec.workload.name) == ("PyTorchJob", "gpt3-xl")

@@ -52,6 +52,15 @@ NON_DEFAULT: dict[str, Any] = {
         "maxSlowdown": 0.02,
         "frequencyMHz": {"minMHz": 900, "maxMHz": 1410},
     },
+    "clusterPolicy": {
+        "enabled": True,
+        "name": "ml-teams",
+        "spec": {
+            "namespaceSelector": {"matchLabels": {"team": "ml"}},
+            "workloads": [{"kind": "PyTorchJob"}],
+            "policy": {"mode": "StragglerAware", "maxSlowdown": 0.01},
+        },
+    },
     "operator": {
         "image": {"digest": "sha256:" + "a" * 64},
         "watchNamespaces": ["ml", "research"],
@@ -102,7 +111,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 
-CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # Prometheus Operator
+# Prometheus Operator's, and the chart's own (its CRD is in crds/).
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "PerseusPolicy"}
 
 
 def containers(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -197,6 +207,7 @@ def test_every_object_is_labelled_and_namespaced_correctly() -> None:
         "ClusterRoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "PerseusPolicy",
     }
     for obj in rendered.objects:
         meta = obj["metadata"]
@@ -238,6 +249,9 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "log level": {"agent": {"logLevel": "verbose"}},
     "relative state dir": {"agent": {"stateDir": "var/lib/perseus"}},
     "dashboard label": {"dashboards": {"label": ""}},
+    "cluster policy kind": {"clusterPolicy": {"spec": {"workloads": [{"kind": "Deployment"}]}}},
+    "cluster policy name": {"clusterPolicy": {"name": "Default_Policy"}},
+    "cluster policy field": {"clusterPolicy": {"spec": {"namespaces": ["ml"]}}},
 }
 
 
@@ -310,6 +324,33 @@ def test_default_policy_schema_is_the_crd_policy() -> None:
 
     default = yaml.safe_load((CHART / "values.yaml").read_text())["defaultPolicy"]
     Policy.model_validate(default)  # the operator's own model accepts it
+
+
+def test_the_cluster_policy_is_off_by_default_and_a_valid_policy_when_on() -> None:
+    assert render().of_kind("PerseusPolicy") == []
+    from perseus_api.policy import parse_policy
+
+    default = render({"clusterPolicy": {"enabled": True}}).one("PerseusPolicy")
+    spec = parse_policy(default)  # the operator's own model accepts it
+    assert default["metadata"]["name"] == "perseus-default"
+    assert [w.kind.value for w in spec.workloads] == ["PyTorchJob", "JobSet", "TrainJob"]
+    assert spec.namespace_selector.match_labels == {"perseus.energy/enabled": "true"}
+    assert (spec.priority, spec.policy.mode.value if spec.policy.mode else None) == (
+        -100,
+        "Observe",
+    )
+    custom = render(NON_DEFAULT).one("PerseusPolicy")
+    assert custom["metadata"]["name"] == "ml-teams"
+    assert parse_policy(custom).policy.max_slowdown == 0.01
+    assert custom["spec"]["workloads"] == [{"kind": "PyTorchJob"}]  # lists replace defaults
+
+
+def test_cluster_policy_schema_is_the_crd_spec() -> None:
+    sync = load_script("sync_chart")
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    spec = schema["properties"]["clusterPolicy"]["properties"]["spec"]
+    assert spec == sync.cluster_policy_spec_schema()
+    assert spec["required"] == ["namespaceSelector", "workloads"]
 
 
 # -- operator Deployment -----------------------------------------------------------------------
