@@ -329,6 +329,8 @@ def _converge(
         return
     state.jobs_after.setdefault(choice.policy, []).append(existing)
     if _annotations(existing).get(SPEC_HASH_ANNOTATION) == digest:
+        if choice.others:  # a policy that lost to this one since: say so (once; see key)
+            state.events.append(_event(workload, "Normal", "PoliciesOverlap", choice.message))
         return
     _, existing_name = object_key(existing)
     new = {

@@ -328,6 +328,14 @@ def test_the_most_specific_policy_wins_and_the_loser_says_so() -> None:
     assert overlapping["lastTransitionTime"] == LATER
     assert "PyTorchJob ml/gpt3 (llm-team)" in overlapping["message"]
     assert {c["type"]: c for c in team["conditions"]}["Overlapping"]["status"] == "False"
+    # A round later nothing changes, and the choice is said on the workload again (the
+    # controller posts an event once per object, reason and message).
+    again = cluster.round(LATER)
+    assert (again.updates, again.statuses) == ((), {})
+    (event,) = [e for e in again.events if e.involved["name"] == "gpt3"]
+    assert event.reason == "PoliciesOverlap"
+    assert event.message.startswith("PerseusPolicy llm-team manages this PyTorchJob")
+    assert "also selected by research" in event.message
 
 
 def test_a_deleted_policy_or_unselected_namespace_takes_its_jobs_along() -> None:
