@@ -580,8 +580,12 @@ class _Step:
         if applies_clocks(spec.policy):
             self._applied_condition(plans)
         samples = rank_samples(plans, ranks, now_s=self.now_s)
+        planned_s = fastest_planned_s(plans)
         detector = self._detector(spec)
         if self.memo.plan is None:  # after a restart: the plan of the target in effect
+            self.memo.retarget_s = planned_target_s(
+                detector.published_target_s, detector.reference_s, planned_s
+            )
             self.memo.plan = await asyncio.to_thread(
                 choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
             )
@@ -589,7 +593,11 @@ class _Step:
         self._report_stragglers(verdict)
         if spec.policy.mode != Mode.STRAGGLER_AWARE or not verdict.changed:
             return
-        self.memo.retarget_s = verdict.target_s if verdict.stragglers else None
+        self.memo.retarget_s = (
+            planned_target_s(verdict.target_s, detector.reference_s, planned_s)
+            if verdict.stragglers
+            else None
+        )
         await self._write_plans(spec, ranks, frontier, verdict.stragglers)
 
     def _detector(self, spec: PerseusJobSpec) -> StragglerDetector:
@@ -600,7 +608,6 @@ class _Step:
                 state = json.loads(self.saved_detector)
                 self.memo.detector = StragglerDetector.from_state(spec.stragglers, state)
                 self.memo.detector_key = key
-                self.memo.retarget_s = state["published"]["targetSeconds"]
             except (ValueError, TypeError, KeyError):
                 self.memo.detector = None  # unreadable: start afresh
         if self.memo.detector is None or self.memo.detector_key != key:
@@ -721,7 +728,7 @@ def rank_samples(
     """
     placed = {r.rank: r for r in ranks}
     expected = [expected_iteration_s(plan) for plan in plans]
-    fastest_s = min((s for e in expected for s in e.values()), default=None)
+    fastest_s = fastest_planned_s(plans)
     samples = []
     for plan, expected_s in zip(plans, expected, strict=True):
         status = plan.get("status") or {}
@@ -758,6 +765,30 @@ def rank_samples(
                 )
             )
     return samples
+
+
+def fastest_planned_s(plans: Sequence[Mapping[str, Any]]) -> float | None:
+    """The planned iteration time of the job's fastest plan: the pace :func:`rank_samples`
+    gives every rank's measured time at (None without plans)."""
+    return min((s for plan in plans for s in expected_iteration_s(plan).values()), default=None)
+
+
+def planned_target_s(
+    measured_target_s: float | None, reference_s: float | None, planned_s: float | None
+) -> float | None:
+    """The straggler's ``T'`` in the frontier's time: its slowdown over the other replicas
+    (both measured) times the planned iteration time of the plan they were measured at.
+
+    Measured iteration times carry what the profile does not (the gradient all-reduce, data
+    loading, framework overhead), so the wall-clock ``T'`` taken as a frontier time would
+    re-target the healthy replicas to run slower than the straggler. Without a reference
+    (no replica measured yet) or plans, the measured ``T'`` is used as it is.
+    """
+    if measured_target_s is None:
+        return None
+    if reference_s is None or reference_s <= 0 or planned_s is None:
+        return measured_target_s
+    return measured_target_s / reference_s * planned_s
 
 
 def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:

@@ -363,6 +363,16 @@ class StragglerDetector:
             changed=changed,
         )
 
+    @property
+    def reference_s(self) -> float | None:
+        """The replicas' iteration time stragglers are measured against (the last baseline)."""
+        return self._baseline_s
+
+    @property
+    def published_target_s(self) -> float | None:
+        """``target_s`` of the last verdict that changed plans (None: no straggler)."""
+        return self._published.target_s
+
     # -- persistence -------------------------------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:

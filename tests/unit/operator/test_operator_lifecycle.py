@@ -26,6 +26,7 @@ from perseus_operator.lifecycle import (
     JobMemo,
     Outcome,
     expected_iteration_s,
+    planned_target_s,
     profile_config_map_name,
     rank_samples,
     reconcile,
@@ -433,6 +434,39 @@ def test_a_restarted_operator_keeps_the_straggler_and_its_target(cluster: FakeCl
         report_iterations(cluster, {}, t_min)
         restarted.step()
     assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+
+
+def test_the_target_is_the_stragglers_slowdown_in_planned_time(cluster: FakeCluster) -> None:
+    """Measured iterations run 30% longer than planned (all-reduce, data loading): the healthy
+    replica is re-targeted to 1.2 x T_min planned, not to the straggler's wall-clock time,
+    which as a frontier time would make it slower than the straggler; likewise after a
+    restart."""
+    op = running(cluster)
+    t_min = op.status["frontier"]["tMinSeconds"]
+    overhead = 1.3
+    for _ in range(2):
+        report_iterations(cluster, {1: 1.2}, overhead * t_min)
+        op.step()
+    assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
+    assert op.memo.retarget_s == pytest.approx(1.2 * t_min, rel=1e-3)
+    retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
+    assert retargeted["instruction_estimate"]["iteration_time_s"] <= 1.2 * t_min * 1.01
+    assert [s["slowdown"] for s in op.status["stragglers"]] == [pytest.approx(1.2, rel=1e-3)]
+
+    restarted = Operator(cluster, copy.deepcopy(op.body))
+    report_iterations(cluster, {1: 1.2}, overhead * t_min)
+    restarted.step()
+    assert restarted.memo.retarget_s == pytest.approx(1.2 * t_min, rel=1e-3)
+    assert restarted.status["plan"]["targetIterationSeconds"] == pytest.approx(
+        op.status["plan"]["targetIterationSeconds"]
+    )
+
+
+def test_planned_target_falls_back_to_the_measured_one() -> None:
+    assert planned_target_s(None, 1.0, 2.0) is None
+    assert planned_target_s(3.0, None, 2.0) == 3.0
+    assert planned_target_s(3.0, 1.5, None) == 3.0
+    assert planned_target_s(3.0, 1.5, 1.0) == pytest.approx(2.0)
 
 
 def test_stale_telemetry_is_degraded_not_a_straggler(cluster: FakeCluster) -> None:
