@@ -329,20 +329,24 @@ def _crd(
     }
 
 
+def _operator_status_schema(
+    description: str, spec: type[BaseModel], status: type[BaseModel]
+) -> dict[str, Any]:
+    """A resource whose spec users write and whose status the operator writes: the status
+    is its models' serialized form, which is what the API server stores."""
+    return _resource_schema(
+        description, structural_schema(spec), structural_schema(status, mode="serialization")
+    )
+
+
 def get_job_crd() -> dict[str, Any]:
     """The ``perseusjobs.perseus.energy`` CRD."""
-    schema = _resource_schema(
-        _JOB_DESCRIPTION,
-        structural_schema(PerseusJobSpec),
-        # The operator writes the status: its serialized form is what the API server stores.
-        structural_schema(PerseusJobStatus, mode="serialization"),
-    )
     return _crd(
         kind=JOB_KIND,
         plural=JOB_PLURAL,
         singular=JOB_SINGULAR,
         short_names=JOB_SHORT_NAMES,
-        schema=schema,
+        schema=_operator_status_schema(_JOB_DESCRIPTION, PerseusJobSpec, PerseusJobStatus),
         printer_columns=PRINTER_COLUMNS,
     )
 
@@ -394,11 +398,7 @@ def get_node_plan_crd() -> dict[str, Any]:
 
 def get_policy_crd() -> dict[str, Any]:
     """The ``perseuspolicies.perseus.energy`` CRD (cluster-scoped)."""
-    schema = _resource_schema(
-        _POLICY_DESCRIPTION,
-        structural_schema(PerseusPolicySpec),
-        structural_schema(PerseusPolicyStatus, mode="serialization"),
-    )
+    schema = _operator_status_schema(_POLICY_DESCRIPTION, PerseusPolicySpec, PerseusPolicyStatus)
     return _crd(
         kind=POLICY_KIND,
         plural=POLICY_PLURAL,

@@ -234,16 +234,7 @@ class KubeClient:
         )
 
     async def delete_job(self, namespace: str, name: str) -> None:
-        args = (resources.GROUP, resources.VERSION, namespace, JOB_PLURAL, name)
-        try:
-            await self._call(
-                lambda: self._custom.delete_namespaced_custom_object(
-                    *args, _request_timeout=REQUEST_TIMEOUT_S
-                )
-            )
-        except KubeError as exc:
-            if exc.status != 404:
-                raise
+        await self._delete(JOB_PLURAL, namespace, name)
 
     async def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
         await self._call(
@@ -322,7 +313,13 @@ class KubeClient:
             )
 
     async def delete_node_plan(self, namespace: str, name: str) -> None:
-        args = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+        await self._delete(resources.NODE_PLAN_PLURAL, namespace, name)
+
+    # -- plumbing --
+
+    async def _delete(self, plural: str, namespace: str, name: str) -> None:
+        """Delete a ``perseus.energy`` object; one already gone is no error."""
+        args = (resources.GROUP, resources.VERSION, namespace, plural, name)
         try:
             await self._call(
                 lambda: self._custom.delete_namespaced_custom_object(
@@ -332,8 +329,6 @@ class KubeClient:
         except KubeError as exc:
             if exc.status != 404:
                 raise
-
-    # -- plumbing --
 
     async def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
         response = await self._call(call)
