@@ -208,8 +208,9 @@ def choose_plan(
     straggler_target_s: float | None = None,
 ) -> PipelinePlan:
     """The plan for ``policy``; with a straggler, the minimum energy (waiting included) at
-    iteration time <= ``straggler_target_s`` (never slower than ``T*``, which would cost
-    more energy)."""
+    iteration time <= ``straggler_target_s``: the slowest frontier point that ends by then
+    (``T_max`` when the target is past it), even beyond ``T*``: computation energy falls all
+    along the frontier, and a replica that finishes early only waits at blocking power."""
     if straggler_target_s is not None:
         choice = choose_point(frontier, target_s=straggler_target_s)
     elif policy.max_slowdown > 0:
