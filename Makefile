@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator clean
+.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench-agent: $(STAMP)
 ## Operator at scale: 200 jobs, 1,000 simulated nodes; reconcile latency, straggler reaction.
 bench-operator: $(STAMP)
 	$(BIN)/python benchmarks/operator_scale.py
+
+## The paper's Figure 7 (1,024 GPUs, one straggler at T'/T = 1.2): ours beside the published
+## numbers, and savings vs. T'/T for every method in docs/figure7-savings-vs-straggler.png (~5 min).
+reproduce: $(STAMP)
+	$(BIN)/python benchmarks/reproduce_figure7.py
 
 clean:
 	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache

@@ -29,7 +29,7 @@ from perseus_cli.progress import Progress
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
 if TYPE_CHECKING:
     from perseus_api import PipelinePlan, PlanEstimate
-    from perseus_planner import Baseline, Choice, Frontier, Profile
+    from perseus_planner import Baseline, Choice, Frontier, FrontierProblem, Profile
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
         build_plan,
         build_problem,
         choose_point,
-        compute_frontier,
         max_frequency_baseline,
     )
 
@@ -194,24 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     start_s = time.perf_counter()
     problem = build_problem(profile, dag, source.unit_time_s, source.blocking_power_w)
-    expected_steps = (
-        problem.makespan(problem.slowest_durations)
-        - problem.makespan(problem.fastest_durations)
-        + 1
-    )
-    log.info(
-        "solving %s: %d computations, ~%d frontier points",
-        source.name,
-        dag.num_nodes,
-        expected_steps,
-    )
-    if not args.quiet and (sys.stderr.isatty() or expected_steps > PROGRESS_ALWAYS_STEPS):
-        with Progress(expected_steps, sys.stderr, "frontier") as progress:
-            frontier = compute_frontier(
-                problem, on_point=lambda point: progress.update(point.iteration + 1)
-            )
-    else:
-        frontier = compute_frontier(problem)
+    frontier = solve_with_progress(problem, source.name, quiet=args.quiet)
     solve_s = time.perf_counter() - start_s
     log.info("frontier: %d points in %.2f s", len(frontier), solve_s)
 
@@ -225,6 +207,29 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(_summary(source, frontier, baseline, choice, plan, solve_s, written))
     return 0
+
+
+def solve_with_progress(problem: FrontierProblem, name: str, *, quiet: bool) -> Frontier:
+    """``compute_frontier``, with a progress line on a terminal or for long solves."""
+    from perseus_planner import compute_frontier
+
+    expected_steps = (
+        problem.makespan(problem.slowest_durations)
+        - problem.makespan(problem.fastest_durations)
+        + 1
+    )
+    log.info(
+        "solving %s: %d computations, ~%d frontier points",
+        name,
+        problem.dag.num_nodes,
+        expected_steps,
+    )
+    if not quiet and (sys.stderr.isatty() or expected_steps > PROGRESS_ALWAYS_STEPS):
+        with Progress(expected_steps, sys.stderr, "frontier") as progress:
+            return compute_frontier(
+                problem, on_point=lambda point: progress.update(point.iteration + 1)
+            )
+    return compute_frontier(problem)
 
 
 def _resolve_source(args: argparse.Namespace) -> _Source:

@@ -9,12 +9,19 @@ pipelines for ``--iterations`` iterations under each method, with one replica sl
   iteration time);
 - ``simulate.png``: the frontier with each method's operating points, and the iteration
   energy of each method over the run.
+
+``--scale GPUS`` emulates the paper's large-scale runs (1,024-8,192 GPUs, see
+:mod:`perseus_planner.sim.emulation`): it sets the microbatches and replicas of that layout,
+puts the straggler at max clock under every method (the paper's accounting) unless
+``--straggler-clocks`` says otherwise, and reports times x10 and energies x80 (8-way tensor
+parallel stages of a 175B model). One pipeline is planned and simulated; the replicas share it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,11 +32,13 @@ from perseus_cli.plan_command import (
     _positive_int,
     _prepare_out_dir,
     _resolve_source,
+    solve_with_progress,
     write_atomically,
 )
 
 if TYPE_CHECKING:
-    from perseus_planner.sim import MethodRun, Scenario, SimSetup, Summary
+    from perseus_planner.sim import MethodRun, Scenario, SimSetup, StragglerClocks, Summary
+    from perseus_planner.sim.emulation import ScaleConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +46,13 @@ SIMULATE_CSV = "simulate.csv"
 SIMULATE_PNG = "simulate.png"
 DEFAULT_OUT = Path("out/simulate")
 DEFAULT_ITERATIONS = 20
+DEFAULT_MICROBATCHES = 24
+DEFAULT_REPLICAS = 4
+DEFAULT_SCHEDULE = "1f1b"
 _J_PER_KJ = 1000.0
+_CLOCKS_WORDS = {"own": "at its own clocks", "max": "at max clock under every method"}
+_SCALE_CONFLICTS = ("profile", "microbatches", "replicas", "schedule")
+"""Options that ``--scale`` sets itself (the paper's bundled 175B profiles, its layout, 1F1B)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,23 +86,28 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--schedule",
-        default="1f1b",
         metavar="{1f1b,gpipe}",
-        help="pipeline schedule (default: %(default)s)",
+        help=f"pipeline schedule (default: {DEFAULT_SCHEDULE})",
     )
     parser.add_argument(
         "--microbatches",
         type=_positive_int,
-        default=24,
         metavar="M",
-        help="microbatches per iteration (default: %(default)s)",
+        help=f"microbatches per iteration (default: {DEFAULT_MICROBATCHES})",
     )
     parser.add_argument(
         "--replicas",
         type=_positive_int,
-        default=4,
         metavar="R",
-        help="data-parallel pipelines (default: %(default)s)",
+        help=f"data-parallel pipelines (default: {DEFAULT_REPLICAS})",
+    )
+    parser.add_argument(
+        "--scale",
+        type=_positive_int,
+        metavar="GPUS",
+        help="emulate the paper's large-scale runs on GPUS GPUs (1024, 2048, 4096 or 8192: "
+        "96, 48, 24 or 12 microbatches on 16, 32, 64 or 128 pipelines of 8 stages x TP 8) "
+        "with a bundled profile; sets --microbatches and --replicas",
     )
     parser.add_argument(
         "--iterations",
@@ -108,6 +128,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=_non_negative_int,
         metavar="K",
         help="first slow iteration (default: the middle of the run)",
+    )
+    parser.add_argument(
+        "--straggler-clocks",
+        choices=("own", "max"),
+        help="from the onset the straggler keeps its method's clocks (own) or runs at max "
+        "clock under every method (max: the paper's accounting) (default: max with --scale, "
+        "else own)",
     )
     parser.add_argument(
         "--methods",
@@ -133,37 +160,82 @@ def run(args: argparse.Namespace) -> int:
         Schedule,
         build_pipeline_dag,
         build_problem,
-        compute_frontier,
         max_frequency_baseline,
     )
     from perseus_planner.sim import METHODS, Scenario, run_method, sim_setup, summarize
+    from perseus_planner.sim.emulation import ENERGY_FACTOR, TIME_FACTOR
 
     methods = _parse_methods(args.methods, tuple(METHODS))
+    scale = _scale_config(args)
+    if scale is None:
+        microbatches = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
+        replicas = DEFAULT_REPLICAS if args.replicas is None else args.replicas
+    else:
+        microbatches, replicas = scale.num_microbatches, scale.num_pipelines
+    clocks: StragglerClocks = args.straggler_clocks or ("own" if scale is None else "max")
     onset = args.iterations // 2 if args.straggler_onset is None else args.straggler_onset
-    scenario = Scenario(args.replicas, args.iterations, args.straggler_factor, onset)
-    source = _resolve_source(args)
-    dag = build_pipeline_dag(
-        Schedule.parse(args.schedule), source.profile.num_stages, args.microbatches
+    scenario = Scenario(
+        replicas, args.iterations, args.straggler_factor, onset, straggler_clocks=clocks
     )
+    source = _resolve_source(args)
+    schedule = Schedule.parse(args.schedule or DEFAULT_SCHEDULE)
+    dag = build_pipeline_dag(schedule, source.profile.num_stages, microbatches)
     out_dir: Path = args.out
+    # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
     problem = build_problem(source.profile, dag, source.unit_time_s, source.blocking_power_w)
-    frontier = compute_frontier(problem)
+    frontier = solve_with_progress(problem, source.name, quiet=False)
     setup = sim_setup(frontier, max_frequency_baseline(problem))
     runs = [run_method(setup, m, scenario) for m in methods]
 
+    units = _Units() if scale is None else _Units(TIME_FACTOR, ENERGY_FACTOR)
     csv_path, png_path = out_dir / SIMULATE_CSV, out_dir / SIMULATE_PNG
-    write_atomically(csv_path, lambda tmp: tmp.write_text(runs_csv(runs)))
-    title = (
-        f"{source.name}: {dag.schedule.value}, {dag.num_stages} stages, M={args.microbatches}, "
-        f"{args.replicas} replicas, straggler x{args.straggler_factor:g} from iteration {onset}"
+    write_atomically(csv_path, lambda tmp: tmp.write_text(runs_csv(runs, units)))
+    layout = (
+        f"{dag.num_stages} stages, M={microbatches}, {replicas} replicas"
+        if scale is None
+        else scale.label + f", M={microbatches}"
     )
-    write_atomically(png_path, lambda tmp: plot_simulation(tmp, setup, scenario, runs, title))
+    title = (
+        f"{source.name}: {dag.schedule.value}, {layout}, straggler x{args.straggler_factor:g} "
+        f"from iteration {onset} {_CLOCKS_WORDS[clocks]}"
+    )
+    write_atomically(
+        png_path, lambda tmp: plot_simulation(tmp, setup, scenario, runs, title, units)
+    )
     print(title)
-    print(summary_table([summarize(setup, r) for r in runs]))
+    print(summary_table([summarize(setup, r) for r in runs], units))
     print("Wrote\n  " + "\n  ".join(str(p) for p in (csv_path, png_path)))
     return 0
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Factors from the simulated pipeline to what is reported (the emulated TP=8 stages)."""
+
+    time_factor: float = 1.0
+    energy_factor: float = 1.0
+
+
+def _scale_config(args: argparse.Namespace) -> ScaleConfig | None:
+    """The ``--scale`` layout, after checking the options it cannot be combined with."""
+    from perseus_planner.sim.emulation import SCALE_PROFILES, scale_config
+
+    if args.scale is None:
+        return None
+    given = [f"--{name}" for name in _SCALE_CONFLICTS if getattr(args, name) is not None]
+    if given:
+        raise CliError(
+            f"--scale sets the profile family, microbatches, replicas and schedule itself; "
+            f"drop {', '.join(given)}"
+        )
+    if args.bundled is not None and args.bundled not in SCALE_PROFILES:
+        raise CliError(
+            f"--scale emulates the paper's 175B models; --bundled must be one of "
+            f"{', '.join(SCALE_PROFILES)}, got {args.bundled!r}"
+        )
+    return scale_config(args.scale)
 
 
 def _parse_methods(text: str | None, known: tuple[str, ...]) -> list[str]:
@@ -179,46 +251,56 @@ def _parse_methods(text: str | None, known: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def runs_csv(runs: list[MethodRun]) -> str:
+def runs_csv(runs: list[MethodRun], units: _Units | None = None) -> str:
     """Per-iteration rows of every run, floats as ``repr`` (exact round trip)."""
+    u = units or _Units()
     lines = ["method,iteration,time_s,energy_j,baseline_energy_j"]
     for r in runs:
         rows = zip(
-            r.result.times_s.tolist(),
-            r.result.energies_j.tolist(),
-            r.baseline_energies_j.tolist(),
+            (u.time_factor * r.result.times_s).tolist(),
+            (u.energy_factor * r.result.energies_j).tolist(),
+            (u.energy_factor * r.baseline_energies_j).tolist(),
             strict=True,
         )
         lines += [f"{r.method},{i},{t!r},{e!r},{b!r}" for i, (t, e, b) in enumerate(rows)]
     return "\n".join(lines) + "\n"
 
 
-def summary_table(summaries: list[Summary]) -> str:
+def summary_table(summaries: list[Summary], units: _Units | None = None) -> str:
     """One line per method: mean iteration time and energy, savings, slowdown vs ``T_min``."""
+    u = units or _Units()
     header = f"{'method':<22}{'time (s)':>10}{'energy (kJ)':>14}{'saved':>9}{'slowdown':>10}"
     lines = [header, "-" * len(header)]
     for s in summaries:
+        time_s, energy_kj = u.time_factor * s.iteration_time_s, u.energy_factor * s.energy_j
         lines.append(
-            f"{s.method:<22}{s.iteration_time_s:>10.4f}{s.energy_j / _J_PER_KJ:>14.2f}"
+            f"{s.method:<22}{time_s:>10.4f}{energy_kj / _J_PER_KJ:>14.2f}"
             f"{100 * s.savings_ratio:>8.2f}%{100 * s.slowdown_ratio:>9.2f}%"
         )
     return "\n".join(lines)
 
 
 def plot_simulation(
-    path: Path, setup: SimSetup, scenario: Scenario, runs: list[MethodRun], title: str
+    path: Path,
+    setup: SimSetup,
+    scenario: Scenario,
+    runs: list[MethodRun],
+    title: str,
+    units: _Units | None = None,
 ) -> None:
     """Frontier with each method's per-pipeline points, and iteration energy over the run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    u = units or _Units()
+    kj = u.energy_factor / _J_PER_KJ
     fig = Figure(figsize=(12, 5), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     frontier = setup.frontier
     left.plot(
-        frontier.times_s,
-        frontier.energies_j / _J_PER_KJ,
+        u.time_factor * frontier.times_s,
+        kj * frontier.energies_j,
         color="tab:blue",
         label="Perseus frontier (planner)",
     )
@@ -226,9 +308,9 @@ def plot_simulation(
     for k, r in enumerate(runs):
         color = f"C{(k + 1) % 10}"
         for j, a in enumerate(r.assignments):
-            energy_kj = (a.busy_energy_j + p_w * (gpus * a.time_s - a.busy_time_s)) / _J_PER_KJ
+            energy_kj = kj * (a.busy_energy_j + p_w * (gpus * a.time_s - a.busy_time_s))
             left.plot(
-                [a.time_s],
+                [u.time_factor * a.time_s],
                 [energy_kj],
                 marker="o" if j == 0 else "^",
                 color=color,
@@ -237,7 +319,7 @@ def plot_simulation(
             )
         right.plot(
             range(scenario.num_iterations),
-            r.result.energies_j / _J_PER_KJ,
+            kj * r.result.energies_j,
             color=color,
             label=r.method,
         )

@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 
 from conftest import SolveFrontier
-from perseus_planner import max_frequency_baseline
+from perseus_planner import PlannerError, max_frequency_baseline
 from perseus_planner.sim import (
     METHODS,
+    PlanCache,
     Scenario,
     SimSetup,
     makespans_s,
     measure_assignments,
     run_method,
     sim_setup,
+    straggler_sweep,
 )
 
 TABLE_6_GPT3_A100_MB12_PERCENT = 15.20
@@ -130,3 +132,47 @@ def test_straggler_iterations_end_with_the_straggler(setup: SimSetup) -> None:
     assert run.result.times_s[0] == setup.baseline.time_s
     assert run.result.times_s[1:] == pytest.approx(1.5 * setup.baseline.time_s, rel=1e-12)
     assert run.savings_ratio == pytest.approx(0.0, abs=1e-12)
+
+
+def test_straggler_at_max_clock_costs_the_same_under_every_method(setup: SimSetup) -> None:
+    # The paper's accounting: from the onset the straggler runs all-max slowed by 1.2 whatever
+    # the method, so T' = 1.2 x the all-max time and its energy is the baseline's.
+    scenario = Scenario(3, 3, 1.2, 1, straggler_replica=2, straggler_clocks="max")
+    t_prime = 1.2 * setup.baseline.time_s
+    base = run_method(setup, "max", scenario)
+    for method in ("perseus-instruction", "envpipe"):
+        run = run_method(setup, method, scenario)
+        assert run.result.times_s[1:] == pytest.approx(t_prime, rel=1e-12)
+        straggler_j = run.result.replica_energies_j[1:, 2]
+        assert straggler_j == pytest.approx(base.result.replica_energies_j[1:, 2], rel=1e-12)
+        assert run.result.replica_energies_j[0, 2] == run.result.replica_energies_j[0, 0]
+    own = run_method(setup, "perseus-instruction", Scenario(3, 3, 1.2, 1, straggler_replica=2))
+    # Keeping its own T_min clocks the straggler is slightly faster than all-max slowed by 1.2
+    # and draws less: the two accountings differ by that one replica.
+    assert own.result.replica_energies_j[1, 2] < base.result.replica_energies_j[1, 2]
+
+
+def test_plan_cache_plans_each_target_once(setup: SimSetup) -> None:
+    cache: PlanCache = {}
+    for factor in (1.1, 1.2):
+        for method in ("envpipe", "perseus-instruction"):
+            run_method(setup, method, Scenario(2, 1, factor, 0), plan_cache=cache)
+    # EnvPipe does not react to stragglers: one plan; Perseus: T_min and one per T'.
+    assert sorted(k[1] is None for k in cache if k[0] == "envpipe") == [True]
+    assert len([k for k in cache if k[0] == "perseus-instruction"]) == 3
+    again = run_method(setup, "perseus-instruction", Scenario(2, 1, 1.2, 0), plan_cache=cache)
+    fresh = run_method(setup, "perseus-instruction", Scenario(2, 1, 1.2, 0))
+    assert again.result.energies_j.tolist() == fresh.result.energies_j.tolist()
+
+
+def test_straggler_sweep_starts_at_intrinsic_savings(setup: SimSetup) -> None:
+    sweep = straggler_sweep(setup, ["max", "perseus-instruction"], [1.0, 1.2], 4)
+    intrinsic = run_method(setup, "perseus-instruction", Scenario(4, 1)).savings_ratio
+    assert sweep["perseus-instruction"][0] == pytest.approx(intrinsic, rel=1e-12)
+    assert sweep["perseus-instruction"][1] > intrinsic + 0.03  # plus extrinsic savings
+    assert sweep["max"].tolist() == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
+def test_unknown_straggler_clocks_are_rejected() -> None:
+    with pytest.raises(PlannerError, match="straggler clocks must be one of own, max"):
+        Scenario(2, 2, 1.2, straggler_clocks="min")  # type: ignore[arg-type]

@@ -70,3 +70,52 @@ def test_bad_options_exit_2(
 ) -> None:
     assert main(["simulate", *SMALL, "--out", str(tmp_path / "o"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_scale_emulates_the_papers_layout_with_tp8_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 8,192 GPUs: 128 pipelines of 12 microbatches, the straggler at max clock; reported times
+    # x10 and energies x80 of the same simulation run without --scale.
+    common = ["--bundled", "bloom+a100_sxm", "--iterations", "4", "--methods", "max,envpipe"]
+    scaled, plain = tmp_path / "scaled", tmp_path / "plain"
+    assert main(["simulate", *common, "--scale", "8192", "--out", str(scaled)]) == 0
+    stdout = capsys.readouterr().out
+    assert "8,192 GPUs = 128 pipelines x 8 stages x TP 8 (times x10, energies x80), M=12" in stdout
+    assert "straggler x1.2 from iteration 2 at max clock under every method" in stdout
+    layout = ["--microbatches", "12", "--replicas", "128", "--straggler-clocks", "max"]
+    assert main(["simulate", *common, *layout, "--out", str(plain)]) == 0
+    for big, small in zip(
+        _csv_rows(scaled / "simulate.csv"), _csv_rows(plain / "simulate.csv"), strict=True
+    ):
+        assert (big["method"], big["iteration"]) == (small["method"], small["iteration"])
+        assert float(big["time_s"]) == pytest.approx(10 * float(small["time_s"]), rel=1e-12)
+        for column in ("energy_j", "baseline_energy_j"):
+            assert float(big[column]) == pytest.approx(80 * float(small[column]), rel=1e-12)
+    assert (scaled / "simulate.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scale", "1000"], "cannot emulate 1000 GPUs; supported GPU counts: 1024, 2048, 4096"),
+        (["--scale", "1024", "--microbatches", "8"], "drop --microbatches"),
+        (["--scale", "1024", "--replicas", "2", "--schedule", "1f1b"], "drop --replicas, --sched"),
+        (["--scale", "1024", "--profile", "p.csv", "--blocking-power", "80"], "drop --profile"),
+        (["--scale", "2048", "--bundled", "nope"], "--bundled must be one of gpt3-175b+a100_sxm"),
+        (["--scale", "0"], "must be an integer >= 1"),
+        (["--straggler-clocks", "min"], "invalid choice: 'min'"),
+    ],
+)
+def test_bad_scale_options_exit_2_before_solving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    out = tmp_path / "o"
+    assert main(["simulate", *args, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

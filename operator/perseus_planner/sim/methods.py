@@ -7,8 +7,9 @@ straggler's iteration time ``T'`` that the replica has to wait for anyway.
 - ``max``: every GPU at its highest clock (what runs without any of these tools).
 - ``perseus-instruction``: the Perseus frontier point at ``T_min``; behind a straggler
   ``choose_point(frontier, target_s=T')``, the least energy including blocking until ``T'``
-  (``T*`` when ``T'`` is past it), moved to the next faster frontier points while its
-  measured time (real, not floor-quantized, computation times) would exceed ``T'``.
+  (the slowest point that ends by ``T'``; ``T_max`` when ``T'`` is past it), moved to the next
+  faster frontier points while its measured time (real, not floor-quantized, computation times)
+  would exceed ``T'``.
 - ``perseus-stage``: the plan's one clock per stage (``PipelinePlan.stages[s].frequency_mhz``)
   for the same choices.
 - ``zeus-global``: one clock for every GPU (ZeusGlobal-like): the clock of least energy, blocking
@@ -187,6 +188,9 @@ def envpipe(setup: SimSetup, target_s: float | None) -> IntArray:
             times[v] = options_t[k]
     return freqs
 
+
+STRAGGLER_BLIND = frozenset({"max", "envpipe"})
+"""Methods whose clocks do not depend on the straggler: planned once, whatever ``target_s``."""
 
 METHODS: dict[str, Method] = {
     "max": all_max,
