@@ -80,7 +80,7 @@ class StageClocks:
 
     frequencies_mhz: IntArray  # per stage
     time_s: float  # quantized iteration time
-    energy_j: float
+    energy_j: float  # over time_s, blocking included
 
 
 class _StageModel:
@@ -120,8 +120,9 @@ class _StageModel:
             self.energies.append(e)
             self.quant.append(np.floor_divide(t, unit).astype(np.int64))
 
-    def evaluate(self, picks: list[int]) -> tuple[int, float]:
-        """Quantized makespan and energy (blocking included) for clock index per stage."""
+    def evaluate(self, picks: list[int], until_quant: int = 0) -> tuple[int, float]:
+        """Quantized makespan and energy (blocking included, until the makespan or
+        ``until_quant``, whichever is later) for clock index per stage."""
         p = self.problem
         dur = np.empty(p.dag.num_nodes, dtype=np.int64)
         busy_j = 0.0
@@ -131,49 +132,91 @@ class _StageModel:
             busy_j += float(self.energies[s][k].sum())
             busy_s += float(self.times[s][k].sum())
         makespan = p.makespan(dur)
-        time_s = makespan * p.unit_time_s
+        time_s = max(makespan, until_quant) * p.unit_time_s
         return makespan, busy_j + p.blocking_power_w * (p.num_stages * time_s - busy_s)
 
 
+def _uniform_start(model: _StageModel, deadline_quant: int) -> list[int]:
+    """Every stage slowed by as many clock steps as the deadline allows, all together.
+
+    One stage slowed alone becomes the pipeline's bottleneck and uses up the slack that all
+    of them could share, so descent from the highest clocks stops short when there is much
+    slack (behind a straggler); from here it starts with the slack spread over every stage.
+    """
+    longest = max(len(c) for c in model.choices)
+
+    def picks(step: int) -> list[int]:
+        return [min(step, len(c) - 1) for c in model.choices]
+
+    low, high = 0, longest - 1  # the fastest always fits when anything does
+    while low < high:
+        mid = (low + high + 1) // 2
+        if model.evaluate(picks(mid))[0] <= deadline_quant:
+            low = mid
+        else:
+            high = mid - 1
+    return picks(low)
+
+
 def stage_clocks(
-    problem: FrontierProblem, deadline_quant: int, start_mhz: IntArray | None = None
+    problem: FrontierProblem,
+    deadline_quant: int,
+    start_mhz: IntArray | None = None,
+    *,
+    waits_for_deadline: bool = False,
 ) -> StageClocks:
     """Per-stage clocks with the least energy whose iteration fits in ``deadline_quant``.
 
     Coordinate descent over stages from the highest clocks (and from ``start_mhz``
     if given, keeping the better result): each stage in turn takes its
     least-energy clock that keeps the iteration within the deadline.
+
+    ``waits_for_deadline``: the iteration lasts until the deadline whatever the clocks (a
+    straggler's ``T'``), so candidates are compared by their energy until then: one that
+    finishes earlier waits at blocking power. Otherwise each is compared over its own
+    iteration time, and a slower one pays for the longer blocking, which behind a straggler
+    would keep every stage fast for nothing.
     """
     model = _StageModel(problem)
-    starts = [[0] * problem.num_stages]
+    starts = [[0] * problem.num_stages, _uniform_start(model, deadline_quant)]
     if start_mhz is not None:
         starts.append(
             [int(np.argmin(np.abs(c - f))) for c, f in zip(model.choices, start_mhz, strict=True)]
         )
-    best: tuple[float, int, list[int]] | None = None
-    for picks in starts:
-        makespan, energy = model.evaluate(picks)
-        if makespan > deadline_quant:
-            picks = [0] * problem.num_stages
-            makespan, energy = model.evaluate(picks)
-        for _ in range(_MAX_COORDINATE_PASSES):
-            improved = False
-            for s in range(problem.num_stages):
-                for k in range(len(model.choices[s])):
-                    if k == picks[s]:
-                        continue
-                    trial = [*picks[:s], k, *picks[s + 1 :]]
-                    m, e = model.evaluate(trial)
-                    if m <= max(deadline_quant, makespan) and e < energy - 1e-9:
-                        picks, makespan, energy, improved = trial, m, e, True
-            if not improved:
-                break
-        if best is None or energy < best[0]:
-            best = (energy, makespan, picks)
-    assert best is not None
-    energy, makespan, picks = best
+    until_quant = deadline_quant if waits_for_deadline else 0
+    # Greedy descent finds local optima only; descending by the energy over the plan's own
+    # iteration as well reaches others, which the final choice compares by the right measure.
+    guides = {0, until_quant}
+    found = [_descend(model, start, deadline_quant, guide) for start in starts for guide in guides]
+    picks = min(found, key=lambda p: model.evaluate(p, until_quant)[1])
+    makespan, own_energy_j = model.evaluate(picks)  # over its own iteration, as StageClocks says
     freqs = np.array([model.choices[s][k] for s, k in enumerate(picks)], dtype=np.int64)
-    return StageClocks(freqs, makespan * problem.unit_time_s, energy)
+    return StageClocks(freqs, makespan * problem.unit_time_s, own_energy_j)
+
+
+def _descend(
+    model: _StageModel, picks: list[int], deadline_quant: int, until_quant: int
+) -> list[int]:
+    """Coordinate descent from ``picks``: each stage in turn takes the clock of least energy
+    (blocking until ``until_quant`` or the makespan) that keeps the iteration in the deadline;
+    until no stage changes. Starts from the highest clocks if ``picks`` does not fit."""
+    makespan, energy = model.evaluate(picks, until_quant)
+    if makespan > deadline_quant:
+        picks = [0] * len(picks)
+        makespan, energy = model.evaluate(picks, until_quant)
+    for _ in range(_MAX_COORDINATE_PASSES):
+        improved = False
+        for s in range(len(picks)):
+            for k in range(len(model.choices[s])):
+                if k == picks[s]:
+                    continue
+                trial = [*picks[:s], k, *picks[s + 1 :]]
+                m, e = model.evaluate(trial, until_quant)
+                if m <= max(deadline_quant, makespan) and e < energy - 1e-9:
+                    picks, makespan, energy, improved = trial, m, e, True
+        if not improved:
+            break
+    return picks
 
 
 def build_plan(
@@ -185,7 +228,15 @@ def build_plan(
     index = choice.index
     freqs = frontier.frequencies_at(index)
     per_stage_max = np.array([freqs[list(order)].max() for order in dag.stage_order])
-    clocks = stage_clocks(problem, int(frontier.quant_times[index]), per_stage_max)
+    deadline_quant = int(frontier.quant_times[index])
+    behind_straggler = choice.objective is PlanObjective.STRAGGLER and choice.target_s is not None
+    if behind_straggler:
+        # One clock per stage cannot follow the frontier point exactly: let it use all of T'.
+        assert choice.target_s is not None
+        deadline_quant = max(deadline_quant, int(choice.target_s // problem.unit_time_s))
+    clocks = stage_clocks(
+        problem, deadline_quant, per_stage_max, waits_for_deadline=behind_straggler
+    )
     time_s = float(frontier.times_s[index])
     energy_j = float(frontier.energies_j[index])
     stages = [
