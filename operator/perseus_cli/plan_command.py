@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
+from perseus_cli.arguments import non_negative_float, positive_float, positive_int
 from perseus_cli.progress import Progress
 
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
@@ -84,14 +85,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     pipeline = parser.add_argument_group("pipeline")
     pipeline.add_argument(
         "--microbatches",
-        type=_positive_int,
+        type=positive_int,
         required=True,
         metavar="M",
         help="microbatches per iteration (>= 1)",
     )
     pipeline.add_argument(
         "--stages",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="pipeline stages (default: the profile's; must match it)",
     )
@@ -105,7 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     solver = parser.add_argument_group("solver")
     solver.add_argument(
         "--unit-time",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help=(
             "time step between frontier points (default: the bundled profile's, "
@@ -114,7 +115,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     solver.add_argument(
         "--blocking-power",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="WATTS",
         help="power of one GPU blocked on communication (default: the bundled profile's; "
         "required with --profile)",
@@ -124,13 +125,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     exclusive = objective.add_mutually_exclusive_group()
     exclusive.add_argument(
         "--target",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help="iteration time T' of the straggler this pipeline waits for",
     )
     exclusive.add_argument(
         "--max-slowdown",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="FRACTION",
         help="least energy within (1 + FRACTION) * T_min, e.g. 0.05",
     )
@@ -368,31 +369,3 @@ def _summary(
 def _time_digits(unit_time_s: float) -> int:
     """Decimals that show one unit time (at least milliseconds)."""
     return max(3, math.ceil(-math.log10(unit_time_s) - 1e-9))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def _finite_float(text: str, ok: Callable[[float], bool], requirement: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and ok(value)):
-        raise argparse.ArgumentTypeError(f"must be a number {requirement}, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    return _finite_float(text, lambda v: v > 0, "> 0")
-
-
-def _non_negative_float(text: str) -> float:
-    return _finite_float(text, lambda v: v >= 0, ">= 0")

@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
+from perseus_cli.arguments import (
+    at_least_one,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from perseus_cli.plan_command import (
-    _non_negative_float,
-    _positive_float,
-    _positive_int,
     _prepare_out_dir,
     _resolve_source,
     solve_with_progress,
@@ -74,13 +78,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--unit-time",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help="planner time step (default: the bundled profile's, else 0.001)",
     )
     parser.add_argument(
         "--blocking-power",
-        type=_non_negative_float,
+        type=non_negative_float,
         metavar="WATTS",
         help="power of a waiting GPU (required with --profile)",
     )
@@ -91,19 +95,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--microbatches",
-        type=_positive_int,
+        type=positive_int,
         metavar="M",
         help=f"microbatches per iteration (default: {DEFAULT_MICROBATCHES})",
     )
     parser.add_argument(
         "--replicas",
-        type=_positive_int,
+        type=positive_int,
         metavar="R",
         help=f"data-parallel pipelines (default: {DEFAULT_REPLICAS})",
     )
     parser.add_argument(
         "--scale",
-        type=_positive_int,
+        type=positive_int,
         metavar="GPUS",
         help="emulate the paper's large-scale runs on GPUS GPUs (1024, 2048, 4096 or 8192: "
         "96, 48, 24 or 12 microbatches on 16, 32, 64 or 128 pipelines of 8 stages x TP 8) "
@@ -111,21 +115,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--iterations",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_ITERATIONS,
         metavar="I",
         help="iterations simulated (default: %(default)s)",
     )
     parser.add_argument(
         "--straggler-factor",
-        type=_at_least_one,
+        type=at_least_one,
         default=1.2,
         metavar="F",
         help="T'/T of the straggler replica, 1 for none (default: %(default)s)",
     )
     parser.add_argument(
         "--straggler-onset",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="K",
         help="first slow iteration (default: the middle of the run)",
     )
@@ -336,20 +340,3 @@ def plot_simulation(
     right.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, format="png", dpi=110)
-
-
-def _at_least_one(text: str) -> float:
-    value = _positive_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
