@@ -28,9 +28,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# The end-to-end tests need a kube-apiserver and an etcd, built from Go modules on first use
-# (~12 min on 2 cores) and cached in ~/.cache/perseus-k8s; without them those tests skip, saying
-# why (CI sets PERSEUS_REQUIRE_E2E=1: they fail instead).
+# The end-to-end tests need a kube-apiserver, a kube-controller-manager and an etcd, built from
+# Go modules on first use (~15 min on 2 cores) and cached in ~/.cache/perseus-k8s; without them
+# those tests skip, saying why (CI sets PERSEUS_REQUIRE_E2E=1: they fail instead).
 unit: $(STAMP)
 	@exports="$$(scripts/build_test_control_plane.sh --env)" && eval "$$exports" \
 	  || echo "WARNING: no test control plane (see above): Kubernetes end-to-end tests will skip"; \

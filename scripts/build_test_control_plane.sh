@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Build (or reuse from cache) a kube-apiserver and an etcd for end-to-end tests
-# that run a real control plane on 127.0.0.1.
+# Build (or reuse from cache) a kube-apiserver, a kube-controller-manager (for
+# its garbage collector) and an etcd for end-to-end tests that run a real
+# control plane on 127.0.0.1.
 #
-# Both are built from Go modules with the local Go toolchain (no registry
-# ships a kube-apiserver binary). Binaries are cached OUTSIDE the repository,
-# keyed by version:
+# All are built from Go modules with the local Go toolchain (no registry
+# ships the binaries). Binaries are cached OUTSIDE the repository, keyed by
+# version:
 #
 #   $PERSEUS_K8S_CACHE/kube-apiserver-<K8S_VERSION>/kube-apiserver
+#   $PERSEUS_K8S_CACHE/kube-controller-manager-<K8S_VERSION>/kube-controller-manager
 #   $PERSEUS_K8S_CACHE/etcd-<ETCD_VERSION>/etcd
 #
 # (default cache: ~/.cache/perseus-k8s). A second run with the same versions
@@ -16,6 +18,7 @@
 #   scripts/build_test_control_plane.sh            # build/reuse both, print paths
 #   eval "$(scripts/build_test_control_plane.sh --env)"
 #       # ... and print shell exports PERSEUS_ETCD_BIN=... PERSEUS_KUBE_APISERVER_BIN=...
+#       # PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=...
 #       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
 #       # and warns "unrecognized environment variable" about ETCD_BIN)
 #
@@ -41,7 +44,7 @@ PRINT_ENV=0
 for arg in "$@"; do
   case "$arg" in
     --env) PRINT_ENV=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -64,6 +67,7 @@ STAGING_VERSION="v0.${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"
   || die "ETCD_VERSION must look like v3.MINOR.PATCH, got '$ETCD_VERSION'"
 
 APISERVER_BIN="$CACHE/kube-apiserver-$K8S_VERSION/kube-apiserver"
+KCM_BIN="$CACHE/kube-controller-manager-$K8S_VERSION/kube-controller-manager"
 ETCD_BIN="$CACHE/etcd-$ETCD_VERSION/etcd"
 LOG_DIR="$CACHE/logs"
 mkdir -p "$CACHE" "$LOG_DIR"
@@ -92,11 +96,13 @@ run_logged() {
   fi
 }
 
-build_apiserver() {
-  local work="$CACHE/build/kube-apiserver-$K8S_VERSION"
-  local logfile="$LOG_DIR/kube-apiserver-$K8S_VERSION.log"
+# build_kubernetes NAME BIN: build k8s.io/kubernetes/cmd/NAME at $K8S_VERSION into BIN.
+build_kubernetes() {
+  local name="$1" bin="$2"
+  local work="$CACHE/build/$name-$K8S_VERSION"
+  local logfile="$LOG_DIR/$name-$K8S_VERSION.log"
   : >"$logfile"
-  log "building kube-apiserver $K8S_VERSION (staging modules $STAGING_VERSION); log: $logfile"
+  log "building $name $K8S_VERSION (staging modules $STAGING_VERSION); log: $logfile"
   rm -rf "$work"; mkdir -p "$work"
   cd "$work"
 
@@ -117,7 +123,7 @@ $modinfo"
   goline="$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$gomod" | head -n1)"
 
   {
-    echo "module perseus.local/kube-apiserver-build"
+    echo "module perseus.local/$name-build"
     echo
     echo "go ${goline:-1.26.0}"
     echo
@@ -128,14 +134,14 @@ $modinfo"
     for m in $staging; do echo "	$m => $m $STAGING_VERSION"; done
     echo ")"
   } >go.mod
-  cat >tools.go <<'EOF'
+  cat >tools.go <<EOF
 //go:build tools
 
 package tools
 
-import _ "k8s.io/kubernetes/cmd/kube-apiserver"
+import _ "k8s.io/kubernetes/cmd/$name"
 EOF
-  cp go.mod "$LOG_DIR/kube-apiserver-$K8S_VERSION.go.mod"
+  cp go.mod "$LOG_DIR/$name-$K8S_VERSION.go.mod"
 
   run_logged "$logfile" "$GO" mod tidy
   local ldflags="-s -w"
@@ -144,10 +150,10 @@ EOF
   ldflags+=" -X k8s.io/component-base/version.gitMinor=$K8S_MINOR"
   ldflags+=" -X k8s.io/component-base/version.gitTreeState=clean"
   ldflags+=" -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
-  mkdir -p "$(dirname "$APISERVER_BIN")"
+  mkdir -p "$(dirname "$bin")"
   run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath -ldflags "$ldflags" \
-    -o "$APISERVER_BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver
-  mv -f "$APISERVER_BIN.tmp" "$APISERVER_BIN"
+    -o "$bin.tmp" "k8s.io/kubernetes/cmd/$name"
+  mv -f "$bin.tmp" "$bin"
   cd - >/dev/null
 }
 
@@ -210,21 +216,28 @@ else
   log "etcd $ETCD_VERSION built in $((SECONDS - t0)) s"
 fi
 
-t1=$SECONDS
-if check_bin "$APISERVER_BIN" --version; then
-  log "kube-apiserver $K8S_VERSION: cached"
-else
-  build_apiserver
-  check_bin "$APISERVER_BIN" --version || die "built $APISERVER_BIN but '$APISERVER_BIN --version' fails: $("$APISERVER_BIN" --version 2>&1 || true)"
-  log "kube-apiserver $K8S_VERSION built in $((SECONDS - t1)) s"
-fi
+for name in kube-apiserver kube-controller-manager; do
+  bin="$APISERVER_BIN"
+  [[ "$name" == kube-controller-manager ]] && bin="$KCM_BIN"
+  t1=$SECONDS
+  if check_bin "$bin" --version; then
+    log "$name $K8S_VERSION: cached"
+  else
+    build_kubernetes "$name" "$bin"
+    check_bin "$bin" --version || die "built $bin but '$bin --version' fails: $("$bin" --version 2>&1 || true)"
+    log "$name $K8S_VERSION built in $((SECONDS - t1)) s"
+  fi
+done
 
-log "etcd:           $ETCD_BIN ($("$ETCD_BIN" --version 2>/dev/null | head -n1))"
-log "kube-apiserver: $APISERVER_BIN ($("$APISERVER_BIN" --version 2>/dev/null | head -n1))"
+log "etcd:                    $ETCD_BIN ($("$ETCD_BIN" --version 2>/dev/null | head -n1))"
+log "kube-apiserver:          $APISERVER_BIN ($("$APISERVER_BIN" --version 2>/dev/null | head -n1))"
+log "kube-controller-manager: $KCM_BIN ($("$KCM_BIN" --version 2>/dev/null | head -n1))"
 if [[ "$PRINT_ENV" == 1 ]]; then
   printf 'export PERSEUS_ETCD_BIN=%q\n' "$ETCD_BIN"
   printf 'export PERSEUS_KUBE_APISERVER_BIN=%q\n' "$APISERVER_BIN"
+  printf 'export PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=%q\n' "$KCM_BIN"
 else
   echo "PERSEUS_ETCD_BIN=$ETCD_BIN"
   echo "PERSEUS_KUBE_APISERVER_BIN=$APISERVER_BIN"
+  echo "PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=$KCM_BIN"
 fi

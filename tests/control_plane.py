@@ -1,10 +1,13 @@
-"""A real Kubernetes control plane on 127.0.0.1 for end-to-end tests: etcd and kube-apiserver.
+"""A real Kubernetes control plane on 127.0.0.1 for end-to-end tests: etcd, kube-apiserver and
+kube-controller-manager running only its garbage collector.
 
 The binaries come from ``scripts/build_test_control_plane.sh`` (built from Go modules, cached
-outside the repository), found through ``PERSEUS_ETCD_BIN`` and ``PERSEUS_KUBE_APISERVER_BIN``
-(``eval "$(scripts/build_test_control_plane.sh --env)"``; ``make test`` does it). The apiserver
-runs with RBAC authorization and signs service-account tokens, so a process given
-:meth:`ControlPlane.service_account_kubeconfig` acts under that account's permissions only.
+outside the repository), found through ``PERSEUS_ETCD_BIN``, ``PERSEUS_KUBE_APISERVER_BIN`` and
+``PERSEUS_KUBE_CONTROLLER_MANAGER_BIN`` (``eval "$(scripts/build_test_control_plane.sh --env)"``;
+``make test`` does it). The apiserver runs with RBAC authorization and signs service-account
+tokens, so a process given :meth:`ControlPlane.service_account_kubeconfig` acts under that
+account's permissions only. The garbage collector deletes what an owner reference says goes
+with a deleted object, as in any cluster.
 Findings behind the command lines are in ``scripts/control_plane.md``.
 """
 
@@ -28,10 +31,14 @@ READY_TIMEOUT_S = 60.0
 KUBECTL = shutil.which("kubectl")
 
 
-def binaries() -> tuple[Path, Path] | str:
-    """``(etcd, kube-apiserver)``, or why they cannot be used."""
+def binaries() -> tuple[Path, Path, Path] | str:
+    """``(etcd, kube-apiserver, kube-controller-manager)``, or why they cannot be used."""
     found = []
-    for variable in ("PERSEUS_ETCD_BIN", "PERSEUS_KUBE_APISERVER_BIN"):
+    for variable in (
+        "PERSEUS_ETCD_BIN",
+        "PERSEUS_KUBE_APISERVER_BIN",
+        "PERSEUS_KUBE_CONTROLLER_MANAGER_BIN",
+    ):
         value = os.environ.get(variable, "")
         if not value:
             return (
@@ -44,16 +51,20 @@ def binaries() -> tuple[Path, Path] | str:
         found.append(path)
     if KUBECTL is None:
         return "kubectl is not on PATH"
-    return found[0], found[1]
+    return found[0], found[1], found[2]
 
 
 class ControlPlane:
-    """etcd + kube-apiserver in ``workdir``; :meth:`stop` (apiserver first) always cleans up."""
+    """etcd + kube-apiserver + garbage collector in ``workdir``; :meth:`stop` (in reverse order
+    of start) always cleans up."""
 
-    def __init__(self, workdir: Path, etcd: Path, apiserver: Path) -> None:
+    def __init__(
+        self, workdir: Path, etcd: Path, apiserver: Path, controller_manager: Path
+    ) -> None:
         self.workdir = workdir
         self.etcd_bin = etcd
         self.apiserver_bin = apiserver
+        self.controller_manager_bin = controller_manager
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
@@ -120,12 +131,33 @@ class ControlPlane:
                     raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log(name)}")
             done = self.kubectl("get", "--raw", "/readyz", check=False)
             if done.returncode == 0 and done.stdout.strip() == "ok":
+                self._start_garbage_collector()
                 return
             time.sleep(0.2)
         raise RuntimeError(f"kube-apiserver not ready in {READY_TIMEOUT_S} s:\n{self.log()}")
 
+    def _start_garbage_collector(self) -> None:
+        """Only the garbage collector of kube-controller-manager: nothing else (no scheduler,
+        no kubelets) acts on what the tests create, but owned objects go with their owners."""
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.controller_manager_bin),
+                f"--kubeconfig={self.admin_kubeconfig}",
+                "--controllers=garbagecollector",
+                "--leader-elect=false",
+                "--secure-port=0",  # no health endpoint needed: nothing to serve
+            ],
+        )
+        time.sleep(0.5)
+        if self._procs[-1].poll() is not None:
+            raise RuntimeError(
+                f"kube-controller-manager exited:\n{self.log('kube-controller-manager')}"
+            )
+
     def stop(self) -> None:
-        # The apiserver first: stopped together, it keeps retrying etcd and does not exit.
+        # The controller manager, then the apiserver: stopped together, the apiserver keeps
+        # retrying etcd and does not exit.
         for proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.terminate()

@@ -5,15 +5,27 @@ the opt-in scenario (:mod:`policy_scenario`)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
 from cluster_harness import Cluster
 from operator_harness import OperatorProcess
-from policy_scenario import policy_body, run_opt_in_scenario
+from perseus_api.policy import POLICY_PLURAL
+from policy_scenario import (
+    GROUP,
+    VERSION,
+    create_workload,
+    delete_workload,
+    perseus_jobs,
+    policy_body,
+    run_opt_in_scenario,
+)
+from workload_objects import pytorch_job
 
 pytestmark = pytest.mark.e2e
+GC_TIMEOUT_S = 60.0
 
 # name -> (spec fields replaced, the field path and the words of the API server's message)
 MALFORMED_POLICIES: dict[str, tuple[dict[str, Any], str, str]] = {
@@ -76,3 +88,48 @@ def test_a_policy_manages_the_workloads_of_an_opted_in_namespace(cluster: Cluste
     assert not problems, log
     # Every call the policies made was allowed by the chart's RBAC (a 403 is logged).
     assert "HTTP 403" not in log, log
+
+
+def test_the_garbage_collector_deletes_a_policy_made_job_with_its_workload(
+    cluster: Cluster,
+) -> None:
+    """The job's owner reference is the workload's: with the operator stopped (so that only the
+    garbage collector can act), deleting the workload marks the job for deletion; the
+    operator, back, runs its finalizer and it is gone."""
+    namespace, policy = "ml-gc", "gc-check"
+    cluster.core.create_namespace(
+        {"metadata": {"name": namespace, "labels": {"perseus.energy/gc-check": "true"}}}
+    )
+    selector = {"matchLabels": {"perseus.energy/gc-check": "true"}}
+    custom = cluster.custom
+    custom.create_cluster_custom_object(
+        GROUP, VERSION, POLICY_PLURAL, policy_body(policy, namespaceSelector=selector)
+    )
+    create_workload(custom, pytorch_job("llama"), namespace)
+    operator = OperatorProcess(cluster.operator_kubeconfig, policy_interval_s=1.0)
+    try:
+        job = operator.wait_for(
+            "the policy-made job, taken up by the operator (its finalizer set)",
+            lambda: (
+                (j := perseus_jobs(custom, namespace).get("llama"))
+                and j["metadata"].get("finalizers")
+                and j
+            ),
+        )
+    finally:
+        operator.stop()
+    (owner,) = job["metadata"]["ownerReferences"]
+    assert owner["kind"] == "PyTorchJob" and owner["name"] == "llama"
+
+    delete_workload(custom, "PyTorchJob", namespace, "llama")
+    deadline = time.monotonic() + GC_TIMEOUT_S
+    while not perseus_jobs(custom, namespace)["llama"]["metadata"].get("deletionTimestamp"):
+        assert time.monotonic() < deadline, "the garbage collector did not delete the job"
+        time.sleep(0.2)
+
+    operator = OperatorProcess(cluster.operator_kubeconfig, policy_interval_s=1.0)
+    try:
+        operator.wait_for("the job's finalizer to run", lambda: not perseus_jobs(custom, namespace))
+        custom.delete_cluster_custom_object(GROUP, VERSION, POLICY_PLURAL, policy)
+    finally:
+        operator.stop()

@@ -59,6 +59,7 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "ml"
 JOB = "gpt3"
+KEPT_PROFILE = "gpt3-a100-profile"  # the copy of the measured profile a user keeps
 STAGES, REPLICAS, MICROBATCHES, GPUS = 4, 2, 8, 4
 NODES = [f"gpu-node-{i}" for i in range(REPLICAS)]  # one pipeline replica each
 BLOCKING_W = 83.64
@@ -560,6 +561,14 @@ def test_a_killed_agent_comes_back_and_no_gpu_stays_locked_once_the_job_is_delet
     assert after.iteration_s == pytest.approx(before.iteration_s, rel=ITERATION_TOLERANCE)
     assert after.energy_j == pytest.approx(before.energy_j, rel=0.02)
 
+    # The user keeps a copy of the profile the job measured (the last scenario plans from it):
+    # the job's own ConfigMap is owned by the job and goes with it.
+    core = s.cluster.core
+    measured = core.read_namespaced_config_map(profile_config_map_name(JOB), NAMESPACE)
+    core.create_namespaced_config_map(
+        NAMESPACE,
+        {"metadata": {"name": KEPT_PROFILE}, "data": {"profile.csv": measured.data[PROFILE_KEY]}},
+    )
     s.cluster.custom.delete_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", JOB
     )
@@ -571,6 +580,12 @@ def test_a_killed_agent_comes_back_and_no_gpu_stays_locked_once_the_job_is_delet
         return not jobs and not s.node_plans()
 
     s.wait_for("the job and its node plans to go", released)
+
+    def profile_collected() -> bool:
+        names = {c.metadata.name for c in core.list_namespaced_config_map(NAMESPACE).items}
+        return profile_config_map_name(JOB) not in names and KEPT_PROFILE in names
+
+    s.wait_for("the garbage collector to delete the job's profile ConfigMap", profile_collected)
     # The training goes on; with no plan, every GPU is back at its default clocks.
     assert [a.clocks() for a in s.agents] == [[None] * GPUS] * len(s.agents)
     training.wait_iterations(2)
@@ -589,20 +604,12 @@ def test_stage_granularity_from_a_stored_profile_needs_no_client_hooks(
     training.wait_iterations(2)
     baseline = training.measure()
 
-    # The profile the first job measured, kept by the user (no garbage collector runs here,
-    # but in a cluster the job's own ConfigMap goes with the job).
-    measured = core.read_namespaced_config_map(profile_config_map_name(JOB), NAMESPACE)
-    core.create_namespaced_config_map(
-        NAMESPACE,
-        {
-            "metadata": {"name": "gpt3-a100-profile"},
-            "data": {"profile.csv": measured.data[PROFILE_KEY]},
-        },
-    )
+    # The profile the first job measured, kept by the user (see the scenario before).
+    assert core.read_namespaced_config_map(KEPT_PROFILE, NAMESPACE).data[PROFILE_KEY]
     # Its stages are alike, so at T_min every stage is critical: one clock per stage only pays
     # with some slack, here up to 5% longer iterations.
     job = perseus_job("gpt3-stage", JOB, mode="Intrinsic", granularity="Stage", maxSlowdown=0.05)
-    job["spec"]["profiling"]["profileRef"] = {"configMapName": "gpt3-a100-profile"}
+    job["spec"]["profiling"]["profileRef"] = {"configMapName": KEPT_PROFILE}
     s.cluster.custom.create_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", job
     )
