@@ -341,6 +341,8 @@ def test_the_cluster_policy_is_off_by_default_and_a_valid_policy_when_on() -> No
     )
     custom = render(NON_DEFAULT).one("PerseusPolicy")
     assert custom["metadata"]["name"] == "ml-teams"
+    # The user's selector replaces the default one (Helm would merge two maps).
+    assert custom["spec"]["namespaceSelector"] == {"matchLabels": {"team": "ml"}}
     assert parse_policy(custom).policy.max_slowdown == 0.01
     assert custom["spec"]["workloads"] == [{"kind": "PyTorchJob"}]  # lists replace defaults
 
@@ -567,6 +569,12 @@ def test_notes_tell_what_to_do_next() -> None:
     assert "EMULATED" in emulated
     scoped = render(NON_DEFAULT).notes
     assert "ml, research" in scoped and "PodMonitors are installed" in scoped
+    assert "PerseusPolicy" in notes and "PerseusPolicy perseus-default" not in notes
+    policy = render({"clusterPolicy": {"enabled": True}}).notes
+    assert "PerseusPolicy perseus-default is installed (mode Observe)" in policy
+    assert "kubectl label namespace my-namespace perseus.energy/enabled=true" in policy
+    assert "PerseusPolicy ml-teams is installed (mode StragglerAware)" in scoped
+    assert "kubectl label namespace my-namespace team=ml" in scoped
 
 
 def test_the_sample_in_the_notes_is_a_valid_perseusjob() -> None:
