@@ -90,10 +90,13 @@ __all__ = [
     "PER_POD_LABELS",
     "Choice",
     "PodGroup",
+    "annotations_of",
     "choose_policy",
+    "controller_of",
     "get_perseus_job",
     "group_pods",
     "infer_parallelism",
+    "labels_of",
     "opted_out",
     "perseus_job_name",
     "policy_matches",
@@ -140,11 +143,13 @@ def _strings(value: object) -> dict[str, str]:
     return {str(k): str(v) for k, v in _mapping(value).items() if v is not None}
 
 
-def _labels(obj: Obj) -> dict[str, str]:
+def labels_of(obj: Obj) -> dict[str, str]:
+    """An object's labels (none: empty)."""
     return _strings(_get(obj, "metadata", "labels"))
 
 
-def _annotations(obj: Obj) -> dict[str, str]:
+def annotations_of(obj: Obj) -> dict[str, str]:
+    """An object's annotations (none: empty)."""
     return _strings(_get(obj, "metadata", "annotations"))
 
 
@@ -153,7 +158,8 @@ def _describe(workload: Obj) -> str:
     return f"{workload.get('kind') or 'workload'} {namespace or '?'}/{name or '?'}"
 
 
-def _controller(obj: Obj) -> Mapping[str, Any] | None:
+def controller_of(obj: Obj) -> Mapping[str, Any] | None:
+    """The owner reference of an object's controller, if it has one."""
     refs = _get(obj, "metadata", "ownerReferences")
     for ref in refs if isinstance(refs, list) else []:
         if isinstance(ref, Mapping) and ref.get("controller") is True:
@@ -172,7 +178,7 @@ def workload_kind(workload: Obj) -> WorkloadKind | None:
     except ValueError:
         return None
     if kind == WorkloadKind.JOB_SET:
-        owner = _controller(workload)
+        owner = controller_of(workload)
         if owner is not None and owner.get("kind") == WorkloadKind.TRAIN_JOB.value:
             return None
     return kind
@@ -180,7 +186,7 @@ def workload_kind(workload: Obj) -> WorkloadKind | None:
 
 def opted_out(workload: Obj) -> bool:
     """Whether the workload carries ``perseus.energy/opt-out: "true"``."""
-    value = _annotations(workload).get(OPT_OUT_ANNOTATION, "")
+    value = annotations_of(workload).get(OPT_OUT_ANNOTATION, "")
     return value.strip().lower() == OPT_OUT_VALUE
 
 
@@ -205,8 +211,8 @@ def group_pods(pods: Iterable[Obj]) -> list[PodGroup]:
     members: dict[tuple[str, str], list[Obj]] = {}
     owners: dict[tuple[str, str], Mapping[str, Any]] = {}
     for pod in pods:
-        labels = _labels(pod)
-        owner = _controller(pod)
+        labels = labels_of(pod)
+        owner = controller_of(pod)
         if PYTORCH_JOB_NAME in labels or JOBSET_NAME in labels or owner is None:
             continue
         namespace, _ = object_key(pod)
@@ -215,10 +221,10 @@ def group_pods(pods: Iterable[Obj]) -> list[PodGroup]:
         owners.setdefault(key, owner)
     groups = []
     for key, group in members.items():
-        shared = _shared([_labels(p) for p in group], exclude=PER_POD_LABELS)
+        shared = _shared([labels_of(p) for p in group], exclude=PER_POD_LABELS)
         if not shared:
             continue
-        annotations = _shared([_annotations(p) for p in group])
+        annotations = _shared([annotations_of(p) for p in group])
         if any(opted_out(p) for p in group):
             annotations[OPT_OUT_ANNOTATION] = OPT_OUT_VALUE
         owner = owners[key]
@@ -269,7 +275,7 @@ def _matching_entry(
     kind = workload_kind(workload)
     if kind is None or not matches(policy.namespace_selector, _strings(namespace_labels)):
         return None
-    labels = _labels(workload)
+    labels = labels_of(workload)
     selecting = [
         entry
         for entry in policy.workloads
@@ -362,13 +368,13 @@ def user_job_for(jobs: Iterable[Obj], workload: Obj, pods: Iterable[Obj] = ()) -
     namespace, name = object_key(workload)
     if kind is None:
         return None
-    label_sets = [_labels(p) for p in pods]
+    label_sets = [labels_of(p) for p in pods]
     if kind == WorkloadKind.PODS:
-        label_sets.append(_labels(workload))
+        label_sets.append(labels_of(workload))
     claiming = []
     for job in jobs:
         job_namespace, job_name = object_key(job)
-        if MANAGED_BY_POLICY_LABEL in _labels(job) or job_namespace != namespace:
+        if MANAGED_BY_POLICY_LABEL in labels_of(job) or job_namespace != namespace:
             continue
         target = _mapping(_get(job, "spec", "workload"))
         if _targets(target, kind, name, label_sets):
@@ -514,9 +520,9 @@ class _Sources:
     def __init__(self, kind: WorkloadKind, workload: Obj, pods: tuple[Obj, ...]) -> None:
         self.kind = kind
         templates = _pod_templates(kind, workload)
-        self.annotated = [(f"{kind.value}", _annotations(workload))]
-        self.annotated += [(where, _annotations(t)) for where, t in templates]
-        self.annotated += [(f"pod {_name(p)}", _annotations(p)) for p in pods]
+        self.annotated = [(f"{kind.value}", annotations_of(workload))]
+        self.annotated += [(where, annotations_of(t)) for where, t in templates]
+        self.annotated += [(f"pod {_name(p)}", annotations_of(p)) for p in pods]
         self.containers = [(where, _training_container(t)) for where, t in templates]
         self.containers += [(f"pod {_name(p)}", _training_container(p)) for p in pods]
 
@@ -820,7 +826,7 @@ def get_perseus_job(
     if kind is None or not name or not namespace:
         raise ValueError(f"{_describe(workload)} is not a named workload in a namespace")
     if kind == WorkloadKind.PODS:
-        owner = _controller(workload)
+        owner = controller_of(workload)
         if owner is None:
             raise ValueError(f"{_describe(workload)} has no controller to own its PerseusJob")
         target: dict[str, Any] = {

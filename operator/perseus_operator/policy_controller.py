@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Collection, Coroutine, Mapping
-from datetime import UTC, datetime
 from typing import Any, Final
 
 from perseus_api.job import WorkloadKind
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL
 from perseus_api.resources import object_key
 from perseus_operator.kube import KubeClient, KubeError
+from perseus_operator.lifecycle import now_rfc3339
 from perseus_operator.policy_sync import (
     ClusterView,
     Event,
@@ -58,10 +58,6 @@ def get_event(event: Event, now: str) -> dict[str, Any]:
         "source": {"component": COMPONENT},
         "reportingComponent": COMPONENT,
     }
-
-
-def _now() -> str:
-    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class PolicyController:
@@ -109,7 +105,7 @@ class PolicyController:
         view = await self._read()
         if view is None:
             return None
-        plan = get_sync_plan(view, _now())
+        plan = get_sync_plan(view, now_rfc3339())
         await self._apply(plan)
         return plan
 
@@ -179,7 +175,7 @@ class PolicyController:
             return
         if len(self._posted) >= _MAX_REMEMBERED_EVENTS:
             self._posted.clear()
-        body = get_event(event, _now())
+        body = get_event(event, now_rfc3339())
         where = f"{event.involved['kind']} {event.involved['namespace']}/{event.involved['name']}"
         if await self._try(
             f"post event {event.reason} on {where}",

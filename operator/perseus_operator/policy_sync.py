@@ -40,10 +40,13 @@ from perseus_api.resources import GROUP, label_value, object_key
 from perseus_operator.policies import (
     Choice,
     PodGroup,
+    annotations_of,
     choose_policy,
+    controller_of,
     get_perseus_job,
     group_pods,
     infer_parallelism,
+    labels_of,
     opted_out,
     user_job_for,
     workload_kind,
@@ -198,26 +201,26 @@ def get_sync_plan(view: ClusterView, now: str) -> SyncPlan:
     """
     valid, invalid = parse_policies(view.policies)
     state = _Round(view, valid, now)
-    labels_of = {object_key(n)[1]: namespace_labels(n) for n in view.namespaces}
+    namespace_labels_of = {object_key(n)[1]: namespace_labels(n) for n in view.namespaces}
     frozen = {label_value(name) for name in invalid}
     made_by_policy = {}
     for job in view.jobs:
-        made_by = _labels(job).get(MANAGED_BY_POLICY_LABEL)
+        made_by = labels_of(job).get(MANAGED_BY_POLICY_LABEL)
         if made_by is not None and made_by not in frozen:
             made_by_policy[_owner_uid(job)] = job
     # Jobs of an invalid policy stay as they are until it is mended or deleted: one bad edit
     # must not delete every job (and profile) it manages.
     kept: set[tuple[str, str]] = {
-        object_key(j) for j in view.jobs if _labels(j).get(MANAGED_BY_POLICY_LABEL) in frozen
+        object_key(j) for j in view.jobs if labels_of(j).get(MANAGED_BY_POLICY_LABEL) in frozen
     }
     for workload, pods in _workloads(view):
         namespace, _ = object_key(workload)
-        if namespace not in labels_of or _frozen_job(view.jobs, workload, frozen):
+        if namespace not in namespace_labels_of or _frozen_job(view.jobs, workload, frozen):
             continue
         existing = made_by_policy.get(_workload_uid(workload))
         if existing is not None:
             kept.add(object_key(existing))
-        _decide(state, workload, pods, labels_of[namespace], existing)
+        _decide(state, workload, pods, namespace_labels_of[namespace], existing)
     listing = get_listing(valid, view.namespaces)
     for job in made_by_policy.values():
         if object_key(job) not in kept:
@@ -328,7 +331,7 @@ def _converge(
         )
         return
     state.jobs_after.setdefault(choice.policy, []).append(existing)
-    if _annotations(existing).get(SPEC_HASH_ANNOTATION) == digest:
+    if annotations_of(existing).get(SPEC_HASH_ANNOTATION) == digest:
         if choice.others:  # a policy that lost to this one since: say so (once; see key)
             state.events.append(_event(workload, "Normal", "PoliciesOverlap", choice.message))
         return
@@ -342,7 +345,7 @@ def _converge(
     }
     old = {"metadata": {}, "spec": existing.get("spec") or {}}
     state.updates.append(JobUpdate(namespace, existing_name, merge_patch(old, new)))
-    previous = _labels(existing).get(MANAGED_BY_POLICY_LABEL)
+    previous = labels_of(existing).get(MANAGED_BY_POLICY_LABEL)
     reason = "PolicyApplied" if previous == label_value(choice.policy) else "PolicyChanged"
     state.events.append(
         _event(
@@ -372,7 +375,7 @@ def _delete(state: _Round, workload: Obj, job: Obj, why: str) -> None:
 
 def spec_hash(job: Obj) -> str:
     """Hash of a policy-made job's label and spec: what the policy asked for."""
-    asked = {"labels": _labels(job), "spec": job.get("spec")}
+    asked = {"labels": labels_of(job), "spec": job.get("spec")}
     text = json.dumps(asked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -502,7 +505,9 @@ def _workloads(view: ClusterView) -> list[tuple[Obj, tuple[Obj, ...]]]:
         label = PYTORCH_JOB_NAME if kind == WorkloadKind.PYTORCH_JOB else JOBSET_NAME
         namespace, name = object_key(workload)
         pods = tuple(
-            p for p in view.pods if object_key(p)[0] == namespace and _labels(p).get(label) == name
+            p
+            for p in view.pods
+            if object_key(p)[0] == namespace and labels_of(p).get(label) == name
         )
         found.append((workload, pods))
     groups: list[PodGroup] = group_pods(view.pods)
@@ -517,23 +522,20 @@ def _workload_uid(workload: Obj) -> str:
 
 
 def _owner_uid(obj: Obj) -> str:
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
-        if isinstance(ref, Mapping) and ref.get("controller") is True:
-            return str(ref.get("uid") or "")
-    return ""
+    return str((controller_of(obj) or {}).get("uid") or "")
 
 
 def _involved(workload: Obj) -> dict[str, str]:
     namespace, name = object_key(workload)
-    if workload.get("kind") == WorkloadKind.PODS.value:
-        for ref in (workload.get("metadata") or {}).get("ownerReferences") or ():
-            return {
-                "apiVersion": str(ref.get("apiVersion", "")),
-                "kind": str(ref.get("kind", "")),
-                "name": str(ref.get("name", "")),
-                "uid": str(ref.get("uid", "")),
-                "namespace": namespace,
-            }
+    ref = controller_of(workload)
+    if workload.get("kind") == WorkloadKind.PODS.value and ref is not None:
+        return {
+            "apiVersion": str(ref.get("apiVersion", "")),
+            "kind": str(ref.get("kind", "")),
+            "name": str(ref.get("name", "")),
+            "uid": str(ref.get("uid", "")),
+            "namespace": namespace,
+        }
     return {
         "apiVersion": str(workload.get("apiVersion", "")),
         "kind": str(workload.get("kind", "")),
@@ -556,7 +558,7 @@ def _frozen_job(jobs: Iterable[Obj], workload: Obj, frozen: set[str]) -> bool:
     """Whether an invalid policy made the workload's job (it is left alone)."""
     uid = _workload_uid(workload)
     return any(
-        _labels(j).get(MANAGED_BY_POLICY_LABEL) in frozen and _owner_uid(j) == uid for j in jobs
+        labels_of(j).get(MANAGED_BY_POLICY_LABEL) in frozen and _owner_uid(j) == uid for j in jobs
     )
 
 
@@ -566,11 +568,3 @@ def _job_named(jobs: Iterable[Obj], namespace: str, name: str) -> Obj | None:
 
 def _by_name(objects: Iterable[Obj]) -> dict[str, Obj]:
     return {object_key(o)[1]: o for o in objects if object_key(o)[1]}
-
-
-def _labels(obj: Obj) -> dict[str, str]:
-    return dict((obj.get("metadata") or {}).get("labels") or {})
-
-
-def _annotations(obj: Obj) -> dict[str, str]:
-    return dict((obj.get("metadata") or {}).get("annotations") or {})
