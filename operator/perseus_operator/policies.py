@@ -153,6 +153,11 @@ def annotations_of(obj: Obj) -> dict[str, str]:
     return _strings(_get(obj, "metadata", "annotations"))
 
 
+def terminating(obj: Obj) -> bool:
+    """Whether the object is being deleted (``deletionTimestamp`` set; finalizers still run)."""
+    return _get(obj, "metadata", "deletionTimestamp") is not None
+
+
 def _describe(workload: Obj) -> str:
     namespace, name = object_key(workload)
     return f"{workload.get('kind') or 'workload'} {namespace or '?'}/{name or '?'}"

@@ -18,6 +18,8 @@ and carries the plan out. Which policy manages a workload, and the job it create
   or selected by no valid policy any more (the job's finalizer still resets its GPUs).
   A job whose parallelism can no longer be read is kept: it was readable once, and a job is
   never deleted for what may be a passing state.
+- A job being deleted (``deletionTimestamp`` set, its finalizer resetting the GPUs) is left
+  alone: one DELETE, never repeated, never patched; a new one is made once it is gone.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from perseus_operator.policies import (
     infer_parallelism,
     labels_of,
     opted_out,
+    terminating,
     user_job_for,
     workload_kind,
 )
@@ -223,7 +226,7 @@ def get_sync_plan(view: ClusterView, now: str) -> SyncPlan:
         _decide(state, workload, pods, namespace_labels_of[namespace], existing)
     listing = get_listing(valid, view.namespaces)
     for job in made_by_policy.values():
-        if object_key(job) not in kept:
+        if object_key(job) not in kept and not terminating(job):
             namespace, name = object_key(job)
             state.deletes.append(JobDeletion(namespace, name, _orphan_reason(job, listing)))
     statuses = {
@@ -331,6 +334,8 @@ def _converge(
         )
         return
     state.jobs_after.setdefault(choice.policy, []).append(existing)
+    if terminating(existing):  # being deleted: patched never; its successor comes once it is gone
+        return
     if annotations_of(existing).get(SPEC_HASH_ANNOTATION) == digest:
         if choice.others:  # a policy that lost to this one since: say so (once; see key)
             state.events.append(_event(workload, "Normal", "PoliciesOverlap", choice.message))
@@ -366,6 +371,8 @@ def _orphan_reason(job: Obj, listing: Mapping[str, set[WorkloadKind]]) -> str:
 
 
 def _delete(state: _Round, workload: Obj, job: Obj, why: str) -> None:
+    if terminating(job):  # deleted already; its finalizer is resetting the GPUs
+        return
     namespace, name = object_key(job)
     state.deletes.append(JobDeletion(namespace, name, why))
     state.events.append(

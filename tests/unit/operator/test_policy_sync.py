@@ -51,7 +51,10 @@ class FakeCluster:
     """Objects a round reads, and a round's plan carried out on them as the API server would
     (it fills in defaults the policy left unset)."""
 
-    def __init__(self, *objects: Obj) -> None:
+    def __init__(self, *objects: Obj, finalizers: bool = False) -> None:
+        # With finalizers a deleted job stays, terminating, until finish_deletions() (the
+        # operator's finalizer resetting the GPUs in between).
+        self.finalizers = finalizers
         self.policies: list[Obj] = []
         self.namespaces = [namespace(n) for n in NAMESPACES]
         self.workloads: list[Obj] = []
@@ -93,10 +96,16 @@ class FakeCluster:
             job = self.job(update.name)
             _merge(job, update.patch)
         for deletion in plan.deletes:
-            self.remove("PerseusJob", deletion.name)
+            if self.finalizers:
+                self.job(deletion.name)["metadata"]["deletionTimestamp"] = now
+            else:
+                self.remove("PerseusJob", deletion.name)
         for name, status in plan.statuses.items():
             next(p for p in self.policies if p["metadata"]["name"] == name)["status"] = status
         return plan
+
+    def finish_deletions(self) -> None:
+        self.jobs = [j for j in self.jobs if "deletionTimestamp" not in j["metadata"]]
 
     def job(self, name: str) -> Obj:
         return next(j for j in self.jobs if j["metadata"]["name"] == name)
@@ -353,6 +362,36 @@ def test_a_deleted_policy_or_unselected_namespace_takes_its_jobs_along() -> None
     plan = cluster.round()
     assert [d.name for d in plan.deletes] == ["gpt3"]
     assert cluster.jobs == []
+
+
+def test_a_terminating_job_is_deleted_once_and_never_patched() -> None:
+    cluster = cluster_with_two_workloads()
+    cluster.finalizers = True
+    cluster.round()
+    cluster.remove("PerseusPolicy", "research")
+    first = cluster.round()
+    assert sorted(d.name for d in first.deletes) == ["bloom", "gpt3"]
+    # While the finalizers run, later rounds neither delete again nor say so again.
+    for _ in range(3):
+        again = cluster.round()
+        assert (again.deletes, again.updates, again.creates, again.events) == ((), (), (), ())
+    cluster.finish_deletions()
+    assert cluster.round().deletes == ()
+
+
+def test_a_terminating_job_is_replaced_only_once_it_is_gone() -> None:
+    cluster = cluster_with_two_workloads()
+    cluster.finalizers = True
+    cluster.round()
+    cluster.job("gpt3")["metadata"]["deletionTimestamp"] = NOW  # e.g. kubectl delete pj gpt3
+    cluster.policies[0]["spec"]["policy"] = {"mode": "Intrinsic"}  # and the policy changed
+    plan = cluster.round()
+    assert [u.name for u in plan.updates] == ["bloom"]  # the terminating one is not patched
+    assert plan.creates == () and plan.deletes == ()
+    cluster.finish_deletions()
+    plan = cluster.round()
+    assert [c["metadata"]["name"] for c in plan.creates] == ["gpt3"]
+    assert cluster.job("gpt3")["spec"]["policy"]["mode"] == "Intrinsic"
 
 
 def test_an_invalid_policy_is_reported_and_its_jobs_are_left_alone() -> None:
