@@ -20,25 +20,19 @@ A GPU can be made a straggler with :meth:`set_slowdown`: a factor ``>= 1`` by wh
 instructions take longer than the profile says, at the same power (as a thermally throttled
 or degraded GPU would), so the energy of each instruction grows by that factor too.
 
-Hardware state is in memory by default. With ``state_file`` it lives in a JSON file shared by
-every process that opens it: every change rewrites it atomically (temporary file + rename)
-under an ``fcntl.flock`` on a sidecar ``<file>.lock``, and every read checks, under that lock,
-whether the file was replaced since this process last read or wrote it (inode, mtime, size)
-and decodes it again only then.
-So a clock lock survives the agent process being killed, and a restarted agent or an emulated
-training rank in another process sees the same hardware. Faults injected with
-:meth:`inject_fault` and slowdowns set with :meth:`set_slowdown` are part of that shared state
-too.
+Hardware state is in memory by default. With ``state_file`` it lives in a small binary file
+shared by every process that opens it (:mod:`perseus_agent.gpu.emulated_state`: mapped into
+memory, read and written in place under a file lock, a few microseconds a change). So a clock
+lock survives the agent process being killed, and a restarted agent or an emulated training
+rank in another process sees the same hardware. Faults injected with :meth:`inject_fault` and
+slowdowns set with :meth:`set_slowdown` are part of that shared state too.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import math
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,50 +41,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perseus_agent import errors
 from perseus_agent.errors import (
     GpuError,
     GpuInvalidArgumentError,
     GpuNotFoundError,
 )
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.gpu.emulated_state import Activity, GpuState, SharedGpuStates, Transaction
 from perseus_api.profile import INSTRUCTIONS, Profile, load_profile
 
 __all__ = ["EmulatedBackend"]
 
-_STATE_VERSION = 1
-
 # Numeric-format suffix of bundled profile names (``gpt3-175b+a100_sxm_bf16``).
 _DTYPE_SUFFIX_RE = re.compile(r"_(?:bf16|fp16|fp32|tf32|fp8|int8)$", re.IGNORECASE)
-
-# Error classes a fault read back from a state file can be rebuilt as, by class name.
-_ERROR_TYPES: dict[str, type[GpuError]] = {
-    cls.__name__: cls
-    for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, GpuError)
-}
-
-Activity = tuple[int, str]
-
-
-@dataclass
-class _GpuState:
-    """Mutable hardware state of one emulated GPU."""
-
-    last_change_s: float
-    locked_sm_clock_mhz: int | None = None
-    locked_memory_clock_mhz: int | None = None
-    energy_j: float = 0.0
-    busy_s: float = 0.0
-    activity: Activity | None = None
-    fault: GpuError | None = None
-    slowdown: float = 1.0
-
-
-@dataclass
-class _Transaction:
-    gpus: list[_GpuState]
-    dirty: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,19 +153,19 @@ class EmulatedBackend(GpuBackend):
             for i in range(num_gpus)
         ]
 
-        self._state_file = None if state_file is None else Path(state_file)
-        self._gpus: list[_GpuState] = []
-        # The decoded state file and the (inode, mtime, size) it was decoded from: a lock call
-        # that finds the file unchanged skips reading and decoding JSON (most of its cost).
-        self._cached: tuple[tuple[int, int, int], list[_GpuState]] | None = None
-        if self._state_file is None:
+        self._gpus: list[GpuState] = []
+        self._shared: SharedGpuStates | None = None
+        if state_file is None:
             now = clock()
-            self._gpus = [_GpuState(last_change_s=now) for _ in range(num_gpus)]
+            self._gpus = [GpuState(last_change_s=now) for _ in range(num_gpus)]
         else:
-            try:
-                self._open_state_file()
-            except GpuError as exc:
-                raise ValueError(str(exc)) from exc
+            self._shared = SharedGpuStates(
+                Path(state_file),
+                [info.uuid for info in self._infos],
+                INSTRUCTIONS,
+                lambda: [GpuState(last_change_s=clock()) for _ in range(num_gpus)],
+                self._check_state,
+            )
 
     @classmethod
     def from_csv(
@@ -241,7 +204,12 @@ class EmulatedBackend(GpuBackend):
 
     @property
     def state_file(self) -> Path | None:
-        return self._state_file
+        return None if self._shared is None else self._shared.path
+
+    def close(self) -> None:
+        """Unmap the state file (if any); the backend is unusable afterwards."""
+        if self._shared is not None:
+            self._shared.close()
 
     # -- GpuBackend -------------------------------------------------------------------------
 
@@ -440,7 +408,7 @@ class EmulatedBackend(GpuBackend):
             )
         return (stage, instruction.lower())
 
-    def _gpu(self, txn: _Transaction, index: int, *, check_fault: bool = True) -> _GpuState:
+    def _gpu(self, txn: Transaction, index: int, *, check_fault: bool = True) -> GpuState:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(txn.gpus):
             raise GpuNotFoundError(
                 f"no emulated GPU with index {index!r} (this node has {self._num_gpus})",
@@ -451,19 +419,19 @@ class EmulatedBackend(GpuBackend):
             raise gpu.fault.with_traceback(None)
         return gpu
 
-    def _current_clock_mhz(self, gpu: _GpuState) -> int:
+    def _current_clock_mhz(self, gpu: GpuState) -> int:
         return self._max_clock_mhz if gpu.locked_sm_clock_mhz is None else gpu.locked_sm_clock_mhz
 
-    def _power_w(self, gpu: _GpuState) -> float:
+    def _power_w(self, gpu: GpuState) -> float:
         if gpu.activity is None:
             return self._blocking_power_w
         return self._tables[gpu.activity].at(self._current_clock_mhz(gpu)).power_w
 
-    def _energy_j(self, gpu: _GpuState) -> float:
+    def _energy_j(self, gpu: GpuState) -> float:
         elapsed_s = max(0.0, self._clock() - gpu.last_change_s)
         return gpu.energy_j + self._power_w(gpu) * elapsed_s
 
-    def _bank_energy(self, gpu: _GpuState) -> None:
+    def _bank_energy(self, gpu: GpuState) -> None:
         """Add the energy since the last change at the current power; call before a change."""
         now = self._clock()
         if now > gpu.last_change_s:
@@ -473,176 +441,27 @@ class EmulatedBackend(GpuBackend):
             gpu.last_change_s = now
 
     @contextmanager
-    def _transaction(self, *, write: bool) -> Iterator[_Transaction]:
-        """The current state, under the thread lock and the file lock (shared for reads).
+    def _transaction(self, *, write: bool) -> Iterator[Transaction]:
+        """The current state: in memory under the thread lock, or the shared file's records
+        (:meth:`SharedGpuStates.transaction`). A write transaction whose body sets ``dirty``
+        is saved; a body that raises saves nothing."""
+        if self._shared is None:
+            with self._lock:
+                yield Transaction(self._gpus)
+            return
+        with self._shared.transaction(write=write) as txn:
+            yield txn
 
-        A write transaction that sets ``dirty`` is saved to the state file when its body
-        completes; a body that raises saves nothing. Readers hold the shared lock while they
-        read the clock too: a reader that saw the state before another process's change, but
-        read the time after it, would count the old power past the change, and the energy
-        counter would then appear to go back.
-        """
-        with self._lock:
-            if self._state_file is None:
-                yield _Transaction(self._gpus)
-                return
-            if not write:
-                with self._file_lock(shared=True):
-                    yield _Transaction(self._read_state())
-                return
-            with self._file_lock():
-                txn = _Transaction(self._read_state())
-                try:
-                    yield txn
-                except BaseException:
-                    self._cached = None  # the body may have changed the cached objects
-                    raise
-                if txn.dirty:
-                    self._write_state(txn.gpus)
-
-    @property
-    def _lock_path(self) -> Path:
-        assert self._state_file is not None
-        return self._state_file.with_name(self._state_file.name + ".lock")
-
-    @contextmanager
-    def _file_lock(self, *, shared: bool = False) -> Iterator[None]:
-        try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise GpuError(f"cannot open emulated GPU lock file {self._lock_path}: {exc}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing the last descriptor releases the flock
-
-    def _open_state_file(self) -> None:
-        assert self._state_file is not None
-        with self._lock, self._file_lock():
-            if self._state_file.exists():
-                self._read_state()  # validates that it describes these GPUs
-            else:
-                now = self._clock()
-                self._write_state([_GpuState(last_change_s=now) for _ in range(self._num_gpus)])
-
-    def _read_state(self) -> list[_GpuState]:
-        path = self._state_file
-        assert path is not None
-        try:
-            with path.open("rb") as f:
-                key = _file_key(os.fstat(f.fileno()))
-                if self._cached is not None and self._cached[0] == key:
-                    return self._cached[1]
-                raw = json.loads(f.read().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise GpuError(f"cannot read emulated GPU state file {path}: {exc}") from exc
-        try:
-            gpus = self._decode(raw)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise GpuError(f"emulated GPU state file {path} is invalid: {exc}") from exc
-        self._cached = (key, gpus)
-        return gpus
-
-    def _write_state(self, gpus: list[_GpuState]) -> None:
-        path = self._state_file
-        assert path is not None
-        # Compact: json.dumps with an indent runs the pure-Python encoder, several times slower.
-        text = json.dumps(self._encode(gpus))
-        try:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                    f.flush()
-                    key = _file_key(os.fstat(f.fileno()))
-                Path(tmp).replace(path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                self._cached = None
-                raise
-        except OSError as exc:
-            raise GpuError(f"cannot write emulated GPU state file {path}: {exc}") from exc
-        self._cached = (key, gpus)
-
-    def _encode(self, gpus: list[_GpuState]) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            "gpus": [
-                {
-                    "uuid": info.uuid,
-                    "locked_sm_clock_mhz": gpu.locked_sm_clock_mhz,
-                    "locked_memory_clock_mhz": gpu.locked_memory_clock_mhz,
-                    "energy_j": gpu.energy_j,
-                    "busy_s": gpu.busy_s,
-                    "last_change_s": gpu.last_change_s,
-                    "activity": (
-                        None
-                        if gpu.activity is None
-                        else {"stage": gpu.activity[0], "instruction": gpu.activity[1]}
-                    ),
-                    "fault": (
-                        None
-                        if gpu.fault is None
-                        else {
-                            "type": type(gpu.fault).__name__,
-                            "reason": gpu.fault.reason,
-                            "message": str(gpu.fault),
-                        }
-                    ),
-                    "slowdown": gpu.slowdown,
-                }
-                for info, gpu in zip(self._infos, gpus, strict=True)
-            ],
-        }
-
-    def _decode(self, raw: Any) -> list[_GpuState]:
-        if not isinstance(raw, dict) or raw.get("version") != _STATE_VERSION:
-            raise ValueError(f"expected an object with version {_STATE_VERSION}")
-        entries = raw["gpus"]
-        if not isinstance(entries, list) or len(entries) != self._num_gpus:
-            count = len(entries) if isinstance(entries, list) else "no"
-            raise ValueError(f"it describes {count} GPUs, this backend has {self._num_gpus}")
-        return [self._decode_gpu(i, entry) for i, entry in enumerate(entries)]
-
-    def _decode_gpu(self, index: int, entry: Any) -> _GpuState:
-        if not isinstance(entry, dict):
-            raise TypeError(f"GPU {index}: expected an object")
-        uuid = self._infos[index].uuid
-        if entry["uuid"] != uuid:
-            raise ValueError(f"GPU {index} has UUID {entry['uuid']!r}, expected {uuid!r}")
-        activity: Activity | None = None
-        if entry["activity"] is not None:
-            activity = self._activity_arg(
-                entry["activity"]["stage"], entry["activity"]["instruction"]
-            )
-        fault: GpuError | None = None
-        if entry["fault"] is not None:
-            error_type = _ERROR_TYPES.get(entry["fault"]["type"], GpuError)
-            fault = error_type(str(entry["fault"]["message"]), gpu_index=index)
-            fault.reason = str(entry["fault"]["reason"])
-        locked_sm_clock_mhz = _optional_int(entry["locked_sm_clock_mhz"], "locked SM clock")
-        if locked_sm_clock_mhz is not None and locked_sm_clock_mhz not in self._clock_set:
-            raise ValueError(f"GPU {index} is locked at unsupported clock {locked_sm_clock_mhz}")
-        return _GpuState(
-            last_change_s=_number(entry["last_change_s"], "last_change_s"),
-            locked_sm_clock_mhz=locked_sm_clock_mhz,
-            locked_memory_clock_mhz=_optional_int(
-                entry["locked_memory_clock_mhz"], "locked memory clock"
-            ),
-            energy_j=_number(entry["energy_j"], "energy_j"),
-            busy_s=_number(entry.get("busy_s", 0.0), "busy_s"),
-            activity=activity,
-            fault=fault,
-            # Absent from files written before slowdowns existed.
-            slowdown=_slowdown_arg(entry.get("slowdown", 1.0)),
-        )
-
-
-def _file_key(st: os.stat_result) -> tuple[int, int, int]:
-    # Every write is a new file renamed into place, so the inode alone changes with each
-    # write while the old one is still linked; mtime and size guard against inode reuse.
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+    def _check_state(self, index: int, gpu: GpuState) -> None:
+        """A record read from the state file: clocks and activity this profile knows."""
+        locked = gpu.locked_sm_clock_mhz
+        if locked is not None and locked not in self._clock_set:
+            raise ValueError(f"GPU {index} is locked at unsupported clock {locked}")
+        if gpu.activity is not None:
+            self._activity_arg(*gpu.activity)
+        _number(gpu.energy_j, "energy_j")
+        _number(gpu.last_change_s, "last_change_s")
+        _slowdown_arg(gpu.slowdown)
 
 
 def _number(value: Any, what: str) -> float:
@@ -660,14 +479,6 @@ def _slowdown_arg(value: Any) -> float:
     ):
         raise ValueError(f"slowdown must be a finite number >= 1, got {value!r}")
     return float(value)
-
-
-def _optional_int(value: Any, what: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an integer or null, got {value!r}")
-    return value
 
 
 def _gpu_model(source: str) -> str:

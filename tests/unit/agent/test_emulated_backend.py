@@ -3,7 +3,6 @@ state file shared across instances and processes, and fault injection."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -23,7 +22,8 @@ from perseus_agent.errors import (
 )
 from perseus_agent.gpu.base import GpuBackend
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_api.profile import Profile, load_profile, parse_profile
+from perseus_agent.gpu.emulated_state import SharedGpuStates
+from perseus_api.profile import INSTRUCTIONS, Profile, load_profile, parse_profile
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 A100_PROFILE = (
@@ -366,9 +366,10 @@ def test_state_file_is_shared_between_instances(
     assert agent.sm_clock_mhz(0) == 1410
     assert not agent.reset_sm_clock(0)
 
-    # The file is plain JSON describing every GPU.
-    state = json.loads(state_file.read_text())
-    assert [g["uuid"] for g in state["gpus"]] == ["GPU-emu-node-a-0", "GPU-emu-node-a-1"]
+    # The file names every GPU it describes.
+    data = state_file.read_bytes()
+    assert data.startswith(b"PERSEMU\0")
+    assert b"GPU-emu-node-a-0" in data and b"GPU-emu-node-a-1" in data
 
 
 def test_state_file_is_decoded_again_only_after_it_changes(
@@ -377,16 +378,18 @@ def test_state_file_is_decoded_again_only_after_it_changes(
     state_file = tmp_path / "gpus.json"
     agent = make(a100, clock, state_file=state_file)
     rank = make(a100, clock, state_file=state_file)
+    shared = agent._shared
+    assert shared is not None
     decodes: list[int] = []
-    decode = agent._decode
-    monkeypatch.setattr(agent, "_decode", lambda raw: decodes.append(1) or decode(raw))
+    unpack = shared._unpack
+    monkeypatch.setattr(shared, "_unpack", lambda mm, i: decodes.append(i) or unpack(mm, i))
 
     assert agent.sm_clock_mhz(0) == 1410
     first = len(decodes)
     for _ in range(5):
         assert agent.sm_clock_mhz(0) == 1410
         assert not agent.reset_sm_clock(0)
-    assert len(decodes) == first  # unchanged file: no JSON decode
+    assert len(decodes) == first  # unchanged generation: nothing decoded
 
     assert agent.lock_sm_clock(0, 1005)  # its own write refreshes the cache
     assert agent.sm_clock_mhz(0) == 1005
@@ -394,12 +397,28 @@ def test_state_file_is_decoded_again_only_after_it_changes(
 
     assert rank.lock_sm_clock(0, 1200)  # another process's write is seen
     assert agent.sm_clock_mhz(0) == 1200
-    assert len(decodes) == first + 1
+    assert len(decodes) == first + 2  # both GPUs' records
 
-    # An in-place rewrite (same inode) is seen too.
-    text = state_file.read_text()
-    state_file.write_text(text.replace('"locked_sm_clock_mhz": 1200', '"locked_sm_clock_mhz": 855'))
-    assert agent.sm_clock_mhz(0) == 855
+
+def test_a_state_file_torn_by_a_dead_writer_or_cut_short_is_refused(
+    a100: Profile, clock: FakeClock, tmp_path: Path
+) -> None:
+    state_file = tmp_path / "gpus.json"
+    backend = make(a100, clock, state_file=state_file)
+    data = bytearray(state_file.read_bytes())
+    data[16] |= 1  # an odd generation: a writer died between its two generation bumps
+    state_file.write_bytes(bytes(data))
+    with pytest.raises(GpuError, match="died while writing it"):
+        backend.sm_clock_mhz(0)
+    with pytest.raises(ValueError, match="died while writing it"):
+        make(a100, clock, state_file=state_file)
+    with state_file.open("r+b") as f:
+        f.truncate(40)  # in place: the mapping must not be read past the file's end (SIGBUS)
+    with pytest.raises(GpuError, match="size changed"):
+        backend.sm_clock_mhz(0)
+    state_file.write_text('{"version": 1, "gpus": []}')  # a state file of an older version
+    with pytest.raises(ValueError, match="not an emulated GPU state file of version 2"):
+        make(a100, clock, state_file=state_file)
 
 
 def test_lock_survives_a_new_instance_until_reset(
@@ -455,7 +474,7 @@ def test_state_file_of_other_gpus_is_rejected(
     with pytest.raises(ValueError, match="UUID"):
         make(a100, clock, num_gpus=2, state_file=state_file, node_name="node-b")
     state_file.write_text("{not json")
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="not an emulated GPU state file"):
         make(a100, clock, state_file=state_file)
 
 
@@ -464,8 +483,11 @@ def test_corrupted_state_file_raises_gpu_error(
 ) -> None:
     state_file = tmp_path / "gpus.json"
     backend = make(a100, clock, state_file=state_file)
-    state_file.write_text("[]")
-    with pytest.raises(GpuError, match="invalid"):
+    data = bytearray(state_file.read_bytes())
+    data[24:40] = b"GPU-someone-else"  # GPU 0's UUID
+    data[16] += 2  # a completed write: the generation moved on
+    state_file.write_bytes(bytes(data))
+    with pytest.raises(GpuError, match="invalid: GPU 0 has UUID"):
         backend.sm_clock_mhz(0)
 
 
@@ -713,27 +735,34 @@ def test_slowdown_is_shared_through_the_state_file_across_processes(
     assert float(out[0]) == 1.0 and float(out[1]) == 1.5
     assert float(out[2]) == pytest.approx(1.5 * FWD0_1410[0], rel=1e-12)
     assert harness.slowdown(0) == 3.0  # the other process's change is seen here
-    assert json.loads(state_file.read_text())["gpus"][0]["slowdown"] == 3.0
+    fresh = EmulatedBackend(
+        2, a100, blocking_power_w=A100_BLOCKING_W, node_name="node-a", state_file=state_file
+    )
+    assert (fresh.slowdown(0), fresh.slowdown(1)) == (3.0, 1.5)
 
 
-def test_state_file_without_slowdown_reads_as_not_slowed(
+def test_a_bad_value_written_to_the_state_file_makes_it_invalid(
     a100: Profile, clock: FakeClock, tmp_path: Path
 ) -> None:
     state_file = tmp_path / "gpus.json"
-    make(a100, clock, state_file=state_file).lock_sm_clock(0, 1005)
-    state = json.loads(state_file.read_text())
-    for gpu in state["gpus"]:
-        del gpu["slowdown"]  # as written before slowdowns existed
-    state_file.write_text(json.dumps(state))
-    old = make(a100, clock, state_file=state_file)
-    assert old.slowdown(0) == 1.0 and old.slowdown(1) == 1.0
-    assert old.sm_clock_mhz(0) == 1005
-    assert old.instruction_time_s(0, 0, "forward") == pytest.approx(FWD0_1005[0], rel=1e-12)
-    # A bad value in the file is an invalid state file.
-    state["gpus"][1]["slowdown"] = 0.5
-    state_file.write_text(json.dumps(state))
+    backend = make(a100, clock, state_file=state_file)
+    backend.lock_sm_clock(0, 1005)
+    # Another writer that does not check what it writes (the backend's own setters refuse it).
+    raw = SharedGpuStates(
+        state_file, ["GPU-emu-node-a-0", "GPU-emu-node-a-1"], INSTRUCTIONS, lambda: []
+    )
+    with raw.transaction(write=True) as txn:
+        txn.gpus[1].slowdown = 0.5
+        txn.dirty = True
     with pytest.raises(GpuError, match=r"invalid.*slowdown"):
-        old.slowdown(1)
+        backend.slowdown(1)
+    with raw.transaction(write=True) as txn:
+        txn.gpus[1].slowdown = 1.0
+        txn.gpus[0].locked_sm_clock_mhz = 1234  # not a clock of the profile
+        txn.dirty = True
+    with pytest.raises(GpuError, match="unsupported clock 1234"):
+        backend.sm_clock_mhz(0)
+    raw.close()
 
 
 def test_metered_energy_ignores_injected_faults(a100: Profile, clock: FakeClock) -> None:

@@ -374,7 +374,7 @@ def test_a_corrupted_state_file_stops_the_job(profile: Profile, tmp_path: Path) 
             state_file.write_text("{not json")
 
     job = make_job(profile, nodes=nodes(state_dir=tmp_path), on_iteration=corrupt)
-    with pytest.raises(EmulatedJobError, match="cannot read emulated GPU state file") as info:
+    with pytest.raises(EmulatedJobError, match="emulated GPU state file .* is invalid") as info:
         job.run(50)
     assert info.value.rank in range(4, 8)  # the ranks of node 1
     assert info.value.result.iterations == 1
