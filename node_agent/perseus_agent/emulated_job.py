@@ -21,9 +21,10 @@ also wait on each other as real pipeline-parallel training does:
 
 An instruction runs for its profiled time at the GPU's current SM clock times the GPU's
 slowdown (:meth:`EmulatedBackend.set_slowdown`), scaled by ``time_scale``. The clock and the
-slowdown are read again every ``clock_poll_s`` seconds while an instruction runs (except in its
-last stretch, up to twice that) and the rest of its work goes at the new rate: the node agent
-applies the clock of an instruction a moment after the (pipelined) hook that announced it.
+slowdown are read again while an instruction runs, 0.5 ms after it starts and then at doubling
+intervals up to ``clock_poll_s`` (except in its last stretch, up to twice that), and the rest
+of its work goes at the new rate: the node agent applies the clock of an instruction a moment
+after the (pipelined) hook that announced it.
 A rank marks its GPU busy as an instruction starts, and idle only when it has to wait (for
 another stage or the all-reduce): between back-to-back instructions it goes straight from one
 to the next, so that no state-file write delays the hand-off to the next stage.
@@ -45,7 +46,9 @@ After every iteration (once all ranks are at the barrier, every GPU idle) the jo
      "energy_j": 51234.5,                  # sum of the energy counters of all the job's GPUs
      "node_energy_j": {"node-0": 25617.2, "node-1": 25617.3},
      "busy_s": 12.34,                      # sum of the GPUs' busy-time counters
-     "node_busy_s": {"node-0": 6.17, "node-1": 6.17}}
+     "node_busy_s": {"node-0": 6.17, "node-1": 6.17},
+     "overheads": {"hook_s": 0.004, ...}}   # the emulation's own costs, summed over the
+                                           # ranks (OVERHEADS says what each key means)
 
 Counters are the emulated GPUs' own (:meth:`EmulatedBackend.metered_energy_j`,
 :meth:`EmulatedBackend.busy_s`): cumulative since the GPU state was created, so with a shared
@@ -105,12 +108,18 @@ __all__ = [
     "IterationRecord",
     "JobResult",
     "NodeSpec",
+    "OVERHEADS",
     "RankClient",
     "RankInfo",
     "main",
 ]
 
 DEFAULT_CLOCK_POLL_S = 0.005
+# The first re-read of an instruction's rate: the agent applies the clock the instruction's
+# hook asked for about a millisecond after it (or had it in place already, from the previous
+# computation's end), so the reads start fast and back off to ``clock_poll_s``; reading only
+# every 5 ms ran many instructions 5 ms at the previous clock, time the agent did not cause.
+_FIRST_POLL_S = 0.0005
 
 # Oversleep compensation (see EmulatedJob._compute): how fast the estimate follows, and its cap.
 _SLACK_GAIN = 0.25
@@ -182,6 +191,9 @@ class IterationRecord:
     """Sum of the busy-time counters of all the job's GPUs."""
     node_busy_s: dict[str, float]
     """Per node name, the sum of its GPUs' busy-time counters."""
+    overheads: dict[str, float] = field(default_factory=dict)
+    """What the emulation spent on the iteration, summed over its ranks (see
+    :data:`OVERHEADS`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -192,7 +204,18 @@ class IterationRecord:
             "node_energy_j": dict(self.node_energy_j),
             "busy_s": self.busy_s,
             "node_busy_s": dict(self.node_busy_s),
+            "overheads": dict(self.overheads),
         }
+
+
+OVERHEADS: dict[str, str] = {
+    "hook_s": "time the ranks spent in perseus_client calls",
+    "clock_lag_s": "time computations ran at the previous clock before the agent's change",
+    "clock_changes": "computations whose clock changed while they ran",
+    "handoff_s": "from a computation's end to the rank waiting on it running again",
+    "handoffs": "waits on another stage's computation",
+}
+"""The keys of :attr:`IterationRecord.overheads`, and what each sums over the ranks."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +298,34 @@ class _NoClient:
 
     def close(self) -> None:
         pass
+
+
+class _TimedClient:
+    """A rank's client whose calls add their time to the rank's ``hook_s`` overhead."""
+
+    def __init__(self, client: RankClient, overheads: dict[str, float]) -> None:
+        self._client = client
+        self._overheads = overheads
+
+    def on_step_begin(self, step: int) -> None:
+        start_s = time.monotonic()
+        self._client.on_step_begin(step)
+        self._overheads["hook_s"] += time.monotonic() - start_s
+
+    def on_step_end(self, step: int) -> None:
+        start_s = time.monotonic()
+        self._client.on_step_end(step)
+        self._overheads["hook_s"] += time.monotonic() - start_s
+
+    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> None:
+        start_s = time.monotonic()
+        self._client.on_instruction_begin(name, microbatch)
+        self._overheads["hook_s"] += time.monotonic() - start_s
+
+    def on_instruction_end(self, name: str) -> None:
+        start_s = time.monotonic()
+        self._client.on_instruction_end(name)
+        self._overheads["hook_s"] += time.monotonic() - start_s
 
 
 def default_client(
@@ -409,6 +460,9 @@ class EmulatedJob:
         self._records: list[IterationRecord] = []
         self._begin_s = [0.0] * num_ranks
         self._end_s = [0.0] * num_ranks
+        # Per rank, this iteration's overheads (OVERHEADS): each rank adds to its own.
+        self._overheads = [dict.fromkeys(OVERHEADS, 0.0) for _ in range(num_ranks)]
+        self._signalled_s: dict[_DepKey, float] = {}
         self._barrier = threading.Barrier(num_ranks, action=self._iteration_done)
         self._deps_lock = threading.Lock()
         self._deps: dict[_DepKey, threading.Event] = {}
@@ -552,11 +606,13 @@ class EmulatedJob:
     def _rank_loop(self, info: RankInfo, backend: EmulatedBackend, client: RankClient) -> None:
         rank, replica, stage, index = info.rank, info.replica, info.stage, info.gpu_index
         last_stage = self._stages - 1
+        overheads = self._overheads[rank]
+        hooks = _TimedClient(client, overheads)
         slack_s = 0.0
         step = 0
         while True:
             self._begin_s[rank] = time.monotonic()
-            client.on_step_begin(step)
+            hooks.on_step_begin(step)
             busy = False  # the GPU is still marked busy with the previous instruction
             for instruction, microbatch in self._orders[stage]:
                 if self._aborted:
@@ -571,17 +627,17 @@ class EmulatedJob:
                     if busy and not event.is_set():
                         backend.set_activity(index, None, None)  # it waits idle
                         busy = False
-                    self._wait(dependency, event)
-                client.on_instruction_begin(instruction, microbatch)
-                slack_s = self._compute(backend, index, stage, instruction, slack_s)
+                    self._wait(dependency, event, overheads)
+                hooks.on_instruction_begin(instruction, microbatch)
+                slack_s = self._compute(backend, index, stage, instruction, slack_s, overheads)
                 busy = True
-                client.on_instruction_end(instruction)
+                hooks.on_instruction_end(instruction)
                 if (instruction == FORWARD and stage < last_stage) or (
                     instruction == BACKWARD and stage > 0
                 ):
                     self._signal((step, replica, stage, instruction, microbatch))
             backend.set_activity(index, None, None)  # idle through the all-reduce
-            client.on_step_end(step)
+            hooks.on_step_end(step)
             self._end_s[rank] = time.monotonic()
             self._barrier.wait()  # the gradient all-reduce; its action records the iteration
             if not self._continue:
@@ -589,37 +645,51 @@ class EmulatedJob:
             step += 1
 
     def _compute(
-        self, backend: EmulatedBackend, index: int, stage: int, instruction: str, slack_s: float
+        self,
+        backend: EmulatedBackend,
+        index: int,
+        stage: int,
+        instruction: str,
+        slack_s: float,
+        overheads: dict[str, float],
     ) -> float:
-        """Run one instruction: busy for its time, re-reading the rate every ``clock_poll_s``.
+        """Run one instruction: busy for its time, re-reading the rate as it runs.
 
         The time starts before the GPU is marked busy, so that marking it (a state file
         write) is part of the instruction rather than added to it. The GPU stays marked busy
-        after it: the caller marks it idle only when it has to wait. ``slack_s`` is how much
-        earlier than its end the last sleep wakes up, to make up for the usual oversleep of
-        ``time.sleep``; returns it updated with this instruction's oversleep.
+        after it: the caller marks it idle only when it has to wait. The rate is read again
+        after :data:`_FIRST_POLL_S`, then at doubling intervals up to ``clock_poll_s``; a
+        change counts in ``overheads`` (how long the computation ran before it). ``slack_s``
+        is how much earlier than its end the last sleep wakes up, to make up for the usual
+        oversleep of ``time.sleep``; returns it updated with this instruction's oversleep.
         """
-        last_s = time.monotonic()
+        start_s = last_s = time.monotonic()
         backend.set_activity(index, stage, instruction)
         duration_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
         remaining = 1.0  # fraction of the work still to do
+        poll_s = min(_FIRST_POLL_S, self._clock_poll_s)
         while True:
             end_s = last_s + remaining * duration_s
             now_s = time.monotonic()
             # The last stretch is at least one poll long, so that the oversleep correction
             # always has room (a sleep of a few microseconds cannot wake up early).
-            if end_s - now_s <= 2 * self._clock_poll_s:
+            if end_s - now_s <= 2 * poll_s:
                 delay_s = end_s - now_s - slack_s
                 if delay_s > 0:
                     time.sleep(delay_s)
                     late_s = time.monotonic() - end_s
                     slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
                 break
-            time.sleep(self._clock_poll_s)
+            time.sleep(poll_s)
+            poll_s = min(2 * poll_s, self._clock_poll_s)
             now_s = time.monotonic()
             remaining -= (now_s - last_s) / duration_s
             last_s = now_s
-            duration_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
+            rate_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
+            if rate_s != duration_s:
+                duration_s = rate_s
+                overheads["clock_changes"] += 1
+                overheads["clock_lag_s"] += now_s - start_s
         return slack_s
 
     def _event(self, key: _DepKey) -> threading.Event:
@@ -633,15 +703,25 @@ class EmulatedJob:
             return event
 
     def _signal(self, key: _DepKey) -> None:
-        self._event(key).set()
+        event = self._event(key)
+        self._signalled_s[key] = time.monotonic()
+        event.set()
 
-    def _wait(self, key: _DepKey, event: threading.Event) -> None:
-        """Wait for the computation ``key`` (its :meth:`_event`); each key has one waiter."""
+    def _wait(self, key: _DepKey, event: threading.Event, overheads: dict[str, float]) -> None:
+        """Wait for the computation ``key`` (its :meth:`_event`); each key has one waiter.
+
+        A wait that blocked counts as a hand-off in ``overheads``: from the signal to now.
+        """
+        blocked = not event.is_set()
         event.wait()
         if self._aborted:
             raise _AbortedError
         with self._deps_lock:
             del self._deps[key]
+            signalled_s = self._signalled_s.pop(key, None)
+        if blocked and signalled_s is not None:
+            overheads["handoffs"] += 1
+            overheads["handoff_s"] += max(0.0, time.monotonic() - signalled_s)
 
     def _fail(self, rank: int | None, error: BaseException, where: str | None = None) -> None:
         """Record the first error and make every rank exit: wake every waiter."""
@@ -671,6 +751,9 @@ class EmulatedJob:
                 node.name: sum(backend.busy_s(i) for i in range(backend.num_gpus))
                 for node, backend in zip(self._nodes, self._backends, strict=True)
             }
+            overheads = {k: sum(o[k] for o in self._overheads) for k in OVERHEADS}
+            for per_rank in self._overheads:
+                per_rank.update(dict.fromkeys(OVERHEADS, 0.0))
             record = IterationRecord(
                 iteration=len(self._records),
                 end_s=end_s,
@@ -679,6 +762,7 @@ class EmulatedJob:
                 node_energy_j=node_energy_j,
                 busy_s=sum(node_busy_s.values()),
                 node_busy_s=node_busy_s,
+                overheads=overheads,
             )
             self._records.append(record)
             if self._on_iteration is not None:

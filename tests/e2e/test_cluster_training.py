@@ -42,10 +42,13 @@ from agent_process import Agent, source_env
 from cluster_harness import Cluster, require
 from dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs
 from operator_harness import OperatorProcess, cut_profile
+from perseus_agent.emulated_job import OVERHEADS
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
-from perseus_api.profile import parse_profile
-from perseus_operator.lifecycle import PROFILE_KEY, profile_config_map_name
+from perseus_api.job import Granularity, Policy, ScheduleName
+from perseus_api.profile import Profile, parse_profile
+from perseus_operator.lifecycle import BLOCKING_POWER_KEY, PROFILE_KEY, profile_config_map_name
+from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier
 from perseus_operator.workloads import (
     GPU_RESOURCE,
     PYTORCH_CONTAINER,
@@ -64,7 +67,7 @@ STAGES, REPLICAS, MICROBATCHES, GPUS = 4, 2, 8, 4
 NODES = [f"gpu-node-{i}" for i in range(REPLICAS)]  # one pipeline replica each
 BLOCKING_W = 83.64
 # Profiled instruction times scaled by this: an iteration takes ~0.8 s instead of ~1.6 s.
-TIME_SCALE = 0.5
+TIME_SCALE = 1.0
 TIMEOUT_S = 240.0
 MEASURED_ITERATIONS = 8
 SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one more
@@ -88,6 +91,8 @@ class Window:
     energy_j: float
     node_energy_j: dict[str, float]
     replica_times_s: list[float]
+    overheads: dict[str, float]
+    """Per iteration, the emulation's own costs (``emulated_job.OVERHEADS``), mean."""
 
     @property
     def iteration_s(self) -> float:
@@ -103,6 +108,51 @@ def savings(all_max: Window, planned: Window) -> float:
     return 1 - planned.energy_j / baseline_j
 
 
+def overheads(window: Window) -> str:
+    o = window.overheads
+    return (
+        f"hooks {o['hook_s'] * 1e3:.2f} ms, {o['clock_changes']:.1f} clock changes mid-"
+        f"computation lagging {o['clock_lag_s'] * 1e3:.2f} ms, {o['handoffs']:.0f} hand-offs "
+        f"{o['handoff_s'] * 1e3:.2f} ms"
+    )
+
+
+def profile_accuracy(measured: Profile, blocking_w: float | None) -> tuple[str, float]:
+    """How the profile the agents measured differs from the one the emulated GPUs follow (the
+    bundled one, times scaled), and the savings the planner predicts from the truth on the
+    same clocks: the prediction error that profiling alone makes. A report, and that ratio."""
+    truth = parse_profile(cut_profile(STAGES), "truth")
+    time_errors, energy_errors = [], []
+    rows = ["stage,instruction,frequency,time,energy"]
+    for key, m in measured.measurements.items():
+        true = truth.measurements[key]
+        by_clock = {int(f): (t, e) for f, t, e in zip(*_columns(true), strict=True)}
+        for f, t, e in zip(*_columns(m), strict=True):
+            true_t, true_e = by_clock[int(f)]
+            time_errors.append(t / (true_t * TIME_SCALE) - 1)
+            energy_errors.append(e / (true_e * TIME_SCALE) - 1)
+            rows.append(f"{key[0]},{key[1]},{int(f)},{true_t * TIME_SCALE},{true_e * TIME_SCALE}")
+    frontier = solve_frontier(
+        PlanningInput(
+            "\n".join(rows) + "\n", "truth", ScheduleName.ONE_F_ONE_B, STAGES, MICROBATCHES,
+            BLOCKING_W,
+        )
+    )  # fmt: skip
+    ideal = choose_plan(frontier, Policy(granularity=Granularity.INSTRUCTION))
+    report = (
+        f"profile vs the emulated GPUs': time error median {statistics.median(time_errors):+.2%} "
+        f"(range {min(time_errors):+.2%}..{max(time_errors):+.2%}), energy error median "
+        f"{statistics.median(energy_errors):+.2%} (range {min(energy_errors):+.2%}.."
+        f"{max(energy_errors):+.2%}), blocking power {blocking_w} W (true {BLOCKING_W} W); "
+        f"savings predicted from the truth on these clocks {ideal.estimate.savings_ratio:.2%}"
+    )
+    return report, ideal.estimate.savings_ratio
+
+
+def _columns(m: Any) -> tuple[Any, Any, Any]:
+    return m.frequencies_mhz, m.times_s, m.energies_j
+
+
 def measure_plan(
     training: Training, baseline: Window, status: dict[str, Any], label: str
 ) -> tuple[Window, str]:
@@ -116,7 +166,8 @@ def measure_plan(
         f"{label}: all-max {baseline.iteration_s:.4f} s {baseline.energy_j:.1f} J/iteration; "
         f"planned {planned.iteration_s:.4f} s {planned.energy_j:.1f} J/iteration; saved "
         f"{saved:.2%}, predicted {predicted:.2%}; planner T_min "
-        f"{status['frontier']['tMinSeconds']:.4f} s"
+        f"{status['frontier']['tMinSeconds']:.4f} s; emulation overheads per iteration: "
+        f"all-max {overheads(baseline)}; planned {overheads(planned)}"
     )
     print(report)
     assert saved >= 0.8 * predicted, report
@@ -184,6 +235,7 @@ class Training:
                 statistics.median(r["replica_times_s"][d] for r in records[1:])
                 for d in range(REPLICAS)
             ],
+            {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
         )
 
     def output(self) -> str:
@@ -439,6 +491,8 @@ def test_profiling_survives_an_operator_restart_and_the_plan_saves_energy(
     clocks = sorted({int(f) for f in profile.frequencies_mhz})
     # The whole sweep (1050-1410 MHz every 30 MHz), measured before and after the restart.
     assert clocks == list(range(1050, 1411, 30)), clocks
+    blocking = profile_map.data.get(BLOCKING_POWER_KEY)
+    print(profile_accuracy(profile, None if blocking is None else float(blocking))[0])
 
     planned, report = measure_plan(training, baseline, status, "Instruction at T_min")
     assert status["plan"]["expectedSavingsRatio"] > 0.03, report
