@@ -102,13 +102,13 @@ from perseus_client import PerseusClient
 from perseus_client.client import DEFAULT_RETRY_INTERVAL_S
 
 __all__ = [
+    "OVERHEADS",
     "ClientFactory",
     "EmulatedJob",
     "EmulatedJobError",
     "IterationRecord",
     "JobResult",
     "NodeSpec",
-    "OVERHEADS",
     "RankClient",
     "RankInfo",
     "main",

@@ -22,6 +22,7 @@ import pytest
 
 from operator_harness import cut_profile, profile_of
 from perseus_agent.emulated_job import (
+    OVERHEADS,
     EmulatedJob,
     EmulatedJobError,
     IterationRecord,
@@ -321,6 +322,61 @@ def test_ranks_follow_the_pipeline_dependencies_and_the_layout(profile: Profile)
 # -- stopping and errors --------------------------------------------------------------------------
 
 
+class LateAgentClient(RecordingClient):
+    """Hooks that take ``hook_s`` each, and lock the GPU at another clock ``lag_s`` after each
+    computation begins, as an agent too slow to have the clock in place would."""
+
+    hook_s = 0.0005
+    lag_s = 0.003
+
+    def __init__(self, info: RankInfo, log: list[Event], backend: EmulatedBackend) -> None:
+        super().__init__(info, log)
+        self.backend = backend
+        self.clocks = backend.supported_sm_clocks_mhz(info.gpu_index)[:2]
+        self.timers: list[threading.Timer] = []
+
+    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
+        time.sleep(self.hook_s)
+        clock = self.clocks[self.count % 2]
+        timer = threading.Timer(
+            self.lag_s, self.backend.lock_sm_clock, (self.info.gpu_index, clock)
+        )
+        timer.start()
+        self.timers.append(timer)
+        return super().on_instruction_begin(name, microbatch)
+
+    def close(self) -> None:
+        for timer in self.timers:
+            timer.join()
+        super().close()
+
+
+def test_records_carry_the_emulations_own_costs(profile: Profile) -> None:
+    log: list[Event] = []
+    backends: list[EmulatedBackend] = []
+
+    def client(info: RankInfo) -> LateAgentClient:
+        return LateAgentClient(info, log, backends[info.node_rank])
+
+    # Slower than the other tests: computations must outlast the agent's lag.
+    job = make_job(profile, client_factory=client, time_scale=0.2)
+    backends.extend(job.backends)
+    records = job.run(3).records
+    instructions = STAGES * 2 * MICROBATCHES * 2  # per iteration: ranks x computations each
+    for record in records[1:]:  # the first iteration's clocks start in place
+        o = record.overheads
+        assert o["hook_s"] >= instructions * LateAgentClient.hook_s
+        # Every computation saw its clock change (to the other of two) while it ran, the
+        # change landing a poll or so after the lag.
+        assert o["clock_changes"] >= 0.9 * instructions
+        per_change_s = o["clock_lag_s"] / o["clock_changes"]
+        assert LateAgentClient.lag_s <= per_change_s < LateAgentClient.lag_s + 0.01
+        # Stages wait on each other: every forward but stage 0's and every backward but the
+        # last stage's (when it has to wait at all).
+        assert 0 < o["handoffs"] <= 2 * 2 * (STAGES - 1) * MICROBATCHES
+        assert o["handoff_s"] > 0
+
+
 def test_stop_ends_every_rank_after_the_current_iteration(profile: Profile) -> None:
     log: list[Event] = []
     two = threading.Event()
@@ -374,7 +430,7 @@ def test_a_corrupted_state_file_stops_the_job(profile: Profile, tmp_path: Path) 
             state_file.write_text("{not json")
 
     job = make_job(profile, nodes=nodes(state_dir=tmp_path), on_iteration=corrupt)
-    with pytest.raises(EmulatedJobError, match="emulated GPU state file .* is invalid") as info:
+    with pytest.raises(EmulatedJobError, match=r"emulated GPU state file .* is invalid") as info:
         job.run(50)
     assert info.value.rank in range(4, 8)  # the ranks of node 1
     assert info.value.result.iterations == 1
@@ -470,7 +526,9 @@ def test_cli_appends_records_and_prints_a_summary(
             "node_energy_j",
             "busy_s",
             "node_busy_s",
+            "overheads",
         }
+        assert set(r["overheads"]) == set(OVERHEADS)
         assert len(r["replica_times_s"]) == 2
         assert set(r["node_energy_j"]) == {"a", "node-1"}  # default names by node rank
     assert records[0]["energy_j"] < records[1]["energy_j"] < records[2]["energy_j"]
