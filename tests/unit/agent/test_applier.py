@@ -604,11 +604,20 @@ class RecordingSampler(EnergySampler):
 class Profiling:
     """An applier over emulated GPUs in simulated time, and training ranks calling it.
 
-    Every sampler the applier makes samples on every 1 ms of simulated time and whenever a
-    GPU's power changes, as the background thread would (closely enough to be exact).
+    Every sampler the applier makes samples on every ``period_ns`` of simulated time and, with
+    ``at_power_changes``, whenever a GPU's power changes (closely enough to be exact).
     """
 
-    def __init__(self, tmp_path: Path, num_gpus: int = 2) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        num_gpus: int = 2,
+        *,
+        period_ns: int = 1_000_000,
+        at_power_changes: bool = True,
+    ) -> None:
+        self.period_ns = period_ns
+        self.at_power_changes = at_power_changes
         self.sim = SimTime()
         self.gpus = EmulatedBackend(
             num_gpus,
@@ -678,7 +687,7 @@ class Profiling:
         while self.next_sample_ns <= end:
             self.sim.ns = max(self.sim.ns, self.next_sample_ns)
             self.sample()
-            self.next_sample_ns += 1_000_000
+            self.next_sample_ns += self.period_ns
         self.sim.ns = end
 
     def sample(self) -> None:
@@ -699,10 +708,12 @@ class Profiling:
             )
             clocks.append(reply["sm_clock_mhz"])
             self.gpus.set_activity(index, stage, name)
-            self.sample()
+            if self.at_power_changes:
+                self.sample()
             self.advance(round(self.gpus.instruction_time_s(index, stage, name) * 1e9))
             self.gpus.set_activity(index, None, None)
-            self.sample()
+            if self.at_power_changes:
+                self.sample()
             a.instruction_end(s, {"op": "instruction_end", "name": name}, self.sim.ns)  # type: ignore[typeddict-item]
             self.advance(2_000_000)
         a.step_end(s, {"op": "step_end", "step": 0}, self.sim.ns)
@@ -781,6 +792,24 @@ def test_profiling_runs_each_clock_and_reports_the_profile(tmp_path: Path) -> No
     # Nothing more happens: the process trains on at default clocks.
     assert run.iteration(s, 0, stage=0) == [None] * 4
     assert run.gpus.locked_sm_clock_mhz(0) is None
+
+
+def test_profiling_samples_the_counter_at_each_computations_edges(tmp_path: Path) -> None:
+    # The background sampler's 5 ms alone: the counter interpolated across each edge between
+    # a computation and idle time put part of the computation's energy in the idle time.
+    run = Profiling(tmp_path, period_ns=5_000_000, at_power_changes=False)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1410, 1005], iterations=2, warmup=1))
+    s = run.connect(0)
+    for _ in range(2 * (1 + 2)):
+        run.iteration(s, 0, stage=0)
+    run.advance(10_000_000)
+    report = a.report()
+    assert report is not None
+    (p,) = report.profiling
+    assert p.done
+    assert profile_rows(report, 0) == expected_profile(0, [1410, 1005], samples=4)
+    assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
 
 
 def test_profiling_clamps_unsupported_clocks_and_reports_them(tmp_path: Path) -> None:
