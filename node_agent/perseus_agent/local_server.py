@@ -27,6 +27,23 @@ every thread wake-up is latency). Each request's receipt time
 (``time.monotonic_ns()``, taken as soon as its line is read) is passed to the
 handler for profiling.
 
+Limits. A process that can reach the socket must not lock the real training processes out,
+so no connection holds a slot for free (see :class:`LocalServer` for the numbers):
+
+* a connection must say hello within ``hello_timeout_s`` of connecting (a slow drip of bytes
+  does not extend that), and is closed after ``idle_timeout_s`` without a request (a training
+  process's client reconnects by itself at its next hook);
+* connections that have not said hello yet are capped, per peer process (``SO_PEERCRED``) and
+  in all; the oldest such connection makes room for a new one, so a flood of silent
+  connections cannot keep a newcomer from its hello;
+* each peer process has a cap on its connections, and when every slot is taken a newcomer
+  displaces the longest-idle connection of the peer holding the most (if that peer holds more
+  than the newcomer's), so one process cannot hold every slot.
+
+A peer outside the agent's PID namespace (no ``hostPID``) shows as pid 0: all such peers of one
+uid then count as one peer, and only the hello timeout and the all-peer caps tell them apart.
+Connections closed by these rules are logged at a limited rate.
+
 Failures stay per connection: a malformed or unknown request gets an
 ``{"ok": false, "error": ...}`` reply and the connection stays usable; a line
 longer than :data:`~perseus_client.protocol.MAX_MESSAGE_BYTES` gets an error
@@ -46,6 +63,7 @@ import stat
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +71,7 @@ from types import TracebackType
 from typing import Any, Final, Protocol
 
 from perseus_agent.errors import AgentError
+from perseus_agent.log_limit import RateLimitedLog
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     OP_HELLO,
@@ -76,6 +95,18 @@ MAX_SOCKET_PATH_BYTES: Final = 107
 
 DEFAULT_SOCKET_MODE: Final = 0o660
 DIRECTORY_MODE: Final = 0o750
+
+DEFAULT_MAX_CONNECTIONS: Final = 256
+DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
+"""A client sends hello right after connecting: this is seconds of slack for a loaded node."""
+DEFAULT_IDLE_TIMEOUT_S: Final = 1800.0
+"""Longer than any pause of a training loop between hooks but a checkpoint or an evaluation;
+after one of those the client reconnects by itself (its GPUs are at default clocks meanwhile)."""
+DEFAULT_MAX_PENDING: Final = 32
+"""Connections that have not said hello yet, all peers together."""
+DEFAULT_MAX_PENDING_PER_PEER: Final = 4
+DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
+"""A training process needs one connection (per rank it drives)."""
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -110,6 +141,14 @@ class ClientSession:
     connected_ns: int
     hello: HelloRequest | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    last_request_ns: int = 0
+    """``time.monotonic_ns()`` of the last request received (of the accept before one)."""
+
+    @property
+    def peer(self) -> tuple[int | None, int | None]:
+        """Whose connection this is, for the per-peer limits: ``(uid, pid)``, the pid ``None``
+        when unknown or 0 (a process outside the agent's PID namespace)."""
+        return self.peer_uid, self.peer_pid or None
 
     @property
     def rank(self) -> int | None:
@@ -188,6 +227,7 @@ def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
     return int(pid), int(uid), int(gid)
 
 
+_LISTEN_BACKLOG: Final = 1024
 _RECV_BYTES: Final = 65536
 _DISCARD_LIMIT_BYTES: Final = 1 << 20
 _ACCEPT_RETRY_S: Final = 1.0
@@ -198,6 +238,12 @@ class _Connection:
     session: ClientSession
     sock: socket.socket
     thread: threading.Thread
+    evicted: bool = False
+    """Shut down to make room for a newcomer; its thread is ending."""
+
+    @property
+    def pending(self) -> bool:
+        return self.session.hello is None
 
 
 def _discard_input(sock: socket.socket) -> None:
@@ -228,9 +274,20 @@ class LocalServer:
         socket_mode: Mode of the socket file; only owner and group bits are sensible.
         socket_group: Group id given to the socket (and to a directory it creates);
             training pods need it as a supplementary group. ``None``: the agent's group.
-        max_connections: Further connections get an error reply and are closed. Each
-            connection has a thread of its own (a node runs at most a few dozen
-            training processes).
+        max_connections: All connections together (each has a thread of its own; a node runs
+            at most a few dozen training processes). When they are all taken a newcomer
+            replaces a connection that has not said hello, or the longest-idle connection
+            of the peer holding the most (if that holds more than the newcomer's peer),
+            else it gets an error reply and is closed.
+        hello_timeout_s: A connection that has not said hello this long after connecting is
+            closed.
+        idle_timeout_s: A connection without a request for this long is closed; ``None``:
+            never.
+        max_pending: Connections that have not said hello yet, in all; the oldest is closed
+            to make room for a new one.
+        max_pending_per_peer: The same, per peer process.
+        max_connections_per_peer: Connections of one peer process; further ones are refused
+            (after closing that peer's oldest connection without hello, if any).
 
     A stale socket left at ``socket_path`` by a crashed agent is removed; a live one
     (something accepts connections there) or a file that is not a socket is an error.
@@ -243,8 +300,23 @@ class LocalServer:
         *,
         socket_mode: int = DEFAULT_SOCKET_MODE,
         socket_group: int | None = None,
-        max_connections: int = 256,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+        idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER,
+        max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
     ) -> None:
+        for name, value in (
+            ("max_connections", max_connections),
+            ("max_pending", max_pending),
+            ("max_pending_per_peer", max_pending_per_peer),
+            ("max_connections_per_peer", max_connections_per_peer),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not hello_timeout_s > 0 or (idle_timeout_s is not None and not idle_timeout_s > 0):
+            raise ValueError("hello_timeout_s and idle_timeout_s must be positive")
         if socket_mode & ~0o777:
             raise ValueError(f"socket_mode {socket_mode:#o} has bits beyond 0o777")
         if socket_mode & 0o007:
@@ -263,6 +335,12 @@ class LocalServer:
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_pending = max_pending
+        self.max_pending_per_peer = max_pending_per_peer
+        self.max_connections_per_peer = max_connections_per_peer
+        self._limit_log = RateLimitedLog(logger)
 
         self._thread: threading.Thread | None = None  # the accept loop
         self._listener: socket.socket | None = None
@@ -387,7 +465,8 @@ class LocalServer:
                 tmp.chmod(self.socket_mode)
                 if self.socket_group is not None:
                     os.chown(tmp, -1, self.socket_group)
-                sock.listen(128)
+                # Room for bursts: a client finding the backlog full fails its connect at once.
+                sock.listen(_LISTEN_BACKLOG)
                 tmp.replace(path)  # only now reachable under its real name
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -486,18 +565,36 @@ class LocalServer:
 
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = _peer_credentials(sock)
-        session = ClientSession(next(self._ids), pid, uid, gid, time.monotonic_ns())
+        now_ns = time.monotonic_ns()
+        session = ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
         cid = session.connection_id
         thread = threading.Thread(
             target=self._serve, args=(sock, session), name=f"perseus-client-{cid}", daemon=True
         )
         with self._lock:
-            full = len(self._connections) >= self.max_connections
-            if not full:
+            victims, refusal = self._make_room(session.peer)
+            for victim in victims:
+                victim.evicted = True
+                with contextlib.suppress(OSError):
+                    victim.sock.shutdown(socket.SHUT_RDWR)  # its thread closes it
+            if refusal is None:
                 self._connections[cid] = _Connection(session, sock, thread)
-        if full:
-            logger.warning("refusing connection %d (pid %s): too many connections", cid, pid)
-            self._refuse_connection(sock, "too many connections")
+        for victim in victims:
+            v = victim.session
+            self._limit_log.warning(
+                "evict",
+                "closing connection %d (pid %s, uid %s, %s) to make room for connection %d",
+                v.connection_id,
+                v.peer_pid,
+                v.peer_uid,
+                "no hello yet" if victim.pending else "idle",
+                cid,
+            )
+        if refusal is not None:
+            self._limit_log.warning(
+                "refuse", "refusing connection %d (pid %s, uid %s): %s", cid, pid, uid, refusal
+            )
+            self._refuse_connection(sock, refusal)
             return
         try:
             sock.setblocking(True)
@@ -509,6 +606,42 @@ class LocalServer:
             self._refuse_connection(sock, "the agent cannot serve another connection now")
             return
         logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
+
+    def _make_room(
+        self, peer: tuple[int | None, int | None]
+    ) -> tuple[list[_Connection], str | None]:
+        """Under ``_lock``: the connections to close so that a newcomer of ``peer`` fits, or
+        why it is refused (then nothing is closed)."""
+        live = [c for c in self._connections.values() if not c.evicted]  # oldest first
+        victims: list[_Connection] = []
+
+        def evict_oldest_pending(of: tuple[int | None, int | None] | None = None) -> bool:
+            for c in live:
+                if c.pending and (of is None or c.session.peer == of):
+                    victims.append(c)
+                    live.remove(c)
+                    return True
+            return False
+
+        if sum(c.pending and c.session.peer == peer for c in live) >= self.max_pending_per_peer:
+            evict_oldest_pending(peer)
+        if sum(c.pending for c in live) >= self.max_pending:
+            evict_oldest_pending()
+        if sum(
+            c.session.peer == peer for c in live
+        ) >= self.max_connections_per_peer and not evict_oldest_pending(peer):
+            return [], "too many connections from this process"
+        if len(live) >= self.max_connections and not evict_oldest_pending():
+            counts = Counter(c.session.peer for c in live)
+            heaviest, held = counts.most_common(1)[0]
+            if held <= counts.get(peer, 0) + 1:
+                return [], "too many connections"
+            idlest = min(
+                (c for c in live if c.session.peer == heaviest),
+                key=lambda c: c.session.last_request_ns,
+            )
+            victims.append(idlest)
+        return victims, None
 
     @staticmethod
     def _refuse_connection(sock: socket.socket, message: str) -> None:
@@ -522,6 +655,8 @@ class LocalServer:
         """Serve one connection until EOF, an oversized line, a send failure or stop()."""
         cid = session.connection_id
         buffer = b""
+        hello_deadline_s = session.connected_ns / 1e9 + self.hello_timeout_s
+        timeout_s: float | None = None  # of the socket now; blocking at accept
         try:
             while True:
                 end = buffer.find(b"\n") + 1
@@ -529,7 +664,38 @@ class LocalServer:
                     if len(buffer) >= MAX_MESSAGE_BYTES:
                         self._oversized(sock, cid)
                         break
-                    data = sock.recv(_RECV_BYTES)
+                    if session.hello is None:
+                        # From the accept on, not per read: a drip of bytes gains nothing.
+                        wanted_s: float | None = hello_deadline_s - time.monotonic()
+                        if wanted_s is not None and wanted_s <= 0:
+                            self._limit_log.log(
+                                logging.INFO,
+                                "hello_timeout",
+                                "closing connection %d (pid %s): no hello within %.0f s",
+                                cid,
+                                session.peer_pid,
+                                self.hello_timeout_s,
+                            )
+                            break
+                    else:
+                        wanted_s = self.idle_timeout_s
+                    if wanted_s != timeout_s:  # a syscall-free attribute, but skip the call
+                        sock.settimeout(wanted_s)
+                        timeout_s = wanted_s
+                    try:
+                        data = sock.recv(_RECV_BYTES)
+                    except TimeoutError:
+                        if session.hello is None:
+                            continue  # the deadline check above logs and closes
+                        self._limit_log.log(
+                            logging.INFO,
+                            "idle_timeout",
+                            "closing connection %d (pid %s): no request for %.0f s",
+                            cid,
+                            session.peer_pid,
+                            self.idle_timeout_s or 0.0,
+                        )
+                        break
                     if not data:
                         break  # EOF (a partial last line is dropped)
                     buffer += data
@@ -538,6 +704,7 @@ class LocalServer:
                     self._oversized(sock, cid)
                     break
                 received_ns = time.monotonic_ns()
+                session.last_request_ns = received_ns
                 line, buffer = buffer[:end], buffer[end:]
                 sock.sendall(self._handle(session, line, received_ns))
         except OSError as exc:
