@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -63,7 +64,6 @@ import stat
 import struct
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +72,7 @@ from typing import Any, Final, Protocol
 
 from perseus_agent.errors import AgentError
 from perseus_agent.log_limit import RateLimitedLog
+from perseus_agent.socket_limits import Limits, make_room
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     OP_HELLO,
@@ -102,9 +103,11 @@ DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
 DEFAULT_IDLE_TIMEOUT_S: Final = 1800.0
 """Longer than any pause of a training loop between hooks but a checkpoint or an evaluation;
 after one of those the client reconnects by itself (its GPUs are at default clocks meanwhile)."""
-DEFAULT_MAX_PENDING: Final = 32
+DEFAULT_MAX_PENDING: Final = 64
 """Connections that have not said hello yet, all peers together."""
-DEFAULT_MAX_PENDING_PER_PEER: Final = 4
+DEFAULT_MAX_PENDING_PER_PEER: Final = 16
+"""Room for every rank of a pod connecting at once (the pods of one uid are one peer to an
+agent without ``hostPID``)."""
 DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
 """A training process needs one connection (per rank it drives)."""
 
@@ -231,19 +234,32 @@ _LISTEN_BACKLOG: Final = 1024
 _RECV_BYTES: Final = 65536
 _DISCARD_LIMIT_BYTES: Final = 1 << 20
 _ACCEPT_RETRY_S: Final = 1.0
+_ACCEPT_BATCH: Final = 64
 
 
 @dataclass(eq=False)
 class _Connection:
     session: ClientSession
     sock: socket.socket
-    thread: threading.Thread
+    thread: threading.Thread | None = None
+    """``None`` until its first line: the accept loop reads that, so a connection that never
+    sends one costs a file descriptor, not a thread."""
+    buffer: bytes = b""
+    """What the accept loop read, handed to the thread."""
     evicted: bool = False
-    """Shut down to make room for a newcomer; its thread is ending."""
+    """Closed to make room for a newcomer (its thread, if any, is ending)."""
 
     @property
     def pending(self) -> bool:
         return self.session.hello is None
+
+    @property
+    def peer(self) -> tuple[int | None, int | None]:
+        return self.session.peer
+
+    @property
+    def last_request_ns(self) -> int:
+        return self.session.last_request_ns
 
 
 def _discard_input(sock: socket.socket) -> None:
@@ -307,14 +323,12 @@ class LocalServer:
         max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER,
         max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
     ) -> None:
-        for name, value in (
-            ("max_connections", max_connections),
-            ("max_pending", max_pending),
-            ("max_pending_per_peer", max_pending_per_peer),
-            ("max_connections_per_peer", max_connections_per_peer),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.limits = Limits(
+            max_connections=max_connections,
+            max_pending=max_pending,
+            max_pending_per_peer=max_pending_per_peer,
+            max_connections_per_peer=max_connections_per_peer,
+        )  # raises ValueError for a limit under 1
         if not hello_timeout_s > 0 or (idle_timeout_s is not None and not idle_timeout_s > 0):
             raise ValueError("hello_timeout_s and idle_timeout_s must be positive")
         if socket_mode & ~0o777:
@@ -337,9 +351,6 @@ class LocalServer:
         self.max_connections = max_connections
         self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.max_pending = max_pending
-        self.max_pending_per_peer = max_pending_per_peer
-        self.max_connections_per_peer = max_connections_per_peer
         self._limit_log = RateLimitedLog(logger)
 
         self._thread: threading.Thread | None = None  # the accept loop
@@ -351,6 +362,9 @@ class LocalServer:
         # Guards _connections; a connection's socket is shut down or closed only under it.
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
+        # Accept thread only: connections waiting for their first line, by file descriptor.
+        self._waiting: dict[int, _Connection] = {}
+        self._poller: Any = None  # select.poll of the accept loop
 
     # -- lifecycle
 
@@ -417,6 +431,8 @@ class LocalServer:
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(socket.SHUT_RDWR)  # unblocks its thread's recv/send
         for conn in connections:
+            if conn.thread is None:  # pragma: no cover - the accept loop closed those
+                continue
             conn.thread.join(max(0.0, deadline - time.monotonic()))
             if conn.thread.is_alive():
                 logger.warning(
@@ -540,17 +556,43 @@ class LocalServer:
         poller = select.poll()
         poller.register(listener, select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
+        self._poller = poller
+        listener_fd = listener.fileno()
         try:
             while not self._stopping.is_set():
-                ready = {fd for fd, _ in poller.poll()}
-                if wake_fd in ready or self._stopping.is_set():
+                ready = poller.poll(self._poll_timeout_ms())
+                if self._stopping.is_set() or any(fd == wake_fd for fd, _ in ready):
                     break
-                self._accept_pending(listener)
+                for fd, _ in ready:
+                    conn = self._waiting.get(fd)
+                    if conn is not None:
+                        self._read_first_line(conn)
+                if any(fd == listener_fd for fd, _ in ready):
+                    self._accept_pending(listener)
+                self._expire_waiting()
         except Exception:  # pragma: no cover - logged, the thread just ends
             logger.exception("local server accept loop failed")
+        finally:
+            for conn in list(self._waiting.values()):
+                self._close_waiting(conn)
+
+    def _hello_deadline_s(self, session: ClientSession) -> float:
+        """``time.monotonic()`` by which ``session`` must have said hello."""
+        return session.connected_ns / 1e9 + self.hello_timeout_s
+
+    def _poll_timeout_ms(self) -> int | None:
+        """Until the first hello deadline of a waiting connection; ``None``: no deadline."""
+        if not self._waiting:
+            return None
+        first_s = min(self._hello_deadline_s(c.session) for c in self._waiting.values())
+        return max(0, math.ceil((first_s - time.monotonic()) * 1000))
 
     def _accept_pending(self, listener: socket.socket) -> None:
-        while not self._stopping.is_set():
+        # A bounded batch: under a flood of connections the ones already accepted must still
+        # get their first line read (a real client's hello among them).
+        for _ in range(_ACCEPT_BATCH):
+            if self._stopping.is_set():
+                return
             try:
                 sock, _ = listener.accept()
             except BlockingIOError:
@@ -568,17 +610,17 @@ class LocalServer:
         now_ns = time.monotonic_ns()
         session = ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
         cid = session.connection_id
-        thread = threading.Thread(
-            target=self._serve, args=(sock, session), name=f"perseus-client-{cid}", daemon=True
-        )
+        conn = _Connection(session, sock)
         with self._lock:
-            victims, refusal = self._make_room(session.peer)
+            live = [c for c in self._connections.values() if not c.evicted]  # oldest first
+            victims, refusal = make_room(live, session.peer, self.limits)
             for victim in victims:
                 victim.evicted = True
-                with contextlib.suppress(OSError):
-                    victim.sock.shutdown(socket.SHUT_RDWR)  # its thread closes it
+                if victim.thread is not None:
+                    with contextlib.suppress(OSError):
+                        victim.sock.shutdown(socket.SHUT_RDWR)  # its thread closes it
             if refusal is None:
-                self._connections[cid] = _Connection(session, sock, thread)
+                self._connections[cid] = conn
         for victim in victims:
             v = victim.session
             self._limit_log.warning(
@@ -590,6 +632,8 @@ class LocalServer:
                 "no hello yet" if victim.pending else "idle",
                 cid,
             )
+            if victim.thread is None:
+                self._close_waiting(victim)
         if refusal is not None:
             self._limit_log.warning(
                 "refuse", "refusing connection %d (pid %s, uid %s): %s", cid, pid, uid, refusal
@@ -597,51 +641,83 @@ class LocalServer:
             self._refuse_connection(sock, refusal)
             return
         try:
-            sock.setblocking(True)
-            thread.start()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            sock.setblocking(False)
+            self._poller.register(sock, select.POLLIN)
+        except OSError as exc:
             logger.error("cannot serve connection %d (pid %s): %s", cid, pid, exc)
             with self._lock:
                 self._connections.pop(cid, None)
-            self._refuse_connection(sock, "the agent cannot serve another connection now")
+            sock.close()
             return
+        self._waiting[sock.fileno()] = conn
         logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
 
-    def _make_room(
-        self, peer: tuple[int | None, int | None]
-    ) -> tuple[list[_Connection], str | None]:
-        """Under ``_lock``: the connections to close so that a newcomer of ``peer`` fits, or
-        why it is refused (then nothing is closed)."""
-        live = [c for c in self._connections.values() if not c.evicted]  # oldest first
-        victims: list[_Connection] = []
+    def _read_first_line(self, conn: _Connection) -> None:
+        """Read what a waiting connection sent; give it a thread of its own once a line (or
+        more than a line's worth) is in."""
+        try:
+            data = conn.sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_waiting(conn)  # EOF before any line: nothing to answer
+            return
+        conn.buffer += data
+        if b"\n" in conn.buffer or len(conn.buffer) >= MAX_MESSAGE_BYTES:
+            self._start_thread(conn)
 
-        def evict_oldest_pending(of: tuple[int | None, int | None] | None = None) -> bool:
-            for c in live:
-                if c.pending and (of is None or c.session.peer == of):
-                    victims.append(c)
-                    live.remove(c)
-                    return True
-            return False
+    def _start_thread(self, conn: _Connection) -> None:
+        cid = conn.session.connection_id
+        del self._waiting[conn.sock.fileno()]
+        self._poller.unregister(conn.sock)
+        thread = threading.Thread(
+            target=self._serve,
+            args=(conn.sock, conn.session, conn.buffer),
+            name=f"perseus-client-{cid}",
+            daemon=True,
+        )
+        conn.buffer = b""
+        with self._lock:
+            conn.thread = thread  # from here on its socket is its thread's
+        try:
+            conn.sock.setblocking(True)
+            thread.start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            logger.error("cannot serve connection %d: %s", cid, exc)
+            with self._lock:
+                self._connections.pop(cid, None)
+                conn.thread = None
+            self._refuse_connection(conn.sock, "the agent cannot serve another connection now")
 
-        if sum(c.pending and c.session.peer == peer for c in live) >= self.max_pending_per_peer:
-            evict_oldest_pending(peer)
-        if sum(c.pending for c in live) >= self.max_pending:
-            evict_oldest_pending()
-        if sum(
-            c.session.peer == peer for c in live
-        ) >= self.max_connections_per_peer and not evict_oldest_pending(peer):
-            return [], "too many connections from this process"
-        if len(live) >= self.max_connections and not evict_oldest_pending():
-            counts = Counter(c.session.peer for c in live)
-            heaviest, held = counts.most_common(1)[0]
-            if held <= counts.get(peer, 0) + 1:
-                return [], "too many connections"
-            idlest = min(
-                (c for c in live if c.session.peer == heaviest),
-                key=lambda c: c.session.last_request_ns,
-            )
-            victims.append(idlest)
-        return victims, None
+    def _expire_waiting(self) -> None:
+        now_s = time.monotonic()
+        for conn in list(self._waiting.values()):
+            if now_s >= self._hello_deadline_s(conn.session):
+                self._log_hello_timeout(conn.session)
+                self._close_waiting(conn)
+
+    def _close_waiting(self, conn: _Connection) -> None:
+        """Close a connection that has no thread (accept thread only)."""
+        fd = conn.sock.fileno()
+        if self._waiting.pop(fd, None) is not None:
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self._poller.unregister(fd)
+        with self._lock:
+            self._connections.pop(conn.session.connection_id, None)
+            _discard_input(conn.sock)
+            conn.sock.close()
+
+    def _log_hello_timeout(self, session: ClientSession) -> None:
+        self._limit_log.log(
+            logging.INFO,
+            "hello_timeout",
+            "closing connection %d (pid %s): no hello within %.0f s",
+            session.connection_id,
+            session.peer_pid,
+            self.hello_timeout_s,
+        )
 
     @staticmethod
     def _refuse_connection(sock: socket.socket, message: str) -> None:
@@ -651,11 +727,11 @@ class LocalServer:
         _discard_input(sock)
         sock.close()
 
-    def _serve(self, sock: socket.socket, session: ClientSession) -> None:
-        """Serve one connection until EOF, an oversized line, a send failure or stop()."""
+    def _serve(self, sock: socket.socket, session: ClientSession, buffer: bytes) -> None:
+        """Serve one connection until EOF, an oversized line, a send failure or stop();
+        ``buffer`` is what the accept loop read of it."""
         cid = session.connection_id
-        buffer = b""
-        hello_deadline_s = session.connected_ns / 1e9 + self.hello_timeout_s
+        hello_deadline_s = self._hello_deadline_s(session)
         timeout_s: float | None = None  # of the socket now; blocking at accept
         try:
             while True:
@@ -668,14 +744,7 @@ class LocalServer:
                         # From the accept on, not per read: a drip of bytes gains nothing.
                         wanted_s: float | None = hello_deadline_s - time.monotonic()
                         if wanted_s is not None and wanted_s <= 0:
-                            self._limit_log.log(
-                                logging.INFO,
-                                "hello_timeout",
-                                "closing connection %d (pid %s): no hello within %.0f s",
-                                cid,
-                                session.peer_pid,
-                                self.hello_timeout_s,
-                            )
+                            self._log_hello_timeout(session)
                             break
                     else:
                         wanted_s = self.idle_timeout_s

@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from test_local_server import HELLO, Handler, Raw
 
 from perseus_agent.local_server import LocalServer
+from perseus_agent.socket_limits import Limits, make_room
 from perseus_client import PerseusClient
 from perseus_client.protocol import encode_reply
 
@@ -106,7 +108,9 @@ def wait_until(condition: object, what: str) -> None:
 
 def served(path: Path) -> bool:
     """A real training process's client: hello, a step and an instruction, answered."""
-    client = PerseusClient(path, rank=0, gpu_uuids=["GPU-0000"], reply_timeout_s=5.0)
+    client = PerseusClient(
+        path, rank=0, gpu_uuids=["GPU-0000"], connect_timeout_s=5.0, reply_timeout_s=5.0
+    )
     try:
         client.on_step_begin(0)
         clock = client.on_instruction_begin("forward", 0)
@@ -128,7 +132,44 @@ def test_a_flood_of_silent_connections_does_not_lock_out_a_real_client(
         for _ in range(5):
             assert served(srv.socket_path)
         assert handler.ops().count("instruction_begin") == 5
-        assert len(srv.sessions()) <= 32  # the default cap on connections without hello
+        assert len(srv.sessions()) <= 64  # the default cap on connections without hello
+
+
+ACTIVE_FLOOD = r"""
+import collections, socket, sys
+socks = collections.deque(maxlen=2000)  # keeps the newest open; the agent closes most
+print("ready", flush=True)
+while True:
+    s = socket.socket(socket.AF_UNIX)
+    s.setblocking(False)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        pass
+    socks.append(s)
+"""
+
+
+def test_a_real_client_is_served_while_a_flood_keeps_connecting(
+    sock_dir: Path, handler: Handler
+) -> None:
+    with LocalServer(sock_dir / "a.sock", handler) as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ACTIVE_FLOOD, os.fspath(srv.socket_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            # Its newest connections without hello fill its per-peer share.
+            wait_until(lambda: len(srv.sessions()) >= 16, "the flood to be under way")
+            for _ in range(3):
+                assert served(srv.socket_path)
+        finally:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT_S)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def test_a_flood_from_the_clients_own_process_does_not_lock_it_out(
@@ -166,7 +207,8 @@ def test_when_every_slot_is_taken_the_peer_holding_most_makes_room(
         flood.start(srv.socket_path, 8, say_hello=True)
         wait_until(lambda: handler.ops().count("hello") == 8, "the flood's hellos")
         assert served(srv.socket_path)
-        assert len(handler.disconnects) >= 1  # one of the flood's, the longest idle
+        # One of the flood's made room: the longest idle, closed by its own thread.
+        wait_until(lambda: handler.disconnects == [1], "connection 1 to be closed")
 
 
 # -- timeouts ------------------------------------------------------------------------------------
@@ -271,3 +313,45 @@ def test_the_client_retries_while_the_agents_backlog_is_full(sock_dir: Path) -> 
         for sock in filler:
             sock.close()
         listener.close()
+
+
+# -- the policy on its own ------------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    peer: str
+    pending: bool = True
+    last_request_ns: int = 0
+
+
+LIMITS = Limits(max_connections=6, max_pending=3, max_pending_per_peer=2,
+                max_connections_per_peer=4)  # fmt: skip
+
+
+def test_make_room_closes_the_oldest_without_hello_of_the_peer_then_of_all() -> None:
+    a1, a2, b1 = Slot("a"), Slot("a"), Slot("b")
+    assert make_room([a1, a2, b1], "a", LIMITS) == ([a1], None)  # a's own first
+    assert make_room([b1, a1, a2], "c", LIMITS) == ([b1], None)  # then the oldest of all
+    assert make_room([a1, b1], "c", LIMITS) == ([], None)
+
+
+def test_make_room_refuses_a_peer_over_its_own_budget() -> None:
+    own = [Slot("a", pending=False) for _ in range(4)]
+    assert make_room(own, "a", LIMITS) == ([], "too many connections from this process")
+    assert make_room(own, "b", LIMITS) == ([], None)
+
+
+def test_make_room_takes_the_idlest_connection_of_the_heaviest_peer_when_full() -> None:
+    a = [Slot("a", pending=False, last_request_ns=t) for t in (5, 1, 7, 3)]
+    b = [Slot("b", pending=False, last_request_ns=0) for _ in range(2)]
+    assert make_room([*a, *b], "c", LIMITS) == ([a[1]], None)
+    # A peer as heavy as the newcomer's would be keeps its connections.
+    even = [Slot(p, pending=False) for p in "aabbcc"]
+    assert make_room(even, "a", LIMITS) == ([], "too many connections")
+
+
+def test_limits_under_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_pending_per_peer must be at least 1"):
+        Limits(max_connections=1, max_pending=1, max_pending_per_peer=0,
+               max_connections_per_peer=1)  # fmt: skip
