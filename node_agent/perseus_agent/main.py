@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("/var/lib/perseus"),
         metavar="DIR",
-        help="directory of the record of locked clocks (default: /var/lib/perseus)",
+        help="directory of the record of locked clocks, locked by one agent at a time "
+        "(default: /var/lib/perseus)",
     )
     agent.add_argument(
         "--kubeconfig",
