@@ -373,8 +373,11 @@ class PlanApplier:
 
             self._plan = node_plan
             self._unresolved = unresolved
-            # Newest first: a GPU nobody owns goes to the latest hello that claims it, as it
-            # would have at that hello; a GPU with an owner keeps it.
+            # Owners first let go of the GPUs they no longer claim; then newest first: a GPU
+            # nobody owns goes to the latest hello that claims it, as it would have at that
+            # hello, and a GPU with an owner keeps it.
+            for key, session in self._sessions.items():
+                self._release_unclaimed(key, session, self._claimed(session))
             for key, session in reversed(self._sessions.items()):
                 self._bind(key, session, takeover=False)
             self._prune_metrics()
@@ -783,13 +786,8 @@ class PlanApplier:
         process calls in before the dead one's connection is seen closed. Without it (a plan
         change re-matching every session) an owned GPU stays with its owner.
         """
-        gpus = [i for i, g in self._gpus.items() if g.info.uuid in s.gpu_uuids]
-        if not gpus and s.rank is not None:
-            gpus = [i for i, g in self._gpus.items() if g.assignment.rank == s.rank]
-        for i in s.gpus:
-            g = self._gpus.get(i)
-            if i not in gpus and g is not None and g.session == key:
-                g.session = None
+        gpus = self._claimed(s)
+        self._release_unclaimed(key, s, gpus)
         mine = []
         for i in gpus:
             g = self._gpus[i]
@@ -806,6 +804,20 @@ class PlanApplier:
             g.session = key
             mine.append(i)
         s.gpus = sorted(mine)
+
+    def _claimed(self, s: _Session) -> list[int]:
+        """The GPUs of the plan session ``s`` claims: by UUID, else by global rank."""
+        gpus = [i for i, g in self._gpus.items() if g.info.uuid in s.gpu_uuids]
+        if not gpus and s.rank is not None:
+            gpus = [i for i, g in self._gpus.items() if g.assignment.rank == s.rank]
+        return gpus
+
+    def _release_unclaimed(self, key: Hashable, s: _Session, claimed: list[int]) -> None:
+        for i in s.gpus:
+            g = self._gpus.get(i)
+            if i not in claimed and g is not None and g.session == key:
+                g.session = None
+        s.gpus = [i for i in s.gpus if i in claimed]
 
     def _owned(self, key: Hashable, s: _Session | None) -> list[_Gpu]:
         """The GPUs session ``key`` drives: bound to it and not taken over since."""

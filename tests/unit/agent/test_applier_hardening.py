@@ -228,3 +228,24 @@ def test_a_displaced_process_no_longer_moves_the_gpu(
     assert report is not None and [r.iterations for r in report.ranks] == []
     applier.disconnected(new)
     assert backend.locked() == {}
+
+
+def test_a_gpu_its_owner_no_longer_claims_goes_to_the_process_that_does(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    """A plan change that gives GPU 0 to another rank: the rank's process gets it even though
+    it called in after the GPU's previous owner."""
+    applier.apply(node_plan([gpu(0, 0, by_uuid=False, rank=0)], granularity="Instruction"))
+    first, second = session(1), session(2)
+    hello(applier, first, uuids=[], rank=0)
+    hello(applier, second, uuids=[], rank=1)
+    step_begin(applier, first)
+    assert begin(applier, first, "forward", 0) == 1200
+
+    applier.apply(
+        node_plan([gpu(0, 0, by_uuid=False, rank=1)], granularity="Instruction", revision=2)
+    )
+    step_begin(applier, second)
+    assert begin(applier, second, "forward", 0) == 1200
+    assert begin(applier, first, "forward", 1) is None  # not its GPU any more
+    assert begin(applier, second, "forward", 1) == 1110
