@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from perseus_agent.errors import GpuError, PlanError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.log_limit import RateLimitedLog
 from perseus_agent.profiler import EnergySampler, ProfileRow, StageProfiler
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
@@ -67,6 +68,10 @@ log = logging.getLogger(__name__)
 
 _ITERATION_WINDOW: Final = 20
 """Iterations per rank kept for the report's mean iteration time."""
+
+_SESSION_LOG_BURST: Final = 64
+"""Hello and disconnect lines per minute before they are summarised (a node runs a few dozen
+training processes; a flood of hellos must not become a flood of log lines)."""
 
 SamplerFactory = Callable[[GpuInfo, Callable[[], float]], EnergySampler]
 """Makes the energy sampler of a profiled GPU from the GPU and a reader of its counter."""
@@ -285,6 +290,10 @@ class PlanApplier:
         self._nearest: dict[tuple[int, int], int] = {}  # (index, planned) -> supported clock
         self._sessions: dict[Hashable, _Session] = {}
         self._ranks: dict[int, _RankTimes] = {}
+        self._series: set[tuple[str, ...]] = set()  # perseus_iteration_seconds label values
+        # A client controls how often these happen: the counter counts each, the log samples.
+        self._mismatch_log = RateLimitedLog(log)
+        self._session_log = RateLimitedLog(log, burst=_SESSION_LOG_BURST)
 
     # -- plans ---------------------------------------------------------------------------------
 
@@ -364,8 +373,14 @@ class PlanApplier:
 
             self._plan = node_plan
             self._unresolved = unresolved
+            # Owners first let go of the GPUs they no longer claim; then newest first: a GPU
+            # nobody owns goes to the latest hello that claims it, as it would have at that
+            # hello, and a GPU with an owner keeps it.
             for key, session in self._sessions.items():
-                self._bind(key, session)
+                self._release_unclaimed(key, session, self._claimed(session))
+            for key, session in reversed(self._sessions.items()):
+                self._bind(key, session, takeover=False)
+            self._prune_metrics()
             report = self._report_locked()
         log.info(
             "applied plan %s revision %d: %s",
@@ -385,6 +400,7 @@ class PlanApplier:
                 log.info("cleared plan %s; clocks reset", _plan_name(self._plan))
             self._plan = None
             self._unresolved = []
+            self._prune_metrics()
 
     def report(self) -> NodeReport | None:
         """The current state of the plan, or ``None`` without a plan."""
@@ -428,7 +444,7 @@ class PlanApplier:
                 pod=pod if isinstance(pod, str) else None,
             )
             self._sessions[session] = s
-            self._bind(session, s)
+            self._bind(session, s, takeover=True)
             gpus = [self._gpus[i] for i in s.gpus]
             plan = self._plan
             reply: dict[str, Any] = {
@@ -446,7 +462,9 @@ class PlanApplier:
                     for g in gpus
                 ],
             }
-        log.info(
+        self._session_log.log(
+            logging.INFO,
+            "hello",
             "training process rank %s (pid %s, GPUs %s) called in; managing GPU(s) %s",
             s.rank,
             msg.get("pid"),
@@ -465,8 +483,7 @@ class PlanApplier:
                 return {"ok": True}
             s.step_begin_ns = t_ns
             s.step_revision = None if self._plan is None else self._plan.revision
-            for index in s.gpus:
-                g = self._gpus[index]
+            for g in self._owned(session, s):
                 g.position = 0
                 if g.profiler is not None:
                     self._profile_step_begin(g, g.profiler, t_ns)
@@ -482,8 +499,8 @@ class PlanApplier:
             s = self._sessions.get(session)
             if s is None:
                 return {"ok": True}
-            for index in s.gpus:
-                g = self._gpus[index]
+            owned = self._owned(session, s)
+            for g in owned:
                 if g.profiler is not None and self._profiling_ok(g):
                     if g.profiler.step_end(t_ns):
                         self._finish_measuring(g)
@@ -492,23 +509,19 @@ class PlanApplier:
                 return {"ok": True}
             seconds = (t_ns - s.step_begin_ns) / 1e9
             s.step_begin_ns = None
-            if seconds < 0:
+            if seconds < 0 or not owned or self._plan is None:
+                # Only the process driving a GPU of the plan is measured, under the plan's
+                # labels: what a client claims in hello never names a series or a rank.
                 return {"ok": True}
-            labels: dict[str, str] = {"rank": "" if s.rank is None else str(s.rank)}
-            dp_rank: int | None = None
-            pp_rank: int | None = None
-            if s.gpus and self._plan is not None:
-                g = self._gpus[s.gpus[0]]
-                labels.update(g.labels(self._plan))
-                labels.update(gpu=str(g.info.index), uuid=g.info.uuid)
-                dp_rank, pp_rank = g.assignment.dp_rank, g.assignment.stage
-            elif s.pod:
-                labels["pod"] = s.pod
-            self.metrics.observe_iteration(labels, seconds)
-            if s.rank is not None:
-                times = self._ranks.get(s.rank)
+            g = owned[0]
+            self._series.add(self.metrics.observe_iteration(self._iteration_labels(g), seconds))
+            dp_rank, pp_rank = g.assignment.dp_rank, g.assignment.stage
+            rank = g.assignment.rank if g.assignment.rank is not None else s.rank
+            if rank is not None:
+                times = self._ranks.get(rank)
                 if times is None or (times.dp_rank, times.pp_rank) != (dp_rank, pp_rank):
-                    times = self._ranks[s.rank] = _RankTimes(dp_rank, pp_rank)
+                    times = self._ranks[rank] = _RankTimes(dp_rank, pp_rank)
+                    self._prune_ranks()
                 times.count += 1
                 revision = None if self._plan is None else self._plan.revision
                 if revision != times.revision:
@@ -533,8 +546,7 @@ class PlanApplier:
         clock_mhz: int | None = None
         with self._lock:
             s = self._sessions.get(session)
-            for index in s.gpus if s is not None else ():
-                g = self._gpus[index]
+            for g in self._owned(session, s):
                 if g.profiler is not None:
                     if self._profiling_ok(g):
                         # A counter point at each edge, not only every 5 ms: interpolated
@@ -559,8 +571,7 @@ class PlanApplier:
         """
         with self._lock:
             s = self._sessions.get(session)
-            for index in s.gpus if s is not None else ():
-                g = self._gpus[index]
+            for g in self._owned(session, s):
                 if g.profiler is not None:
                     if self._profiling_ok(g):
                         g.profiler.sampler.sample()  # a point at the edge, as at its begin
@@ -589,7 +600,9 @@ class PlanApplier:
                 elif g.granularity == Granularity.INSTRUCTION:
                     self._reset_clock(index)
                     self._wait(g, "the training process disconnected")
-        log.info("training process rank %s disconnected", s.rank)
+        self._session_log.log(
+            logging.INFO, "disconnected", "training process rank %s disconnected", s.rank
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -708,7 +721,8 @@ class PlanApplier:
             order = [*range(pos, len(instructions)), *range(pos)]
             found = next((i for i in order if matches(i)), None)
             self.metrics.count_error("schedule_mismatch")
-            log.warning(
+            self._mismatch_log.warning(
+                ("schedule_mismatch", g.info.index),
                 "GPU %d: the training process runs %s of microbatch %s where the plan expects "
                 "%s; %s",
                 g.info.index,
@@ -769,21 +783,88 @@ class PlanApplier:
                 _stop_sampling(g)
             self._reset_clock(index)
 
-    def _bind(self, key: Hashable, s: _Session) -> None:
-        """Match session ``s`` to the GPUs of the plan: by UUID, else by global rank."""
+    def _bind(self, key: Hashable, s: _Session, *, takeover: bool) -> None:
+        """Match session ``s`` to the GPUs of the plan: by UUID, else by global rank.
+
+        A GPU has one owner, the only session whose requests move its clock and schedule
+        position. ``takeover`` (a hello) displaces the previous owner: a restarted training
+        process calls in before the dead one's connection is seen closed. Without it (a plan
+        change re-matching every session) an owned GPU stays with its owner.
+        """
+        gpus = self._claimed(s)
+        self._release_unclaimed(key, s, gpus)
+        mine = []
+        for i in gpus:
+            g = self._gpus[i]
+            owner = g.session
+            if owner is not None and owner != key:
+                previous = self._sessions.get(owner)
+                if previous is None:  # a session this applier no longer knows: stale
+                    pass
+                elif not takeover:
+                    continue
+                else:
+                    log.warning("GPU %d: a new training process replaces the previous one", i)
+                    previous.gpus = [j for j in previous.gpus if j != i]
+            g.session = key
+            mine.append(i)
+        s.gpus = sorted(mine)
+
+    def _claimed(self, s: _Session) -> list[int]:
+        """The GPUs of the plan session ``s`` claims: by UUID, else by global rank."""
         gpus = [i for i, g in self._gpus.items() if g.info.uuid in s.gpu_uuids]
         if not gpus and s.rank is not None:
             gpus = [i for i, g in self._gpus.items() if g.assignment.rank == s.rank]
+        return gpus
+
+    def _release_unclaimed(self, key: Hashable, s: _Session, claimed: list[int]) -> None:
         for i in s.gpus:
             g = self._gpus.get(i)
-            if i not in gpus and g is not None and g.session == key:
+            if i not in claimed and g is not None and g.session == key:
                 g.session = None
-        for i in gpus:
-            g = self._gpus[i]
-            if g.session is not None and g.session != key:
-                log.warning("GPU %d: a new training process replaces the previous one", i)
-            g.session = key
-        s.gpus = sorted(gpus)
+        s.gpus = [i for i in s.gpus if i in claimed]
+
+    def _owned(self, key: Hashable, s: _Session | None) -> list[_Gpu]:
+        """The GPUs session ``key`` drives: bound to it and not taken over since."""
+        if s is None:
+            return []
+        gpus = (self._gpus.get(i) for i in s.gpus)
+        return [g for g in gpus if g is not None and g.session == key]
+
+    def _iteration_labels(self, g: _Gpu) -> dict[str, str]:
+        """Labels of ``g``'s ``perseus_iteration_seconds`` series, all from the plan."""
+        assert self._plan is not None
+        a = g.assignment
+        return {
+            **g.labels(self._plan),
+            "gpu": str(g.info.index),
+            "uuid": g.info.uuid,
+            "rank": "" if a.rank is None else str(a.rank),
+        }
+
+    def _prune_metrics(self) -> None:
+        """Remove the iteration series of GPUs that left the plan (or whose labels changed),
+        and the iteration times of ranks it no longer has."""
+        live = (
+            {self.metrics.iteration_values(self._iteration_labels(g)) for g in self._gpus.values()}
+            if self._plan is not None
+            else set()
+        )
+        for values in self._series - live:
+            self.metrics.remove_iteration(values)
+        self._series &= live
+        self._prune_ranks()
+
+    def _prune_ranks(self) -> None:
+        if self._plan is None:
+            self._ranks.clear()
+            return
+        live = {a.rank for a in self._plan.assignments if a.rank is not None}
+        for key, s in self._sessions.items():
+            if s.rank is not None and self._owned(key, s):
+                live.add(s.rank)
+        for rank in set(self._ranks) - live:
+            del self._ranks[rank]
 
     def _report_locked(self) -> NodeReport:
         plan = self._plan

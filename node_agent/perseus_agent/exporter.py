@@ -11,6 +11,12 @@ one GPU.
 
 Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``namespace``, ``job``,
 ``pod``, ``dp_rank`` and ``pp_rank`` while the GPU follows a plan.
+
+Cardinality. Every label value comes from the node plan (what the operator assigned), never from
+what a training process claims in its hello: whoever can reach the socket could otherwise grow
+``/metrics`` and the agent's memory without bound. ``perseus_iteration_seconds`` has one series
+per GPU of a plan (its ``rank`` label is the plan's), observed only for the process driving that
+GPU, and the applier removes it when the GPU leaves the plan or the plan ends.
 """
 
 from __future__ import annotations
@@ -132,11 +138,27 @@ class AgentMetrics:
         with self._lock:
             return self._clock_changes.get(index, 0)
 
-    def observe_iteration(self, labels: Mapping[str, str], seconds: float) -> None:
-        """Record one iteration; ``labels`` missing from :data:`ITERATION_LABELS` are empty."""
+    def iteration_values(self, labels: Mapping[str, str]) -> tuple[str, ...]:
+        """The ``perseus_iteration_seconds`` label values of ``labels``, in
+        :data:`ITERATION_LABELS` order (missing ones empty, ``node`` this node)."""
         values = {name: labels.get(name, "") for name in ITERATION_LABELS}
         values["node"] = self.node
-        self.iteration_seconds.labels(**values).observe(seconds)
+        return tuple(values[name] for name in ITERATION_LABELS)
+
+    def observe_iteration(self, labels: Mapping[str, str], seconds: float) -> tuple[str, ...]:
+        """Record one iteration; ``labels`` missing from :data:`ITERATION_LABELS` are empty.
+
+        Returns the series' label values, for :meth:`remove_iteration`: every series stays
+        until removed, so the caller removes those of ranks and plans that ended.
+        """
+        values = self.iteration_values(labels)
+        self.iteration_seconds.labels(*values).observe(seconds)
+        return values
+
+    def remove_iteration(self, values: tuple[str, ...]) -> None:
+        """Drop the series of label ``values`` (from :meth:`observe_iteration`), if any."""
+        with contextlib.suppress(KeyError):
+            self.iteration_seconds.remove(*values)
 
 
 class GpuCollector(Collector):

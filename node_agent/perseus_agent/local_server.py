@@ -27,6 +27,23 @@ every thread wake-up is latency). Each request's receipt time
 (``time.monotonic_ns()``, taken as soon as its line is read) is passed to the
 handler for profiling.
 
+Limits. A process that can reach the socket must not lock the real training processes out,
+so no connection holds a slot for free (see :class:`LocalServer` for the numbers):
+
+* a connection must say hello within ``hello_timeout_s`` of connecting (a slow drip of bytes
+  does not extend that), and is closed after ``idle_timeout_s`` without a request (a training
+  process's client reconnects by itself at its next hook);
+* connections that have not said hello yet are capped, per peer process (``SO_PEERCRED``) and
+  in all; the oldest such connection makes room for a new one, so a flood of silent
+  connections cannot keep a newcomer from its hello;
+* each peer process has a cap on its connections, and when every slot is taken a newcomer
+  displaces the longest-idle connection of the peer holding the most (if that peer holds more
+  than the newcomer's), so one process cannot hold every slot.
+
+A peer outside the agent's PID namespace (no ``hostPID``) shows as pid 0: all such peers of one
+uid then count as one peer, and only the hello timeout and the all-peer caps tell them apart.
+Connections closed by these rules are logged at a limited rate.
+
 Failures stay per connection: a malformed or unknown request gets an
 ``{"ok": false, "error": ...}`` reply and the connection stays usable; a line
 longer than :data:`~perseus_client.protocol.MAX_MESSAGE_BYTES` gets an error
@@ -39,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -53,6 +71,8 @@ from types import TracebackType
 from typing import Any, Final, Protocol
 
 from perseus_agent.errors import AgentError
+from perseus_agent.log_limit import RateLimitedLog
+from perseus_agent.socket_limits import Limits, make_room
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     OP_HELLO,
@@ -76,6 +96,20 @@ MAX_SOCKET_PATH_BYTES: Final = 107
 
 DEFAULT_SOCKET_MODE: Final = 0o660
 DIRECTORY_MODE: Final = 0o750
+
+DEFAULT_MAX_CONNECTIONS: Final = 256
+DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
+"""A client sends hello right after connecting: this is seconds of slack for a loaded node."""
+DEFAULT_IDLE_TIMEOUT_S: Final = 1800.0
+"""Longer than any pause of a training loop between hooks but a checkpoint or an evaluation;
+after one of those the client reconnects by itself (its GPUs are at default clocks meanwhile)."""
+DEFAULT_MAX_PENDING: Final = 64
+"""Connections that have not said hello yet, all peers together."""
+DEFAULT_MAX_PENDING_PER_PEER: Final = 16
+"""Room for every rank of a pod connecting at once (the pods of one uid are one peer to an
+agent without ``hostPID``)."""
+DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
+"""A training process needs one connection (per rank it drives)."""
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -110,6 +144,14 @@ class ClientSession:
     connected_ns: int
     hello: HelloRequest | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    last_request_ns: int = 0
+    """``time.monotonic_ns()`` of the last request received (of the accept before one)."""
+
+    @property
+    def peer(self) -> tuple[int | None, int | None]:
+        """Whose connection this is, for the per-peer limits: ``(uid, pid)``, the pid ``None``
+        when unknown or 0 (a process outside the agent's PID namespace)."""
+        return self.peer_uid, self.peer_pid or None
 
     @property
     def rank(self) -> int | None:
@@ -188,16 +230,36 @@ def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
     return int(pid), int(uid), int(gid)
 
 
+_LISTEN_BACKLOG: Final = 1024
 _RECV_BYTES: Final = 65536
 _DISCARD_LIMIT_BYTES: Final = 1 << 20
 _ACCEPT_RETRY_S: Final = 1.0
+_ACCEPT_BATCH: Final = 64
 
 
 @dataclass(eq=False)
 class _Connection:
     session: ClientSession
     sock: socket.socket
-    thread: threading.Thread
+    thread: threading.Thread | None = None
+    """``None`` until its first line: the accept loop reads that, so a connection that never
+    sends one costs a file descriptor, not a thread."""
+    buffer: bytes = b""
+    """What the accept loop read, handed to the thread."""
+    evicted: bool = False
+    """Closed to make room for a newcomer (its thread, if any, is ending)."""
+
+    @property
+    def pending(self) -> bool:
+        return self.session.hello is None
+
+    @property
+    def peer(self) -> tuple[int | None, int | None]:
+        return self.session.peer
+
+    @property
+    def last_request_ns(self) -> int:
+        return self.session.last_request_ns
 
 
 def _discard_input(sock: socket.socket) -> None:
@@ -228,9 +290,20 @@ class LocalServer:
         socket_mode: Mode of the socket file; only owner and group bits are sensible.
         socket_group: Group id given to the socket (and to a directory it creates);
             training pods need it as a supplementary group. ``None``: the agent's group.
-        max_connections: Further connections get an error reply and are closed. Each
-            connection has a thread of its own (a node runs at most a few dozen
-            training processes).
+        max_connections: All connections together (each has a thread of its own; a node runs
+            at most a few dozen training processes). When they are all taken a newcomer
+            replaces a connection that has not said hello, or the longest-idle connection
+            of the peer holding the most (if that holds more than the newcomer's peer),
+            else it gets an error reply and is closed.
+        hello_timeout_s: A connection that has not said hello this long after connecting is
+            closed.
+        idle_timeout_s: A connection without a request for this long is closed; ``None``:
+            never.
+        max_pending: Connections that have not said hello yet, in all; the oldest is closed
+            to make room for a new one.
+        max_pending_per_peer: The same, per peer process.
+        max_connections_per_peer: Connections of one peer process; further ones are refused
+            (after closing that peer's oldest connection without hello, if any).
 
     A stale socket left at ``socket_path`` by a crashed agent is removed; a live one
     (something accepts connections there) or a file that is not a socket is an error.
@@ -243,8 +316,21 @@ class LocalServer:
         *,
         socket_mode: int = DEFAULT_SOCKET_MODE,
         socket_group: int | None = None,
-        max_connections: int = 256,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+        idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER,
+        max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
     ) -> None:
+        self.limits = Limits(
+            max_connections=max_connections,
+            max_pending=max_pending,
+            max_pending_per_peer=max_pending_per_peer,
+            max_connections_per_peer=max_connections_per_peer,
+        )  # raises ValueError for a limit under 1
+        if not hello_timeout_s > 0 or (idle_timeout_s is not None and not idle_timeout_s > 0):
+            raise ValueError("hello_timeout_s and idle_timeout_s must be positive")
         if socket_mode & ~0o777:
             raise ValueError(f"socket_mode {socket_mode:#o} has bits beyond 0o777")
         if socket_mode & 0o007:
@@ -263,6 +349,9 @@ class LocalServer:
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._limit_log = RateLimitedLog(logger)
 
         self._thread: threading.Thread | None = None  # the accept loop
         self._listener: socket.socket | None = None
@@ -273,6 +362,9 @@ class LocalServer:
         # Guards _connections; a connection's socket is shut down or closed only under it.
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
+        # Accept thread only: connections waiting for their first line, by file descriptor.
+        self._waiting: dict[int, _Connection] = {}
+        self._poller: Any = None  # select.poll of the accept loop
 
     # -- lifecycle
 
@@ -339,6 +431,8 @@ class LocalServer:
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(socket.SHUT_RDWR)  # unblocks its thread's recv/send
         for conn in connections:
+            if conn.thread is None:  # pragma: no cover - the accept loop closed those
+                continue
             conn.thread.join(max(0.0, deadline - time.monotonic()))
             if conn.thread.is_alive():
                 logger.warning(
@@ -387,7 +481,8 @@ class LocalServer:
                 tmp.chmod(self.socket_mode)
                 if self.socket_group is not None:
                     os.chown(tmp, -1, self.socket_group)
-                sock.listen(128)
+                # Room for bursts: a client finding the backlog full fails its connect at once.
+                sock.listen(_LISTEN_BACKLOG)
                 tmp.replace(path)  # only now reachable under its real name
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -461,17 +556,43 @@ class LocalServer:
         poller = select.poll()
         poller.register(listener, select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
+        self._poller = poller
+        listener_fd = listener.fileno()
         try:
             while not self._stopping.is_set():
-                ready = {fd for fd, _ in poller.poll()}
-                if wake_fd in ready or self._stopping.is_set():
+                ready = poller.poll(self._poll_timeout_ms())
+                if self._stopping.is_set() or any(fd == wake_fd for fd, _ in ready):
                     break
-                self._accept_pending(listener)
+                for fd, _ in ready:
+                    conn = self._waiting.get(fd)
+                    if conn is not None:
+                        self._read_first_line(conn)
+                if any(fd == listener_fd for fd, _ in ready):
+                    self._accept_pending(listener)
+                self._expire_waiting()
         except Exception:  # pragma: no cover - logged, the thread just ends
             logger.exception("local server accept loop failed")
+        finally:
+            for conn in list(self._waiting.values()):
+                self._close_waiting(conn)
+
+    def _hello_deadline_s(self, session: ClientSession) -> float:
+        """``time.monotonic()`` by which ``session`` must have said hello."""
+        return session.connected_ns / 1e9 + self.hello_timeout_s
+
+    def _poll_timeout_ms(self) -> int | None:
+        """Until the first hello deadline of a waiting connection; ``None``: no deadline."""
+        if not self._waiting:
+            return None
+        first_s = min(self._hello_deadline_s(c.session) for c in self._waiting.values())
+        return max(0, math.ceil((first_s - time.monotonic()) * 1000))
 
     def _accept_pending(self, listener: socket.socket) -> None:
-        while not self._stopping.is_set():
+        # A bounded batch: under a flood of connections the ones already accepted must still
+        # get their first line read (a real client's hello among them).
+        for _ in range(_ACCEPT_BATCH):
+            if self._stopping.is_set():
+                return
             try:
                 sock, _ = listener.accept()
             except BlockingIOError:
@@ -486,29 +607,117 @@ class LocalServer:
 
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = _peer_credentials(sock)
-        session = ClientSession(next(self._ids), pid, uid, gid, time.monotonic_ns())
+        now_ns = time.monotonic_ns()
+        session = ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
         cid = session.connection_id
-        thread = threading.Thread(
-            target=self._serve, args=(sock, session), name=f"perseus-client-{cid}", daemon=True
-        )
+        conn = _Connection(session, sock)
         with self._lock:
-            full = len(self._connections) >= self.max_connections
-            if not full:
-                self._connections[cid] = _Connection(session, sock, thread)
-        if full:
-            logger.warning("refusing connection %d (pid %s): too many connections", cid, pid)
-            self._refuse_connection(sock, "too many connections")
+            live = [c for c in self._connections.values() if not c.evicted]  # oldest first
+            victims, refusal = make_room(live, session.peer, self.limits)
+            for victim in victims:
+                victim.evicted = True
+                if victim.thread is not None:
+                    with contextlib.suppress(OSError):
+                        victim.sock.shutdown(socket.SHUT_RDWR)  # its thread closes it
+            if refusal is None:
+                self._connections[cid] = conn
+        for victim in victims:
+            v = victim.session
+            self._limit_log.warning(
+                "evict",
+                "closing connection %d (pid %s, uid %s, %s) to make room for connection %d",
+                v.connection_id,
+                v.peer_pid,
+                v.peer_uid,
+                "no hello yet" if victim.pending else "idle",
+                cid,
+            )
+            if victim.thread is None:
+                self._close_waiting(victim)
+        if refusal is not None:
+            self._limit_log.warning(
+                "refuse", "refusing connection %d (pid %s, uid %s): %s", cid, pid, uid, refusal
+            )
+            self._refuse_connection(sock, refusal)
             return
         try:
-            sock.setblocking(True)
-            thread.start()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            sock.setblocking(False)
+            self._poller.register(sock, select.POLLIN)
+        except OSError as exc:
             logger.error("cannot serve connection %d (pid %s): %s", cid, pid, exc)
             with self._lock:
                 self._connections.pop(cid, None)
-            self._refuse_connection(sock, "the agent cannot serve another connection now")
+            sock.close()
             return
+        self._waiting[sock.fileno()] = conn
         logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
+
+    def _read_first_line(self, conn: _Connection) -> None:
+        """Read what a waiting connection sent; give it a thread of its own once a line (or
+        more than a line's worth) is in."""
+        try:
+            data = conn.sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_waiting(conn)  # EOF before any line: nothing to answer
+            return
+        conn.buffer += data
+        if b"\n" in conn.buffer or len(conn.buffer) >= MAX_MESSAGE_BYTES:
+            self._start_thread(conn)
+
+    def _start_thread(self, conn: _Connection) -> None:
+        cid = conn.session.connection_id
+        del self._waiting[conn.sock.fileno()]
+        self._poller.unregister(conn.sock)
+        thread = threading.Thread(
+            target=self._serve,
+            args=(conn.sock, conn.session, conn.buffer),
+            name=f"perseus-client-{cid}",
+            daemon=True,
+        )
+        conn.buffer = b""
+        with self._lock:
+            conn.thread = thread  # from here on its socket is its thread's
+        try:
+            conn.sock.setblocking(True)
+            thread.start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            logger.error("cannot serve connection %d: %s", cid, exc)
+            with self._lock:
+                self._connections.pop(cid, None)
+                conn.thread = None
+            self._refuse_connection(conn.sock, "the agent cannot serve another connection now")
+
+    def _expire_waiting(self) -> None:
+        now_s = time.monotonic()
+        for conn in list(self._waiting.values()):
+            if now_s >= self._hello_deadline_s(conn.session):
+                self._log_hello_timeout(conn.session)
+                self._close_waiting(conn)
+
+    def _close_waiting(self, conn: _Connection) -> None:
+        """Close a connection that has no thread (accept thread only)."""
+        fd = conn.sock.fileno()
+        if self._waiting.pop(fd, None) is not None:
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self._poller.unregister(fd)
+        with self._lock:
+            self._connections.pop(conn.session.connection_id, None)
+            _discard_input(conn.sock)
+            conn.sock.close()
+
+    def _log_hello_timeout(self, session: ClientSession) -> None:
+        self._limit_log.log(
+            logging.INFO,
+            "hello_timeout",
+            "closing connection %d (pid %s): no hello within %.0f s",
+            session.connection_id,
+            session.peer_pid,
+            self.hello_timeout_s,
+        )
 
     @staticmethod
     def _refuse_connection(sock: socket.socket, message: str) -> None:
@@ -518,10 +727,12 @@ class LocalServer:
         _discard_input(sock)
         sock.close()
 
-    def _serve(self, sock: socket.socket, session: ClientSession) -> None:
-        """Serve one connection until EOF, an oversized line, a send failure or stop()."""
+    def _serve(self, sock: socket.socket, session: ClientSession, buffer: bytes) -> None:
+        """Serve one connection until EOF, an oversized line, a send failure or stop();
+        ``buffer`` is what the accept loop read of it."""
         cid = session.connection_id
-        buffer = b""
+        hello_deadline_s = self._hello_deadline_s(session)
+        timeout_s: float | None = None  # of the socket now; blocking at accept
         try:
             while True:
                 end = buffer.find(b"\n") + 1
@@ -529,7 +740,31 @@ class LocalServer:
                     if len(buffer) >= MAX_MESSAGE_BYTES:
                         self._oversized(sock, cid)
                         break
-                    data = sock.recv(_RECV_BYTES)
+                    if session.hello is None:
+                        # From the accept on, not per read: a drip of bytes gains nothing.
+                        wanted_s: float | None = hello_deadline_s - time.monotonic()
+                        if wanted_s is not None and wanted_s <= 0:
+                            self._log_hello_timeout(session)
+                            break
+                    else:
+                        wanted_s = self.idle_timeout_s
+                    if wanted_s != timeout_s:  # a syscall-free attribute, but skip the call
+                        sock.settimeout(wanted_s)
+                        timeout_s = wanted_s
+                    try:
+                        data = sock.recv(_RECV_BYTES)
+                    except TimeoutError:
+                        if session.hello is None:
+                            continue  # the deadline check above logs and closes
+                        self._limit_log.log(
+                            logging.INFO,
+                            "idle_timeout",
+                            "closing connection %d (pid %s): no request for %.0f s",
+                            cid,
+                            session.peer_pid,
+                            self.idle_timeout_s or 0.0,
+                        )
+                        break
                     if not data:
                         break  # EOF (a partial last line is dropped)
                     buffer += data
@@ -538,6 +773,7 @@ class LocalServer:
                     self._oversized(sock, cid)
                     break
                 received_ns = time.monotonic_ns()
+                session.last_request_ns = received_ns
                 line, buffer = buffer[:end], buffer[end:]
                 sock.sendall(self._handle(session, line, received_ns))
         except OSError as exc:

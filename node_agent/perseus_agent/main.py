@@ -1,9 +1,16 @@
 """Entry point of the ``perseus-node-agent`` command (the DaemonSet's container command).
 
-Start-up: reset the clocks a previous run of the agent may have left locked (see
-:mod:`perseus_agent.reset_state`), start the metrics server and the local socket training
+Start-up: take the state directory's lock (a second agent on the same directory exits with
+status 1 and changes nothing), reset the clocks a previous run of the agent may have left locked
+(see :mod:`perseus_agent.reset_state`), start the metrics server and the local socket training
 processes call in on, then apply plans until SIGTERM or SIGINT, when every clock the agent
 changed is reset before it exits with status 0.
+
+That recovery comes first whatever else is wrong: an agent that cannot start (a bad plan file, a
+kubeconfig that cannot be loaded, a port in use, ...) still resets the clocks its killed
+predecessor left locked before it exits, or a crash loop would keep them locked for good. Only
+GPU flags that do not say which GPUs to open, or another agent holding the state directory,
+leave them as they are (logged).
 
 Kubernetes mode (the default): the plans are the PerseusNodePlans of this node
 (:mod:`perseus_api.resources`), read and reported through the API by
@@ -169,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("/var/lib/perseus"),
         metavar="DIR",
-        help="directory of the record of locked clocks (default: /var/lib/perseus)",
+        help="directory of the record of locked clocks, locked by one agent at a time "
+        "(default: /var/lib/perseus)",
     )
     agent.add_argument(
         "--kubeconfig",
@@ -207,22 +215,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass(frozen=True)
-class _Config:
+class _GpuConfig:
+    """What it takes to open the GPUs and find the record of their locks."""
+
     backend: str
     emulated_gpus: int
     emulated_profile: Path | None  # None: the bundled one
     emulated_blocking_power_w: float
     emulated_state_file: Path | None
+    node_name: str  # names the emulated GPUs (their UUIDs); may be empty with nvml
+    state_dir: Path
+
+
+@dataclass(frozen=True)
+class _Config:
+    gpu: _GpuConfig
     node_name: str
     metrics_port: int
     metrics_address: str
     socket_dir: Path
-    state_dir: Path
     standalone: bool
     plan_file: Path | None  # standalone mode
     kubeconfig: str | None  # Kubernetes mode; None: in-cluster
     report_interval_s: float  # Kubernetes mode
     log_level: str
+
+    @property
+    def backend(self) -> str:
+        return self.gpu.backend
+
+    @property
+    def state_dir(self) -> Path:
+        return self.gpu.state_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,22 +256,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    _configure_logging(args.log_level)
     signature: tuple[int, int, int] | None = None
     initial_plan: NodePlan | None = None
+    api_client: Any = None
+    failure: tuple[str, int] | None = None
     try:
         config = _check_args(args)
         if config.plan_file is not None:
             signature = _signature(config.plan_file)
             initial_plan = _load_plan(config.plan_file, config.node_name)
+        else:
+            api_client = _api_client(config)
     except (_UsageError, PlanError) as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    _configure_logging(config.log_level)
+        failure = (str(exc), EXIT_USAGE)
+    except _StartupError as exc:
+        failure = (str(exc), EXIT_FAILURE)
+    if failure is not None:
+        _recover_only(args)
+        return _fail(*failure)
     try:
-        return _Agent(config).run(initial_plan, signature)
+        return _Agent(config).run(initial_plan, signature, api_client)
     except _UsageError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except _StartupError as exc:
         return _fail(str(exc), EXIT_FAILURE)
+
+
+def _recover_only(args: argparse.Namespace) -> None:
+    """The agent will not start: still reset the clocks a previous run left locked.
+
+    Opens the GPUs only when the record names some (or is unreadable), so a wrong flag on a
+    node without a record touches nothing, and never while another agent holds the state
+    directory (those GPUs are its own).
+    """
+    from perseus_agent.reset_state import ResetState, StateDirBusyError, StateDirLock
+    from perseus_agent.reset_state import needs_recovery as _needs_recovery
+
+    state_dir: Path = args.state_dir
+    if not _needs_recovery(state_dir):
+        return
+    try:
+        gpu = _check_gpu_args(args, (args.node_name or "").strip())
+    except _UsageError as exc:
+        log.error("cannot reset the clocks a previous run left locked: %s", exc)
+        return
+    try:
+        lock = StateDirLock.acquire(state_dir)
+    except StateDirBusyError as exc:
+        log.warning("%s; leaving the clocks of its GPUs alone", exc)
+        return
+    except OSError as exc:
+        log.error("cannot lock --state-dir %s: %s", state_dir, exc.strerror or exc)
+        return
+    try:
+        backend = _open_backend(gpu)
+        try:
+            ResetState(state_dir).recover(backend)
+        finally:
+            backend.close()
+    except (_UsageError, _StartupError, GpuError, OSError) as exc:
+        log.error("cannot reset the clocks left by a previous run: %s", exc)
+    finally:
+        lock.release()
 
 
 def _fail(message: str, status: int) -> int:
@@ -273,7 +344,24 @@ def _check_args(args: argparse.Namespace) -> _Config:
         raise _UsageError(
             f"--report-interval must be a positive number, got {args.report_interval}"
         )
+    return _Config(
+        gpu=_check_gpu_args(args, node_name),
+        node_name=node_name,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        socket_dir=args.socket_dir,
+        standalone=args.standalone,
+        plan_file=args.plan_file,
+        kubeconfig=args.kubeconfig,
+        report_interval_s=args.report_interval,
+        log_level=args.log_level,
+    )
+
+
+def _check_gpu_args(args: argparse.Namespace, node_name: str) -> _GpuConfig:
     emulated = args.gpu_backend == "emulated"
+    if emulated and not node_name:
+        raise _UsageError("no node name: pass --node-name or set $NODE_NAME")
     if not emulated:
         for flag, value in (
             ("--emulated-gpus", args.emulated_gpus),
@@ -295,22 +383,14 @@ def _check_args(args: argparse.Namespace) -> _Config:
         power = DEFAULT_BLOCKING_POWER_W
     if not math.isfinite(power) or power <= 0:
         raise _UsageError(f"--emulated-blocking-power must be a positive number, got {power}")
-    return _Config(
+    return _GpuConfig(
         backend=args.gpu_backend,
         emulated_gpus=gpus,
         emulated_profile=args.emulated_profile,
         emulated_blocking_power_w=power,
         emulated_state_file=args.emulated_state_file,
         node_name=node_name,
-        metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address,
-        socket_dir=args.socket_dir,
         state_dir=args.state_dir,
-        standalone=args.standalone,
-        plan_file=args.plan_file,
-        kubeconfig=args.kubeconfig,
-        report_interval_s=args.report_interval,
-        log_level=args.log_level,
     )
 
 
@@ -353,7 +433,7 @@ def _default_profile_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "profiles" / DEFAULT_PROFILE_FILE
 
 
-def _open_backend(config: _Config) -> GpuBackend:
+def _open_backend(config: _GpuConfig) -> GpuBackend:
     if config.backend == "nvml":
         from perseus_agent.gpu.nvml import NvmlBackend
 
@@ -394,31 +474,53 @@ class _Agent:
             log.info("received %s; resetting clocks and stopping", signal.Signals(signum).name)
         self._stop.set()
 
-    def run(self, initial_plan: NodePlan | None, signature: tuple[int, int, int] | None) -> int:
+    def run(
+        self,
+        initial_plan: NodePlan | None,
+        signature: tuple[int, int, int] | None,
+        api_client: Any = None,
+    ) -> int:
         """Run until SIGTERM/SIGINT. Standalone: ``initial_plan`` is the plan file's, and
-        ``signature`` identifies its version read; Kubernetes mode: both are ``None``."""
+        ``signature`` identifies its version read; Kubernetes mode: both are ``None`` and
+        ``api_client`` is the API's (closed when the agent stops)."""
+        from perseus_agent.reset_state import StateDirBusyError, StateDirLock
+
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in previous:
             signal.signal(sig, self._on_signal)
         try:
-            return self._run(initial_plan, signature)
+            # Before anything else: a second agent must not reset the GPUs the first one
+            # drives, nor rewrite its record, nor take its socket.
+            try:
+                lock = StateDirLock.acquire(self.config.state_dir)
+            except StateDirBusyError as exc:
+                raise _StartupError(f"{exc}; this one changed nothing") from None
+            except OSError as exc:
+                raise _UsageError(
+                    f"--state-dir {self.config.state_dir}: {exc.strerror or exc}"
+                ) from None
+            try:
+                return self._run(initial_plan, signature, api_client)
+            finally:
+                lock.release()  # only once every clock is reset
         finally:
+            _close_api_client(api_client)
             for sig, handler in previous.items():
                 if handler is not None:  # None: installed outside Python, cannot be restored
                     signal.signal(sig, handler)
 
-    def _run(self, initial_plan: NodePlan | None, signature: tuple[int, int, int] | None) -> int:
+    def _run(
+        self,
+        initial_plan: NodePlan | None,
+        signature: tuple[int, int, int] | None,
+        api_client: Any,
+    ) -> int:
         from perseus_agent.applier import PlanApplier
         from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, MetricsServer
         from perseus_agent.reset_state import ResetState
 
         config = self.config
-        api_client = None if initial_plan is not None else _api_client(config)
-        try:
-            backend = _open_backend(config)
-        except BaseException:
-            _close_api_client(api_client)
-            raise
+        backend = _open_backend(config.gpu)
         servers: list[_Server] = []
         health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
         applier: PlanApplier | None = None
@@ -486,7 +588,6 @@ class _Agent:
         finally:
             health.stop()
             ok = self._shutdown(backend, plans, servers, jobs, writer)
-            _close_api_client(api_client)
         if not ok:
             return _fail("some GPU clocks could not be reset (see the log)", EXIT_FAILURE)
         log.info("stopped; every clock this agent changed is reset")

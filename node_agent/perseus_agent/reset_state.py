@@ -13,11 +13,19 @@ then *every* GPU of the node is reset and the file is rewritten.
 Recovery uses ``GpuBackend.force_reset_clocks``: the plain resets only undo locks the backend
 itself made, and a new agent's backend knows nothing of the locks a killed one left (NVML keeps
 them after the process is gone).
+
+One agent per state directory: :class:`StateDirLock` (``flock`` on :data:`LOCK_FILENAME`) is
+taken before anything else, so a second agent started on the same directory (a rollout overlap,
+a stray manual run) exits without resetting the GPUs of the one that is running or rewriting its
+record. The kernel drops the lock when its holder dies, SIGKILL included, so a stale lock file
+never blocks a restart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -34,11 +42,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from perseus_agent.errors import GpuError
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 
-__all__ = ["STATE_FILENAME", "ClockKind", "LockedGpu", "RecoveryResult", "ResetState"]
+__all__ = [
+    "LOCK_FILENAME",
+    "STATE_FILENAME",
+    "ClockKind",
+    "LockedGpu",
+    "RecoveryResult",
+    "ResetState",
+    "StateDirBusyError",
+    "StateDirLock",
+    "needs_recovery",
+]
 
 log = logging.getLogger(__name__)
 
 STATE_FILENAME: Final = "reset-state.json"
+LOCK_FILENAME: Final = "agent.lock"
 _FORMAT_VERSION: Final = 1
 
 ClockKind = Literal["sm", "memory"]
@@ -258,6 +277,94 @@ class ResetState:
                 Path(tmp).unlink()
             raise
         _fsync_dir(self.state_dir)
+
+
+def needs_recovery(state_dir: Path | str, filename: str = STATE_FILENAME) -> bool:
+    """Whether the record in ``state_dir`` may name locked GPUs: it lists some, or it exists but
+    cannot be read or parsed (no proof that nothing is locked). Creates nothing."""
+    path = Path(state_dir) / filename
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True
+    try:
+        return bool(_Record.model_validate_json(text).gpus)
+    except ValidationError:
+        return True
+
+
+class StateDirBusyError(Exception):
+    """Another live process holds the lock of the state directory."""
+
+    def __init__(self, state_dir: Path, holder_pid: int | None) -> None:
+        holder = "another process" if holder_pid is None else f"another process (pid {holder_pid})"
+        super().__init__(
+            f"{holder} already holds state directory {state_dir} "
+            f"(lock file {state_dir / LOCK_FILENAME}): another agent is running on this node"
+        )
+        self.state_dir = state_dir
+        self.holder_pid = holder_pid
+
+
+class StateDirLock:
+    """Exclusive lock on an agent state directory, held until :meth:`release` or exit.
+
+    Use :meth:`acquire`. The lock file keeps the holder's pid, for the loser's message only:
+    the ``flock`` is what counts (a pid in a file outlives its process, the lock does not).
+    """
+
+    def __init__(self, state_dir: Path, fd: int) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / LOCK_FILENAME
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, state_dir: Path | str) -> StateDirLock:
+        """Take the lock, creating ``state_dir`` if missing; never waits.
+
+        Raises:
+            StateDirBusyError: A live process holds it (nothing was changed).
+            OSError: The directory or the lock file cannot be created or opened.
+        """
+        directory = Path(state_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / LOCK_FILENAME
+        # O_CLOEXEC: a child process must not inherit (and so extend) the lock.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StateDirBusyError(directory, holder) from None
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # the pid is only informative
+            log.debug("cannot write the pid into %s: %s", path, exc)
+        return cls(directory, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Release the lock (idempotent). The file stays: removing it would race a new holder."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _fsync_dir(path: Path) -> None:

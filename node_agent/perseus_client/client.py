@@ -44,6 +44,8 @@ logger = logging.getLogger("perseus_client")
 DEFAULT_CONNECT_TIMEOUT_S: Final = 0.05
 DEFAULT_REPLY_TIMEOUT_S: Final = 0.2
 DEFAULT_RETRY_INTERVAL_S: Final = 30.0
+_CONNECT_RETRY_S: Final = 0.002
+"""Pause between connection attempts while the agent's backlog is full (within the timeout)."""
 DEFAULT_MAX_OUTSTANDING: Final = 64
 
 _UUID_PREFIXES: Final = ("GPU-", "MIG-")
@@ -369,14 +371,25 @@ class PerseusClient:
         if now < self._next_attempt:
             return False
         self._next_attempt = now + self.retry_interval_s
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.connect_timeout_s)
-            sock.connect(self.socket_path)
-        except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
-            sock.close()
-            self._fail(f"cannot connect: {_reason(exc)}")
-            return False
+        deadline = now + self.connect_timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.connect_timeout_s)
+                sock.connect(self.socket_path)
+                break
+            except BlockingIOError as exc:
+                # EAGAIN: the agent's listen backlog is full, e.g. while it sheds a flood of
+                # connections; that passes in milliseconds, a retry interval is 30 s.
+                sock.close()
+                if time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                    self._fail(f"cannot connect: {_reason(exc)}")
+                    return False
+                time.sleep(_CONNECT_RETRY_S)
+            except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
+                sock.close()
+                self._fail(f"cannot connect: {_reason(exc)}")
+                return False
         hello = protocol.hello_request(
             rank=self.rank,
             local_rank=self.local_rank,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,38 @@ def test_recovery_undoes_locks_the_new_backend_does_not_know_of(tmp_path: Path) 
     assert restarted.locked() == {}
     # A plain reset would be refused (not this process's lock): recovery forces it.
     assert restarted.mutating_calls() == [("force_reset_clocks", 1)]
+
+
+# -- one agent per state directory -----------------------------------------------------------------
+
+
+def test_state_dir_lock_is_exclusive_and_released(tmp_path: Path) -> None:
+    from perseus_agent.reset_state import LOCK_FILENAME, StateDirBusyError, StateDirLock
+
+    first = StateDirLock.acquire(tmp_path / "state")  # creates the directory
+    assert first.held
+    assert (tmp_path / "state" / LOCK_FILENAME).read_text().strip() == str(os.getpid())
+    with pytest.raises(StateDirBusyError, match=rf"\(pid {os.getpid()}\) already holds") as info:
+        StateDirLock.acquire(tmp_path / "state")
+    assert info.value.holder_pid == os.getpid()
+    first.release()
+    first.release()  # idempotent
+    assert not first.held
+    second = StateDirLock.acquire(tmp_path / "state")
+    second.release()
+
+
+def test_needs_recovery_only_with_recorded_or_unreadable_locks(tmp_path: Path) -> None:
+    from perseus_agent.reset_state import needs_recovery
+
+    assert not needs_recovery(tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()  # creates nothing
+    state = ResetState(tmp_path)
+    assert not needs_recovery(tmp_path)  # no record yet
+    backend = FakeBackend(num_gpus=2)
+    state.record(backend.devices()[1])
+    assert needs_recovery(tmp_path)
+    state.forget(backend.devices()[1])
+    assert not needs_recovery(tmp_path)  # an empty record
+    (tmp_path / STATE_FILENAME).write_text("{garbage")
+    assert needs_recovery(tmp_path)
