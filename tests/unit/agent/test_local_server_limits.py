@@ -208,7 +208,9 @@ def test_when_every_slot_is_taken_the_peer_holding_most_makes_room(
         wait_until(lambda: handler.ops().count("hello") == 8, "the flood's hellos")
         assert served(srv.socket_path)
         # One of the flood's made room: the longest idle, closed by its own thread.
-        wait_until(lambda: handler.disconnects == [1], "connection 1 to be closed")
+        wait_until(lambda: 1 in handler.disconnects, "connection 1 to be closed")
+        # Only it: the real client's own close (connection 9) may be counted by now too.
+        assert set(handler.disconnects) <= {1, 9}
 
 
 # -- timeouts ------------------------------------------------------------------------------------
