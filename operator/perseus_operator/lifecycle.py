@@ -907,6 +907,59 @@ async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any])
     return Release(done=not waiting, waiting_for=tuple(sorted(waiting)))
 
 
+RELEASE_PENDING: Final = "GPU reset pending"
+"""Starts the message of every retry of a deletion that waits for agents (the handlers log
+those as the normal course of a deletion, not as the errors kopf takes retries for)."""
+
+
+@dataclass(frozen=True)
+class ReleaseDecision:
+    """What the delete handler does after one :func:`release` step.
+
+    Attributes:
+        retry_in_s: Seconds until the next step (the finalizer stays); ``None``: finish now.
+        force: Finish by deleting the node plans left (:func:`force_release`): the agents did
+            not confirm the reset in time.
+        message: Why (for the retry, or the warning event when forcing).
+    """
+
+    retry_in_s: float | None
+    force: bool = False
+    message: str = ""
+
+    @property
+    def finish(self) -> bool:
+        """Whether the finalizer may be removed now."""
+        return self.retry_in_s is None
+
+
+def decide_release(
+    outcome: Release, waited_s: float, timeout_s: float, poll_s: float
+) -> ReleaseDecision:
+    """The next move of a deletion that has waited ``waited_s`` for the agents.
+
+    Done: finish. Agents still resetting: retry in ``poll_s`` (sooner if the deadline is
+    nearer), so that the handler never sleeps and many deletions proceed side by side. At
+    ``timeout_s``: force (the same bound as before, counted across retries and restarts).
+    """
+    if outcome.done:
+        return ReleaseDecision(retry_in_s=None)
+    nodes = ", ".join(outcome.waiting_for)
+    remaining_s = timeout_s - waited_s
+    if remaining_s <= 0:
+        return ReleaseDecision(
+            retry_in_s=None,
+            force=True,
+            message=f"agents of {nodes} did not confirm the reset within {timeout_s:g} s; "
+            "deleting their plans anyway",
+        )
+    return ReleaseDecision(
+        retry_in_s=max(min(poll_s, remaining_s), 0.0),
+        message=f"{RELEASE_PENDING}: waiting for the agents of {nodes} to reset their GPUs "
+        f"({waited_s:.0f} of {timeout_s:g} s)",
+    )
+
+
 async def force_release(namespace: str, job: str, io: JobIO) -> None:
     """Delete the job's node plans without waiting (agents reset when a plan disappears)."""
     for obj in await io.list_node_plans(namespace, job):

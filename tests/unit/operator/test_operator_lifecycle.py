@@ -22,9 +22,13 @@ from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
 from perseus_operator.kube import KubeError
 from perseus_operator.lifecycle import (
+    RELEASE_PENDING,
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
     Outcome,
+    Release,
+    ReleaseDecision,
+    decide_release,
     expected_iteration_s,
     planned_target_s,
     profile_config_map_name,
@@ -748,3 +752,163 @@ def test_release_empties_every_node_plan_then_deletes_it_once_its_agent_confirms
     cluster.report("node-1", observedRevision=5)
     assert asyncio.run(release(NS, JOB, cluster, owner)).done
     assert cluster.node_plans == {}
+
+
+# -- deletion: kopf retries instead of sleeping in the handler (issue 18, item 13) -------------
+
+
+def test_release_decision_retries_until_done_then_forces_at_the_deadline() -> None:
+    waiting = Release(done=False, waiting_for=("node-0", "node-1"))
+    assert decide_release(Release(done=True), 0.0, 60.0, 1.0) == ReleaseDecision(None)
+    assert decide_release(Release(done=True), 999.0, 60.0, 1.0).finish
+
+    early = decide_release(waiting, 12.4, 60.0, 1.0)
+    assert not early.finish and not early.force
+    assert early.retry_in_s == 1.0
+    assert early.message.startswith(RELEASE_PENDING)
+    assert "node-0, node-1" in early.message and "(12 of 60 s)" in early.message
+
+    near = decide_release(waiting, 59.75, 60.0, 1.0)  # the last retry lands on the deadline
+    assert near.retry_in_s == pytest.approx(0.25)
+
+    late = decide_release(waiting, 60.0, 60.0, 1.0)
+    assert late.finish and late.force
+    assert late.message == (
+        "agents of node-0, node-1 did not confirm the reset within 60 s; deleting their plans "
+        "anyway"
+    )
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.forgotten: list[tuple[str, str]] = []
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        self.forgotten.append((namespace, name))
+
+
+def _deleting(cluster: FakeCluster, jobs: int) -> tuple[Any, list[Any]]:
+    """An operator memo over ``cluster`` and the bodies of ``jobs`` deleted PerseusJobs, each
+    with a node plan on one node."""
+    import kopf
+
+    from perseus_operator import handlers
+
+    owner = {"apiVersion": resources.API_VERSION, "kind": "PerseusJob", "name": JOB, "uid": "u"}
+    bodies = []
+    for j in range(jobs):
+        name = f"job-{j}"
+        plan = NodePlan.model_validate(
+            {
+                "node": f"node-{j}",
+                "namespace": NS,
+                "job": name,
+                "revision": 4,
+                "granularity": "Instruction",
+                "plans": {"p": pipeline_plan_fields()},
+                "assignments": [{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+            }
+        )
+        asyncio.run(cluster.put_node_plan(resources.node_plan_object(plan), owner))
+        raw = job_body()
+        raw["metadata"] = {
+            **raw["metadata"],
+            "name": name,
+            "uid": f"uid-{j}",
+            "deletionTimestamp": datetime.now(tz=UTC).isoformat(),
+        }
+        bodies.append(kopf.Body(raw))
+    state = handlers._Operator(
+        kube=cluster,  # type: ignore[arg-type]
+        planner=None,  # type: ignore[arg-type]
+        metrics=_Metrics(),  # type: ignore[arg-type]
+        policies=None,  # type: ignore[arg-type]
+    )
+    return {"perseus": state}, bodies
+
+
+def _plan_key(job: str, node: str) -> tuple[str, str]:
+    return (NS, resources.node_plan_name(job, node))
+
+
+def test_deleting_many_jobs_never_sleeps_in_the_handler(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    from perseus_operator import handlers
+
+    async def no_sleep(*_: object) -> None:
+        raise AssertionError("the delete handler slept instead of asking kopf to retry")
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    memo, bodies = _deleting(cluster, jobs=10)
+
+    async def delete_all(runtime_s: float) -> list[BaseException | None]:
+        calls = [
+            handlers.deleted(body=b, memo=memo, runtime=timedelta(seconds=runtime_s))
+            for b in bodies
+        ]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    # Every job's plans are emptied at once; each handler returns a retry at once.
+    results = asyncio.run(delete_all(0.0))
+    assert all(isinstance(r, kopf.TemporaryError) for r in results), results
+    first = results[0]
+    assert isinstance(first, kopf.TemporaryError)
+    assert first.delay == handlers.RELEASE_POLL_S
+    assert str(first).startswith(RELEASE_PENDING) and "node-0" in str(first)
+    for j in range(10):
+        assert cluster.node_plans[_plan_key(f"job-{j}", f"node-{j}")]["spec"]["assignments"] == []
+    assert memo["perseus"].metrics.forgotten == []  # the finalizer stays
+
+    # The agents confirm: the next retry deletes the plans and lets the jobs go.
+    for j in range(10):
+        cluster.node_plans[_plan_key(f"job-{j}", f"node-{j}")]["status"] = {"observedRevision": 5}
+    assert asyncio.run(delete_all(1.0)) == [None] * 10
+    assert cluster.node_plans == {}
+    assert sorted(memo["perseus"].metrics.forgotten) == sorted((NS, f"job-{j}") for j in range(10))
+
+
+def test_a_deletion_past_the_release_timeout_warns_and_deletes_the_plans(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    from perseus_operator import handlers
+
+    warnings: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "warn", lambda body, **kw: warnings.append(kw))
+    memo, (body,) = _deleting(cluster, jobs=1)
+    timeout_s = handlers.CONFIG.release_timeout_s
+    with pytest.raises(kopf.TemporaryError):
+        asyncio.run(handlers.deleted(body=body, memo=memo, runtime=timedelta(seconds=1)))
+    # Counted across retries (kopf's runtime), although the deletion timestamp is recent.
+    runtime = timedelta(seconds=timeout_s)
+    assert asyncio.run(handlers.deleted(body=body, memo=memo, runtime=runtime)) is None
+    assert cluster.node_plans == {}
+    assert warnings == [
+        {
+            "reason": "ReleaseTimeout",
+            "message": f"agents of node-0 did not confirm the reset within {timeout_s:g} s; "
+            "deleting their plans anyway",
+        }
+    ]
+    assert memo["perseus"].metrics.forgotten == [(NS, "job-0")]
+
+
+def test_kopfs_error_log_of_a_release_retry_is_demoted_to_info() -> None:
+    import logging
+
+    from perseus_operator import handlers
+
+    def record(message: str, level: int = logging.ERROR) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, message, None, None)
+
+    retry = record(f"Handler 'deleted' failed temporarily: {RELEASE_PENDING}: waiting for ...")
+    assert handlers.RELEASE_RETRY_FILTER.filter(retry)
+    assert (retry.levelno, retry.levelname) == (logging.INFO, "INFO")
+    other = record("Handler 'changed' failed temporarily: boom")
+    assert handlers.RELEASE_RETRY_FILTER.filter(other)
+    assert other.levelno == logging.ERROR
+    assert handlers.RELEASE_RETRY_FILTER in logging.getLogger("kopf.objects").filters
