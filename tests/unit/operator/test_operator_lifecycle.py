@@ -55,6 +55,7 @@ class FakeCluster:
         self.workloads: dict[tuple[str, str], dict[str, Any]] = {}
         self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
         self.node_plans: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.writes = 0
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -89,6 +90,14 @@ class FakeCluster:
                 obj["metadata"].update(resourceVersion=str(self.writes), uid=f"uid-{ns}")
                 listed.append(obj)
         return listed
+
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(p) for (ns, _), p in sorted(self.node_plans.items()) if ns == namespace
+        ]
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        return [copy.deepcopy(j) for (ns, _), j in sorted(self.jobs.items()) if ns == namespace]
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         if "resourceVersion" in body["metadata"]:  # as kube-apiserver does, on create
@@ -158,6 +167,7 @@ class Operator:
     def __init__(self, cluster: FakeCluster, body: dict[str, Any]) -> None:
         self.cluster = cluster
         self.body = body
+        cluster.jobs[(NS, body["metadata"]["name"])] = body
         self.memo = JobMemo()
         self.events: list[tuple[str, str]] = []
 
@@ -912,3 +922,107 @@ def test_kopfs_error_log_of_a_release_retry_is_demoted_to_info() -> None:
     assert handlers.RELEASE_RETRY_FILTER.filter(other)
     assert other.levelno == logging.ERROR
     assert handlers.RELEASE_RETRY_FILTER in logging.getLogger("kopf.objects").filters
+
+
+# -- two jobs on the same pods: the older keeps the GPUs (issue 18, item 12) --------------------
+
+
+def _job_named(name: str, created: str) -> dict[str, Any]:
+    body = job_body()
+    body["metadata"] = {**body["metadata"], "name": name, "uid": f"uid-{name}"}
+    body["metadata"]["creationTimestamp"] = created
+    return body
+
+
+def _plans_of(cluster: FakeCluster, job: str) -> list[dict[str, Any]]:
+    return [p for p in cluster.node_plans.values() if p["spec"]["job"] == job]
+
+
+def _profiled(cluster: FakeCluster, job: str) -> None:
+    for plan in _plans_of(cluster, job):
+        plan["status"] = {"profiling": profiling_reports(plan["spec"])}
+
+
+def test_the_newer_of_two_jobs_on_the_same_pods_writes_no_node_plans(
+    cluster: FakeCluster,
+) -> None:
+    older = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    newer = Operator(cluster, _job_named("gpt3-copy", "2026-12-01T11:00:00Z"))
+    older.step()
+    _profiled(cluster, JOB)
+    older.step()
+    assert older.status["phase"] == "Running"
+
+    newer.step()
+    assert newer.status["phase"] == "Pending"
+    degraded = newer.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "GpuConflict")
+    assert f"older PerseusJob {NS}/{JOB}, created 2026-12-01T10:00:00Z" in degraded["message"]
+    assert "node-0/gpu0" in degraded["message"] and "and 4 more" in degraded["message"]
+    assert newer.status["message"] == degraded["message"]
+    assert _plans_of(cluster, "gpt3-copy") == []
+    assert ("GpuConflict", degraded["message"]) in newer.events
+    newer.step()  # still waiting: no second event
+    assert [r for r, _ in newer.events].count("GpuConflict") == 1
+
+    older.step()  # the older job is not disturbed
+    assert older.status["phase"] == "Running"
+    assert all(c["reason"] != "GpuConflict" for c in older.status["conditions"])
+
+    # The older job goes (its plans are released): the newer one takes over the GPUs.
+    for key in [k for k, p in cluster.node_plans.items() if p["spec"]["job"] == JOB]:
+        del cluster.node_plans[key]
+    del cluster.jobs[(NS, JOB)]
+    newer.step()
+    assert newer.status["phase"] == "Profiling"
+    assert newer.condition("Degraded")["reason"] == "GpuConflictResolved"
+    assert len(_plans_of(cluster, "gpt3-copy")) == 2
+
+
+def test_a_newer_job_that_wrote_plans_first_withdraws_them(cluster: FakeCluster) -> None:
+    """Created together, the newer one may plan before the older has: it withdraws then."""
+    older = Operator(cluster, _job_named("b-older", "2026-12-01T10:00:00Z"))
+    newer = Operator(cluster, _job_named("a-newer", "2026-12-01T10:00:01Z"))
+    newer.step()
+    assert len(_plans_of(cluster, "a-newer")) == 2
+    older.step()  # older: the newer one's plans do not stop it
+    assert older.status["phase"] == "Profiling"
+    assert len(_plans_of(cluster, "b-older")) == 2
+    newer.step()
+    assert newer.status["phase"] == "Pending"
+    assert newer.condition("Degraded")["reason"] == "GpuConflict"
+    assert _plans_of(cluster, "a-newer") == []
+    assert len(_plans_of(cluster, "b-older")) == 2
+
+
+def test_jobs_on_other_gpus_do_not_conflict(cluster: FakeCluster) -> None:
+    cluster.node_plans[(NS, "other-node-9")] = {
+        "metadata": {
+            "name": "other-node-9",
+            "namespace": NS,
+            "labels": {resources.JOB_LABEL: "other"},
+        },
+        "spec": {
+            "job": "other",
+            "namespace": NS,
+            "node": "node-9",
+            "assignments": [{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+        },
+    }
+    cluster.jobs[(NS, "other")] = _job_named("other", "2020-01-01T00:00:00Z")
+    op = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    op.step()
+    assert op.status["phase"] == "Profiling"
+
+
+def test_a_job_that_fails_for_its_own_reason_says_so_whoever_holds_its_gpus(
+    cluster: FakeCluster,
+) -> None:
+    older = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    older.step()
+    body = _job_named("no-profile", "2026-12-01T11:00:00Z")
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "missing"}
+    newer = Operator(cluster, body)
+    newer.step()
+    assert newer.status["phase"] == "Failed"
+    assert "profileRef: ConfigMap missing does not exist" in newer.status["message"]
