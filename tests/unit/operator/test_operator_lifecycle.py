@@ -1026,3 +1026,21 @@ def test_a_job_that_fails_for_its_own_reason_says_so_whoever_holds_its_gpus(
     newer.step()
     assert newer.status["phase"] == "Failed"
     assert "profileRef: ConfigMap missing does not exist" in newer.status["message"]
+
+
+def test_measured_blocking_power_beyond_the_planners_limit_fails_the_job_with_the_limit(
+    cluster: FakeCluster,
+) -> None:
+    """A profile whose measured blocking power the integer arithmetic cannot hold (issue 18,
+    item 7): the job is Failed with the limit, the operator does not crash."""
+    data = {"profile.csv": cut_profile(STAGES), "blockingPowerWatts": "1e+12"}
+    cluster.config_maps[(NS, "stored")] = {"data": data}
+    body = job_body()
+    del body["spec"]["policy"]["blockingPowerWatts"]
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "stored"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Failed"
+    assert "above the planner's limit of 7.04e+07 J" in op.status["message"]
+    assert op.condition("Degraded")["reason"] == "PlanningFailed"
+    assert cluster.node_plans == {}
