@@ -152,6 +152,22 @@ PARALLELISM_RULES: Final = (
 )
 
 
+def check_schedulable(schedule: str, pipeline_stages: int, microbatches: int) -> None:
+    """The rule of :data:`PARALLELISM_RULES` in Python, for the CRD models and for
+    ``perseus plan``/``simulate``, so that a pipeline the CLI plans is one the cluster takes.
+
+    ``schedule`` in any case (``1F1B``, ``1f1b``).
+
+    Raises:
+        ValueError: 1F1B with fewer microbatches than stages.
+    """
+    if schedule.lower() == ScheduleName.ONE_F_ONE_B.lower() and microbatches < pipeline_stages:
+        raise ValueError(
+            f"{PARALLELISM_RULES[0][1]} (got {microbatches} microbatches for "
+            f"{pipeline_stages} stages)"
+        )
+
+
 class Parallelism(_Spec):
     """How the training job is split across GPUs: ``dataParallel x pipelineStages x
     tensorParallel`` ranks, one GPU each."""
@@ -166,11 +182,7 @@ class Parallelism(_Spec):
 
     @model_validator(mode="after")
     def _schedulable(self) -> Parallelism:
-        if self.schedule == ScheduleName.ONE_F_ONE_B and self.microbatches < self.pipeline_stages:
-            raise ValueError(
-                f"{PARALLELISM_RULES[0][1]} (got {self.microbatches} microbatches for "
-                f"{self.pipeline_stages} stages)"
-            )
+        check_schedulable(self.schedule, self.pipeline_stages, self.microbatches)
         return self
 
     @property

@@ -41,7 +41,14 @@ import numpy.typing as npt
 
 from perseus_api.errors import ProfileError
 
-__all__ = ["INSTRUCTIONS", "Measurements", "Profile", "load_profile", "parse_profile"]
+__all__ = [
+    "INSTRUCTIONS",
+    "MAX_ENERGY_J",
+    "Measurements",
+    "Profile",
+    "load_profile",
+    "parse_profile",
+]
 
 INSTRUCTIONS: tuple[str, ...] = ("forward", "backward")
 
@@ -68,6 +75,11 @@ _INTEGER_RE = re.compile(r"[+-]?[0-9]+")
 
 # Frequencies end up in an int64 array.
 _MAX_FREQUENCY_MHZ = 2**63 - 1
+
+MAX_ENERGY_J = 2**50 * 1e-6 / 16
+"""Largest energy (J) of one measurement: the planner counts integer micro-joules below 2**50
+and keeps a factor 16 of headroom (``perseus_planner.limits.MAX_CUT_ENERGY_J``, equal by test);
+a larger value (7e7 J, 20 MWh, for one forward pass) is a unit mix-up or a corrupt row."""
 
 # How many missing stages to name before eliding; a typo such as stage 1000 in an 8-stage
 # profile would otherwise produce a thousand-entry message.
@@ -318,6 +330,16 @@ class _Row:
             raise self.error(f"{column} must be positive ({unit}), got {value!r}")
         return number
 
+    def energy_j(self) -> float:
+        number = self.positive("energy", "joules")
+        if number > MAX_ENERGY_J:
+            value = self._fields[self._columns["energy"]].strip()
+            raise self.error(
+                f"energy {value} J is above the {MAX_ENERGY_J:.3g} J the planner can count "
+                "(integer micro-joules below 2**50); check that energies are joules"
+            )
+        return number
+
 
 def _data_rows(
     rows: Iterator[tuple[int, list[str]]],
@@ -348,7 +370,7 @@ def _parse_simple(
             instruction=row.instruction(),
             frequency_mhz=row.frequency_mhz(),
             time_s=row.positive("time", "seconds"),
-            energy_j=row.positive("energy", "joules"),
+            energy_j=row.energy_j(),
         )
         key = (entry.stage, entry.instruction, entry.frequency_mhz)
         if key in first_line:
@@ -391,7 +413,7 @@ def _parse_rich(
         instruction = row.instruction()
         frequency_mhz = row.frequency_mhz()
         time_s = row.positive("time", "seconds")
-        energy_j = row.positive("energy", "joules")
+        energy_j = row.energy_j()
 
         known_coords = coords_of_rank.setdefault(rank, (coords, row.line))
         if known_coords[0] != coords:

@@ -7,6 +7,16 @@ Outputs, in the ``--out`` directory:
 - ``plan.json``: the ``PipelinePlan`` the operator and node agents apply;
 - ``frontier.png``: the frontier with ``T_min``, ``T*``, the chosen point and the
   all-max-clock baseline (unless ``--no-plot``).
+
+The files are replaced together: each is written to a temporary file in ``--out`` first,
+and they are renamed into place only when all are complete (a full disk leaves the previous
+run's set intact).
+
+A ``--target`` faster than ``T_min`` cannot be met: the plan runs at ``T_min``, a warning
+says so on stderr and ``plan.json`` records ``T_min`` as the target (what is achieved).
+
+Input beyond what the solver can hold (see :mod:`perseus_planner.limits`) is refused before
+solving, with the limit in the message; ``--max-solver-work`` raises the one on run time.
 """
 
 from __future__ import annotations
@@ -14,16 +24,15 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import secrets
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_float, positive_float, positive_int
+from perseus_cli.outputs import Output, write_together
 from perseus_cli.progress import Progress
 
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
@@ -45,6 +54,8 @@ PROGRESS_ALWAYS_STEPS = 2000
 """Above this many solver steps a run takes long enough that logs should show progress too."""
 
 _GRANULARITIES = ("instruction", "stage")
+
+PROG_WARNING = "perseus: warning: "
 
 _BLOCKING_POWER_HELP = (
     "--blocking-power is required with --profile: measure the power draw (W) of one GPU "
@@ -114,6 +125,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         ),
     )
     solver.add_argument(
+        "--max-solver-work",
+        type=positive_int,
+        metavar="N",
+        help=(
+            "refuse a solve of more than N frontier points x computations, about N "
+            "microseconds (default: 2e9)"
+        ),
+    )
+    solver.add_argument(
         "--blocking-power",
         type=non_negative_float,
         metavar="WATTS",
@@ -127,7 +147,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--target",
         type=positive_float,
         metavar="SECONDS",
-        help="iteration time T' of the straggler this pipeline waits for",
+        help=(
+            "iteration time T' of the straggler this pipeline waits for (below T_min: "
+            "runs at T_min, with a warning)"
+        ),
     )
     exclusive.add_argument(
         "--max-slowdown",
@@ -169,14 +192,7 @@ class _Source:
 def run(args: argparse.Namespace) -> int:
     """Execute ``perseus plan``; errors propagate to ``main`` as CliError/PlannerError."""
     from perseus_api import Granularity
-    from perseus_planner import (
-        Schedule,
-        build_pipeline_dag,
-        build_plan,
-        build_problem,
-        choose_point,
-        max_frequency_baseline,
-    )
+    from perseus_planner import Schedule, build_plan, choose_point, max_frequency_baseline
 
     schedule = Schedule.parse(args.schedule)
     source = _resolve_source(args)
@@ -187,38 +203,83 @@ def run(args: argparse.Namespace) -> int:
             f"--stages {num_stages} does not match the profile {profile.source}, which has "
             f"{profile.num_stages} stages; profile every stage of the pipeline"
         )
-    dag = build_pipeline_dag(schedule, num_stages, args.microbatches)
+    check_pipeline(schedule.value, num_stages, args.microbatches)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
     start_s = time.perf_counter()
-    problem = build_problem(profile, dag, source.unit_time_s, source.blocking_power_w)
+    problem = prepare(source, schedule, num_stages, args.microbatches, args.max_solver_work)
     frontier = solve_with_progress(problem, source.name, quiet=args.quiet)
     solve_s = time.perf_counter() - start_s
     log.info("frontier: %d points in %.2f s", len(frontier), solve_s)
 
     baseline = max_frequency_baseline(problem)
     choice = choose_point(frontier, target_s=args.target, max_slowdown=args.max_slowdown)
+    if choice.target_unreachable:
+        print(
+            f"{PROG_WARNING}--target {args.target:g} s is faster than this pipeline can run "
+            f"(T_min {choice.target_s:g} s): planning for T_min, recorded as the target in "
+            f"{PLAN_JSON}",
+            file=sys.stderr,
+        )
     granularity = Granularity.STAGE if args.granularity == "stage" else Granularity.INSTRUCTION
     plan = build_plan(frontier, baseline, choice, granularity)
 
     title = f"{source.name}: {schedule.value}, {num_stages} stages, M={args.microbatches}"
+
     written = _write_outputs(out_dir, frontier, baseline, choice, plan, title, args.no_plot)
     if not args.quiet:
         print(_summary(source, frontier, baseline, choice, plan, solve_s, written))
     return 0
 
 
+def check_pipeline(schedule: str, num_stages: int, num_microbatches: int) -> None:
+    """The PerseusJob CRD's rule on schedules, so that what the CLI plans the cluster takes.
+
+    Raises:
+        CliError: 1F1B with fewer microbatches than stages.
+    """
+    from perseus_api.job import check_schedulable
+
+    try:
+        check_schedulable(schedule, num_stages, num_microbatches)
+    except ValueError as exc:
+        raise CliError(
+            f"{exc}; use --microbatches {num_stages} or more, or --schedule gpipe"
+        ) from None
+
+
+def prepare(
+    source: _Source,
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    max_solver_work: int | None,
+) -> FrontierProblem:
+    """The problem to solve, after the planner's limits (see ``--max-solver-work``)."""
+    from perseus_planner import PlannerLimits, prepare_problem
+
+    limits = PlannerLimits()
+    if max_solver_work is not None:
+        limits = PlannerLimits(max_solver_work=max_solver_work)
+    return prepare_problem(
+        source.profile,
+        schedule,
+        num_stages,
+        num_microbatches,
+        source.unit_time_s,
+        source.blocking_power_w,
+        limits,
+    )
+
+
 def solve_with_progress(problem: FrontierProblem, name: str, *, quiet: bool) -> Frontier:
     """``compute_frontier``, with a progress line on a terminal or for long solves."""
     from perseus_planner import compute_frontier
+    from perseus_planner.limits import expected_frontier_points
 
-    expected_steps = (
-        problem.makespan(problem.slowest_durations)
-        - problem.makespan(problem.fastest_durations)
-        + 1
-    )
+    expected_steps = expected_frontier_points(problem)
     log.info(
         "solving %s: %d computations, ~%d frontier points",
         name,
@@ -274,42 +335,24 @@ def _write_outputs(
     title: str,
     no_plot: bool,
 ) -> list[Path]:
-    written = [out_dir / FRONTIER_CSV, out_dir / PLAN_JSON]
-    write_atomically(written[0], lambda tmp: tmp.write_text(frontier_csv(frontier)))
-    write_atomically(written[1], lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n"))
+    outputs: list[Output] = [
+        (out_dir / FRONTIER_CSV, lambda tmp: tmp.write_text(frontier_csv(frontier))),
+        (out_dir / PLAN_JSON, lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n")),
+    ]
     png = out_dir / FRONTIER_PNG
-    if no_plot:
-        # With --force a picture from an earlier run would otherwise sit next to the new plan.
-        png.unlink(missing_ok=True)
-    else:
+    if not no_plot:
         from perseus_cli.plotting import plot_frontier
 
-        write_atomically(png, lambda tmp: plot_frontier(tmp, frontier, baseline, choice, title))
-        written.append(png)
-    for path in written:
-        log.info("wrote %s", path)
-    return written
+        outputs.append((png, lambda tmp: plot_frontier(tmp, frontier, baseline, choice, title)))
+    # With --force a picture from an earlier run would otherwise sit next to the new plan.
+    write_together(outputs, stale=[png] if no_plot else [])
+    return [path for path, _ in outputs]
 
 
 def frontier_csv(frontier: Frontier) -> str:
     """``time,energy`` rows, slowest first, each float as ``repr`` (exact round trip)."""
     rows = zip(frontier.times_s.tolist(), frontier.energies_j.tolist(), strict=True)
     return "time,energy\n" + "".join(f"{t!r},{e!r}\n" for t, e in rows)
-
-
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """Have ``write`` create a temporary sibling of ``path``, then rename it over ``path``.
-
-    Readers (the operator, a watching dashboard) never see a half-written file, and an
-    interrupted run leaves the previous file intact.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _summary(

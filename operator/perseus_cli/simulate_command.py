@@ -33,11 +33,13 @@ from perseus_cli.arguments import (
     positive_float,
     positive_int,
 )
+from perseus_cli.outputs import write_together
 from perseus_cli.plan_command import (
     _prepare_out_dir,
     _resolve_source,
+    check_pipeline,
+    prepare,
     solve_with_progress,
-    write_atomically,
 )
 
 if TYPE_CHECKING:
@@ -160,12 +162,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``perseus simulate``."""
-    from perseus_planner import (
-        Schedule,
-        build_pipeline_dag,
-        build_problem,
-        max_frequency_baseline,
-    )
+    from perseus_planner import Schedule, max_frequency_baseline
     from perseus_planner.sim import METHODS, Scenario, run_method, sim_setup, summarize
     from perseus_planner.sim.emulation import ENERGY_FACTOR, TIME_FACTOR
 
@@ -183,19 +180,20 @@ def run(args: argparse.Namespace) -> int:
     )
     source = _resolve_source(args)
     schedule = Schedule.parse(args.schedule or DEFAULT_SCHEDULE)
-    dag = build_pipeline_dag(schedule, source.profile.num_stages, microbatches)
+    num_stages = source.profile.num_stages
+    check_pipeline(schedule.value, num_stages, microbatches)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
-    problem = build_problem(source.profile, dag, source.unit_time_s, source.blocking_power_w)
+    problem = prepare(source, schedule.value, num_stages, microbatches, None)
+    dag = problem.dag
     frontier = solve_with_progress(problem, source.name, quiet=False)
     setup = sim_setup(frontier, max_frequency_baseline(problem))
     runs = [run_method(setup, m, scenario) for m in methods]
 
     units = _Units() if scale is None else _Units(TIME_FACTOR, ENERGY_FACTOR)
     csv_path, png_path = out_dir / SIMULATE_CSV, out_dir / SIMULATE_PNG
-    write_atomically(csv_path, lambda tmp: tmp.write_text(runs_csv(runs, units)))
     layout = (
         f"{dag.num_stages} stages, M={microbatches}, {replicas} replicas"
         if scale is None
@@ -205,8 +203,12 @@ def run(args: argparse.Namespace) -> int:
         f"{source.name}: {dag.schedule.value}, {layout}, straggler x{args.straggler_factor:g} "
         f"from iteration {onset} {_CLOCKS_WORDS[clocks]}"
     )
-    write_atomically(
-        png_path, lambda tmp: plot_simulation(tmp, setup, scenario, runs, title, units)
+    # Replaced together, like perseus plan's outputs: never a new CSV beside an old picture.
+    write_together(
+        [
+            (csv_path, lambda tmp: tmp.write_text(runs_csv(runs, units))),
+            (png_path, lambda tmp: plot_simulation(tmp, setup, scenario, runs, title, units)),
+        ]
     )
     print(title)
     print(summary_table([summarize(setup, r) for r in runs], units))

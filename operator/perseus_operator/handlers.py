@@ -13,10 +13,9 @@ import copy
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import kopf
@@ -27,9 +26,11 @@ from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.config import OperatorConfig
 from perseus_operator.kube import KubeClient, load_api_client, owner_reference
 from perseus_operator.lifecycle import (
+    RELEASE_PENDING,
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
     Outcome,
+    decide_release,
     force_release,
     reconcile,
     release,
@@ -43,7 +44,8 @@ DEFAULT_POLICY: Final = CONFIG.default_policy_fields()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
 POLICY: Final = (resources.GROUP, resources.VERSION, POLICY_PLURAL)
 FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
-RELEASE_POLL_S: Final = 0.5
+RELEASE_POLL_S: Final = 1.0
+"""Between two steps of a deletion that waits for the agents (a kopf retry, not a sleep)."""
 RECONCILE_SLACK_S: Final = 120.0
 """A reconcile may take the planner's time limit plus this for its API calls."""
 
@@ -149,29 +151,46 @@ async def progress(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any
     await _reconcile(body, patch, memo)
 
 
-@kopf.on.delete(*JOB)
-async def deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.delete(*JOB, retries=None, timeout=None)
+async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **_: Any) -> None:
     """Keep the job (and its finalizer) until every agent has reset its GPUs, or the release
-    timeout has passed."""
+    timeout has passed.
+
+    One release step per call; while agents are still resetting, ``kopf.TemporaryError``
+    has kopf call again shortly, so the handler never sleeps and deleting many jobs at once
+    waits for them side by side, not one after the other.
+    """
     state = _state(memo)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    owner = owner_reference(_raw(body))
-    waited_s = _seconds_since(body["metadata"].get("deletionTimestamp"))
-    deadline = time.monotonic() + max(0.0, CONFIG.release_timeout_s - waited_s)
-    outcome = await release(namespace, name, state.kube, owner)
-    while not outcome.done and time.monotonic() < deadline:
-        await asyncio.sleep(RELEASE_POLL_S)
-        outcome = await release(namespace, name, state.kube, owner)
-    if not outcome.done:
-        kopf.warn(
-            body,
-            reason="ReleaseTimeout",
-            message=f"agents of {', '.join(outcome.waiting_for)} did not confirm the reset "
-            f"within {CONFIG.release_timeout_s:g} s; deleting their plans anyway",
-        )
+    outcome = await release(namespace, name, state.kube, owner_reference(_raw(body)))
+    # kopf's runtime counts from this handler's first call, across retries and restarts; the
+    # deletion timestamp also covers time the job waited before (e.g. with no operator).
+    waited_s = max(
+        _seconds_since(body["metadata"].get("deletionTimestamp")), runtime.total_seconds()
+    )
+    decision = decide_release(outcome, waited_s, CONFIG.release_timeout_s, RELEASE_POLL_S)
+    if not decision.finish:
+        raise kopf.TemporaryError(decision.message, delay=decision.retry_in_s)
+    if decision.force:
+        log.warning("PerseusJob %s/%s: %s", namespace, name, decision.message)
+        kopf.warn(body, reason="ReleaseTimeout", message=decision.message)
         await force_release(namespace, name, state.kube)
     state.jobs.pop((namespace, name), None)
     state.metrics.forget_job(namespace, name)
+
+
+class _ReleaseRetriesAreRoutine(logging.Filter):
+    """kopf logs every ``TemporaryError`` at ERROR level, and posts it as an Error event; a
+    deletion waiting for the agents' reset is the normal course, so those become INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO and RELEASE_PENDING in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+RELEASE_RETRY_FILTER: Final = _ReleaseRetriesAreRoutine()
+logging.getLogger("kopf.objects").addFilter(RELEASE_RETRY_FILTER)
 
 
 @kopf.on.event(*POLICY)

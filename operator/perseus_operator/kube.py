@@ -291,6 +291,19 @@ class KubeClient:
             )
         )
 
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+        """Every job's node plans in ``namespace`` (which GPUs are claimed, and by whom)."""
+        return await self._items(
+            lambda: self._custom.list_namespaced_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                resources.NODE_PLAN_PLURAL,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         """Create the node plan, or replace the spec of the existing one."""
         namespace, name = resources.object_key(body)

@@ -49,6 +49,13 @@ from perseus_api.plan import (
     StagePlan,
 )
 from perseus_api.schedule import stage_instruction_order
+from perseus_operator.gpu_conflicts import (
+    CONFLICT_REASON,
+    GpuClaim,
+    claims_of_node_plans,
+    decide_gpu_conflict,
+    planned_gpus,
+)
 from perseus_operator.metrics import max_iterations
 from perseus_operator.planning import (
     RETARGETED_PLAN,
@@ -104,6 +111,12 @@ class JobIO(Protocol):
     ) -> None: ...
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]: ...
+
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]: ...
+
+    async def list_jobs(
+        self, namespace: str | None, selector: str = ""
+    ) -> list[dict[str, Any]]: ...
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None: ...
 
@@ -161,6 +174,8 @@ class JobRef:
     uid: str
     generation: int
     owner: Mapping[str, Any]
+    created: str = ""
+    """``metadata.creationTimestamp``: the older of two jobs on the same GPUs keeps them."""
 
 
 def profile_config_map_name(job: str) -> str:
@@ -198,6 +213,7 @@ async def reconcile(
         uid=str(metadata.get("uid") or ""),
         generation=int(metadata.get("generation") or 0),
         owner=owner_reference(body),
+        created=str(metadata.get("creationTimestamp") or ""),
     )
     try:
         status = PerseusJobStatus.model_validate(body.get("status") or {})
@@ -311,6 +327,13 @@ class _Step:
                 status.message = "the workload finished; every GPU clock was reset"
             return
         assert ranks is not None  # an ended workload returned above
+        # Checked where node plans exist (here) or are about to be written (_start, _optimize):
+        # a job that fails for its own reasons says those, whoever holds its GPUs.
+        if status.phase in (
+            Phase.PROFILING,
+            Phase.RUNNING,
+        ) and await self._gpus_held_by_an_older_job(ranks):
+            return
         if status.phase == Phase.PENDING:
             await self._start(spec, ranks)
         if status.phase == Phase.PROFILING:
@@ -371,6 +394,39 @@ class _Step:
         self.status.nodes = sorted({r.node for r in resolution.ranks})
         return pods, resolution.ranks, None
 
+    async def _gpus_held_by_an_older_job(self, ranks: Sequence[RankPlacement]) -> bool:
+        """Whether another, older job's node plans hold some of this job's GPUs; if so this
+        job withdraws its own node plans and waits (condition ``GpuConflict``)."""
+        ns = self.ref.namespace
+        mine = frozenset((r.node, r.gpu_index) for r in ranks)
+        others = [
+            p
+            for p in await self.io.list_namespace_node_plans(ns)
+            if (p.get("spec") or {}).get("job") != self.ref.name
+        ]
+        conflict = None
+        # The jobs (for their ages) are read only when some plan is on one of our GPUs.
+        if planned_gpus(others) & mine:
+            me = GpuClaim(ns, self.ref.name, self.ref.created, mine)
+            claims = claims_of_node_plans(others, await self.io.list_jobs(ns))
+            conflict = decide_gpu_conflict(me, claims)
+        held = any(
+            c.type == ConditionType.DEGRADED and c.reason == CONFLICT_REASON and c.status == "True"
+            for c in self.status.conditions
+        )
+        if conflict is None:
+            if held:
+                self.condition(ConditionType.DEGRADED, False, "GpuConflictResolved")
+                self.status.message = ""
+            return False
+        await self._release_plans()
+        if not held or self.status.message != conflict.message:
+            self.event("Warning", CONFLICT_REASON, conflict.message)
+        self.status.phase = Phase.PENDING
+        self.status.message = conflict.message
+        self.condition(ConditionType.DEGRADED, True, CONFLICT_REASON, conflict.message)
+        return True
+
     def _wait(self, reason: str, message: str) -> None:
         self.status.message = message
         self.condition(ConditionType.DEGRADED, False, reason, message)
@@ -383,6 +439,8 @@ class _Step:
             return
         if spec.profiling.profile_ref is not None:
             return  # _stored_profile failed the job with the reason
+        if await self._gpus_held_by_an_older_job(ranks):
+            return
         self.status.revision += 1
         plans = {TMIN_PLAN: profiling_placeholder_plan(spec)}
         node_plans = get_node_plans(
@@ -515,6 +573,8 @@ class _Step:
             ConditionType.OPTIMIZED, True, "Optimized", f"frontier of {len(frontier)} points"
         )
         self.memo.retarget_s = None
+        if await self._gpus_held_by_an_older_job(ranks):
+            return
         await self._write_plans(spec, ranks, frontier, {})
         self.status.phase = Phase.RUNNING
 
@@ -905,6 +965,59 @@ async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any])
         else:
             waiting.append(node)
     return Release(done=not waiting, waiting_for=tuple(sorted(waiting)))
+
+
+RELEASE_PENDING: Final = "GPU reset pending"
+"""Starts the message of every retry of a deletion that waits for agents (the handlers log
+those as the normal course of a deletion, not as the errors kopf takes retries for)."""
+
+
+@dataclass(frozen=True)
+class ReleaseDecision:
+    """What the delete handler does after one :func:`release` step.
+
+    Attributes:
+        retry_in_s: Seconds until the next step (the finalizer stays); ``None``: finish now.
+        force: Finish by deleting the node plans left (:func:`force_release`): the agents did
+            not confirm the reset in time.
+        message: Why (for the retry, or the warning event when forcing).
+    """
+
+    retry_in_s: float | None
+    force: bool = False
+    message: str = ""
+
+    @property
+    def finish(self) -> bool:
+        """Whether the finalizer may be removed now."""
+        return self.retry_in_s is None
+
+
+def decide_release(
+    outcome: Release, waited_s: float, timeout_s: float, poll_s: float
+) -> ReleaseDecision:
+    """The next move of a deletion that has waited ``waited_s`` for the agents.
+
+    Done: finish. Agents still resetting: retry in ``poll_s`` (sooner if the deadline is
+    nearer), so that the handler never sleeps and many deletions proceed side by side. At
+    ``timeout_s``: force (the same bound as before, counted across retries and restarts).
+    """
+    if outcome.done:
+        return ReleaseDecision(retry_in_s=None)
+    nodes = ", ".join(outcome.waiting_for)
+    remaining_s = timeout_s - waited_s
+    if remaining_s <= 0:
+        return ReleaseDecision(
+            retry_in_s=None,
+            force=True,
+            message=f"agents of {nodes} did not confirm the reset within {timeout_s:g} s; "
+            "deleting their plans anyway",
+        )
+    return ReleaseDecision(
+        retry_in_s=max(min(poll_s, remaining_s), 0.0),
+        message=f"{RELEASE_PENDING}: waiting for the agents of {nodes} to reset their GPUs "
+        f"({waited_s:.0f} of {timeout_s:g} s)",
+    )
 
 
 async def force_release(namespace: str, job: str, io: JobIO) -> None:

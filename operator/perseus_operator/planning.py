@@ -26,12 +26,11 @@ from perseus_api.profile import Profile, parse_profile
 from perseus_operator.workloads import RankPlacement
 from perseus_planner import (
     Frontier,
-    build_pipeline_dag,
     build_plan,
-    build_problem,
     choose_point,
     compute_frontier,
     max_frequency_baseline,
+    prepare_problem,
 )
 
 DEFAULT_MAX_MHZ: Final = 2100
@@ -192,10 +191,16 @@ def solve_frontier(request: PlanningInput) -> Frontier:
         profile = parse_profile(
             clamp_profile(request.profile_csv, request.frequency_mhz), request.profile_source
         )
-        dag = build_pipeline_dag(
-            request.schedule.value.lower(), request.num_stages, request.num_microbatches
+        # The planner's limits (perseus_planner.limits) refuse input its arithmetic or memory
+        # cannot hold with a LimitError, which becomes the job's condition message below.
+        problem = prepare_problem(
+            profile,
+            request.schedule.value.lower(),
+            request.num_stages,
+            request.num_microbatches,
+            choose_unit_time_s(profile),
+            request.blocking_power_w,
         )
-        problem = build_problem(profile, dag, choose_unit_time_s(profile), request.blocking_power_w)
         return compute_frontier(problem)
     except ValueError as exc:  # ProfileError, SolverError, ... are ValueErrors
         raise PlanningError(str(exc)) from exc

@@ -16,12 +16,14 @@ from perseus_planner.bundled import BUNDLED_PROFILES, DEFAULT_PROFILE, bundled_p
 from perseus_planner.dag import PipelineDAG, Schedule, build_pipeline_dag
 from perseus_planner.errors import (
     CostModelError,
+    LimitError,
     PlannerError,
     ProfileError,
     ScheduleError,
     SolverError,
 )
 from perseus_planner.frontier import Baseline, Frontier, compute_frontier, max_frequency_baseline
+from perseus_planner.limits import PlannerLimits, check_target, prepare_problem
 from perseus_planner.plan import Choice, build_plan, choose_point, stage_clocks
 from perseus_planner.solver import FrontierPoint, FrontierProblem, build_problem, iterate_frontier
 
@@ -34,9 +36,11 @@ __all__ = [
     "Frontier",
     "FrontierPoint",
     "FrontierProblem",
+    "LimitError",
     "Measurements",
     "PipelineDAG",
     "PlannerError",
+    "PlannerLimits",
     "Profile",
     "ProfileError",
     "Schedule",
@@ -46,11 +50,13 @@ __all__ = [
     "build_plan",
     "build_problem",
     "bundled_profile",
+    "check_target",
     "choose_point",
     "compute_frontier",
     "iterate_frontier",
     "load_profile",
     "max_frequency_baseline",
     "parse_profile",
+    "prepare_problem",
     "stage_clocks",
 ]

@@ -13,6 +13,7 @@ from perseus_api.errors import ProfileError, ScheduleError
 
 __all__ = [
     "CostModelError",
+    "LimitError",
     "PlannerError",
     "ProfileError",
     "ScheduleError",
@@ -30,3 +31,7 @@ class CostModelError(PlannerError):
 
 class SolverError(PlannerError):
     """The frontier solver got inputs it cannot work with."""
+
+
+class LimitError(PlannerError):
+    """The input is finite but beyond what the solver's arithmetic or memory can hold."""

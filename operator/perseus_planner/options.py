@@ -67,6 +67,32 @@ def _quantize(time_s: float, unit_time_s: float) -> int:
     return int(time_s // unit_time_s)
 
 
+def pareto_filter(
+    rows: list[tuple[float, float, int]], noise_factor: float
+) -> list[tuple[float, float, int]]:
+    """The ``(time, energy, frequency)`` rows that no other row beats on both, in their order.
+
+    Row ``r`` is dropped when some row ``o`` has ``o.time < r.time * noise_factor`` and
+    ``o.energy < r.energy * noise_factor`` (the artifact's rule, ties kept). Instead of
+    comparing every pair (a 25,000-clock profile took a minute), rows are sorted by time
+    once: the rows faster than ``r.time * noise_factor`` are a prefix of that order, found
+    by binary search, and ``r`` is dominated iff the least energy in the prefix is below
+    ``r.energy * noise_factor``. O(n log n), and the same float comparisons as the pairwise
+    rule, so the same rows survive.
+    """
+    if not rows:
+        return []
+    times_s = np.array([r[0] for r in rows], dtype=np.float64)
+    energies_j = np.array([r[1] for r in rows], dtype=np.float64)
+    order = np.argsort(times_s, kind="stable")
+    least_energy_j = np.minimum.accumulate(energies_j[order])
+    # Rows strictly faster than each row's threshold: side="left" excludes equal times.
+    faster = np.searchsorted(times_s[order], times_s * noise_factor, side="left")
+    best_faster_j = least_energy_j[np.maximum(faster - 1, 0)]
+    dominated = (faster > 0) & (best_faster_j < energies_j * noise_factor)
+    return [r for r, drop in zip(rows, dominated.tolist(), strict=True) if not drop]
+
+
 def _candidates(
     m: Measurements, unit_time_s: float, noise_factor: float
 ) -> list[tuple[int, float, int]]:
@@ -75,11 +101,7 @@ def _candidates(
         zip(m.times_s.tolist(), m.energies_j.tolist(), m.frequencies_mhz.tolist(), strict=True)
     )
     rows.sort(key=lambda r: r[0], reverse=True)  # stable, like the artifact
-    pareto = [
-        r
-        for r in rows
-        if not any(o[0] < r[0] * noise_factor and o[1] < r[1] * noise_factor for o in rows)
-    ]
+    pareto = pareto_filter(rows, noise_factor)
     pareto.sort(key=lambda r: r[1], reverse=True)
     kept: dict[int, tuple[int, float, int]] = {}
     for time_s, energy_j, freq in pareto:

@@ -3,7 +3,9 @@
 - ``T_min`` (intrinsic bloat only): the fastest point; no slowdown.
 - Straggler at ``T'``: the replicas that wait for it anyway run the point with
   ``T <= T'`` that uses the least energy *including* blocking power while they
-  wait from ``T`` until ``T'``.
+  wait from ``T`` until ``T'``. A ``T'`` below ``T_min`` cannot be met: the plan
+  runs at ``T_min`` and records ``T_min`` as its target (``Choice.requested_target_s``
+  keeps what was asked, for a warning).
 - Slowdown budget ``x``: the least-energy point with ``T <= (1 + x) * T_min``.
 
 ``Instruction`` granularity applies the point as is. ``Stage`` granularity can
@@ -26,8 +28,9 @@ from perseus_api.plan import (
     PlanObjective,
     StagePlan,
 )
-from perseus_planner.errors import PlannerError
+from perseus_planner.errors import LimitError, PlannerError
 from perseus_planner.frontier import Baseline, Frontier
+from perseus_planner.limits import MAX_QUANT_UNITS, check_target
 from perseus_planner.solver import FrontierProblem
 
 IntArray = npt.NDArray[np.int64]
@@ -37,11 +40,26 @@ _MAX_COORDINATE_PASSES = 20
 
 @dataclass(frozen=True)
 class Choice:
-    """A chosen frontier point and why."""
+    """A chosen frontier point and why.
+
+    Attributes:
+        index: The frontier point.
+        objective: What it was chosen for.
+        target_s: The iteration time it aims at (``T'``, or the slowdown deadline), as
+            achieved: a straggler target below ``T_min`` cannot be met and becomes ``T_min``.
+        requested_target_s: The straggler target asked for, when it differs from
+            ``target_s`` (callers warn about it).
+    """
 
     index: int
     objective: PlanObjective
     target_s: float | None
+    requested_target_s: float | None = None
+
+    @property
+    def target_unreachable(self) -> bool:
+        """Whether the requested straggler target was faster than ``T_min``."""
+        return self.requested_target_s is not None
 
 
 def choose_point(
@@ -56,11 +74,13 @@ def choose_point(
         raise PlannerError("give either a straggler target or a max slowdown, not both")
     times = frontier.times_s
     if target_s is not None:
-        if not target_s > 0:
-            raise PlannerError(f"target iteration time must be > 0 s, got {target_s}")
+        check_target(target_s, frontier.problem.unit_time_s)
         feasible = times <= target_s
-        if not feasible.any():  # the straggler is faster than we can be: run flat out
-            return Choice(frontier.t_min_index, PlanObjective.STRAGGLER, target_s)
+        if not feasible.any():
+            # The "straggler" is faster than this pipeline can be: run flat out, and record
+            # the time achieved rather than one no plan meets (savings are compared there).
+            t_min_s = float(times[frontier.t_min_index])
+            return Choice(frontier.t_min_index, PlanObjective.STRAGGLER, t_min_s, target_s)
         p = frontier.problem
         waiting_j = p.num_stages * p.blocking_power_w * (target_s - times)
         total = np.where(feasible, frontier.energies_j + waiting_j, np.inf)
@@ -68,7 +88,13 @@ def choose_point(
     if max_slowdown is not None:
         if not (np.isfinite(max_slowdown) and max_slowdown >= 0):
             raise PlannerError(f"max slowdown must be a fraction >= 0, got {max_slowdown}")
-        deadline = times[frontier.t_min_index] * (1 + max_slowdown)
+        deadline = float(times[frontier.t_min_index]) * (1 + max_slowdown)
+        if not deadline / frontier.problem.unit_time_s <= MAX_QUANT_UNITS:
+            raise LimitError(
+                f"max slowdown {max_slowdown:g} puts the deadline beyond 2**53 time units of "
+                f"{frontier.problem.unit_time_s:g} s; any slowdown above "
+                f"{float(times[0] / times[frontier.t_min_index]) - 1:.4g} allows T_max already"
+            )
         candidates = np.where(times <= deadline, frontier.energies_j, np.inf)
         return Choice(int(np.argmin(candidates)), PlanObjective.MAX_SLOWDOWN, deadline)
     return Choice(frontier.t_min_index, PlanObjective.MIN_TIME, None)

@@ -28,7 +28,7 @@ from perseus_planner import (
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-M = 4  # microbatches: a few hundred frontier points, solved in well under a second
+M = 8  # microbatches (1F1B needs >= stages): 504 frontier points, solved in well under a second
 
 
 def _plan(out: Path, *extra: str, microbatches: int = M) -> int:
@@ -107,7 +107,7 @@ def test_png_is_written(default_run: tuple[Path, str]) -> None:
 
 
 def test_target_picks_a_point_no_slower_than_it(tmp_path: Path) -> None:
-    target_s = 1.7
+    target_s = 2.5  # between T_min (2.21 s) and T_max (2.71 s) at M = 8
     assert _plan(tmp_path / "out", "--target", str(target_s), "--quiet") == 0
     plan = _read_plan(tmp_path / "out")
     assert plan.objective is PlanObjective.STRAGGLER
@@ -150,10 +150,10 @@ def test_profile_file_matches_bundled(tmp_path: Path, default_run: tuple[Path, s
 
 def test_force_replaces_outputs_and_no_plot_drops_stale_png(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert _plan(out, "--quiet", microbatches=2) == 0
+    assert _plan(out, "--quiet", microbatches=8) == 0
     (out / "notes.txt").write_text("kept")
-    assert _plan(out, "--force", "--no-plot", "--quiet", microbatches=3) == 0
-    assert _read_plan(out).num_microbatches == 3
+    assert _plan(out, "--force", "--no-plot", "--quiet", microbatches=9) == 0
+    assert _read_plan(out).num_microbatches == 9
     assert sorted(p.name for p in out.iterdir()) == ["frontier.csv", "notes.txt", "plan.json"]
 
 
@@ -161,11 +161,11 @@ def test_progress_is_shown_for_long_runs_unless_quiet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(plan_command, "PROGRESS_ALWAYS_STEPS", 10)
-    assert _plan(tmp_path / "a", "--no-plot", microbatches=2) == 0
+    assert _plan(tmp_path / "a", "--no-plot", microbatches=8) == 0
     err = capsys.readouterr().err
-    assert "frontier: 300/300 steps 100.0%" in err
+    assert "frontier: 504/504 steps 100.0%" in err
 
-    assert _plan(tmp_path / "b", "--no-plot", "--quiet", microbatches=2) == 0
+    assert _plan(tmp_path / "b", "--no-plot", "--quiet", microbatches=8) == 0
     assert capsys.readouterr() == ("", "")
 
 
@@ -254,7 +254,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_module_entry_point_in_a_subprocess(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "operator")}
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "perseus_cli.main", "plan", "--microbatches", "2"]
+    command = [sys.executable, "-m", "perseus_cli.main", "plan", "--microbatches", "8"]
     done = subprocess.run(
         [*command, "--out", str(out), "--no-plot"],
         env=env,
@@ -266,7 +266,7 @@ def test_module_entry_point_in_a_subprocess(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "T_min" in done.stdout
-    assert _read_plan(out).num_microbatches == 2
+    assert _read_plan(out).num_microbatches == 8
 
     failed = subprocess.run(
         [*command, "--out", str(out)],
@@ -327,3 +327,78 @@ def test_format_duration() -> None:
     assert format_duration(0.4) == "0:00"
     assert format_duration(75) == "1:15"
     assert format_duration(3 * 3600 + 61) == "3:01:01"
+
+
+# -- issue 18: outputs replaced together, unreachable targets, the CRD's schedule rule ----------
+
+
+def test_a_failed_write_replaces_no_output_and_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert _plan(out, "--no-plot", "--quiet") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_write_text = Path.write_text
+
+    def disk_full_on_plan(self: Path, *args: object, **kwargs: object) -> int:
+        if self.name.startswith(f".{plan_command.PLAN_JSON}."):
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", disk_full_on_plan)
+    assert _plan(out, "--force", "--no-plot", "--quiet", "--max-slowdown", "0.1") == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {out / 'plan.json'}: No space left on device" in err
+    assert "no output" in err and "was replaced" in err
+    # The old frontier.csv is still beside the old plan.json, and no temporary file is left.
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_failed_plot_leaves_the_previous_set_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert _plan(out, "--quiet") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def no_space(path: Path, *_: object) -> None:
+        path.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    import perseus_cli.plotting
+
+    monkeypatch.setattr(perseus_cli.plotting, "plot_frontier", no_space)
+    assert _plan(out, "--force", "--quiet", "--target", "2.5") == 2
+    assert f"cannot write {out / 'frontier.png'}" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_target_below_t_min_warns_and_records_t_min(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _plan(tmp_path / "out", "--target", "0.5", "--no-plot", "--quiet") == 0
+    err = capsys.readouterr().err
+    assert err.startswith("perseus: warning: --target 0.5 s is faster than this pipeline")
+    plan = _read_plan(tmp_path / "out")
+    assert plan.objective is PlanObjective.STRAGGLER
+    assert plan.target_iteration_time_s == plan.t_min_s
+    assert f"T_min {plan.t_min_s:g} s" in err
+    assert plan.instruction_estimate.iteration_time_s == plan.t_min_s
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused_as_the_crd_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from perseus_api.job import PARALLELISM_RULES, Parallelism
+
+    assert _plan(tmp_path / "out", "--no-plot", microbatches=7) == 2
+    err = capsys.readouterr().err
+    crd_message = PARALLELISM_RULES[0][1]
+    assert f"{crd_message} (got 7 microbatches for 8 stages)" in err
+    assert "--microbatches 8 or more, or --schedule gpipe" in err
+    with pytest.raises(ValueError, match=r"\(got 7 microbatches for 8 stages\)"):
+        Parallelism.model_validate({"pipelineStages": 8, "microbatches": 7})
+    assert (
+        _plan(tmp_path / "gpipe", "--no-plot", "--schedule", "gpipe", "--quiet", microbatches=7)
+        == 0
+    )

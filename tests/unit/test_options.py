@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from perseus_api.profile import Measurements
+from perseus_planner import options as options_module
 from perseus_planner.cost_model import (
     ExponentialCostModel,
     LinearCostModel,
@@ -13,7 +14,12 @@ from perseus_planner.cost_model import (
     fit_exponential,
 )
 from perseus_planner.errors import CostModelError, PlannerError, SolverError
-from perseus_planner.options import SOFT_FILTER_TOLERANCE, ExecutionOptions, build_options
+from perseus_planner.options import (
+    SOFT_FILTER_TOLERANCE,
+    ExecutionOptions,
+    build_options,
+    pareto_filter,
+)
 
 UNIT_S = 0.001
 
@@ -236,3 +242,59 @@ def test_failed_exponential_fit_falls_back_to_a_line_with_a_warning(
 def test_cost_model_needs_two_distinct_durations() -> None:
     with pytest.raises(CostModelError, match="at least two distinct durations"):
         fit_cost_model(np.array([10], dtype=np.int64), np.array([1.0]), UNIT_S)
+
+
+def _pairwise_pareto(
+    rows: list[tuple[float, float, int]], noise_factor: float
+) -> list[tuple[float, float, int]]:
+    """The O(n^2) filter the planner used until issue 18 (the artifact's own), for reference."""
+    return [
+        r
+        for r in rows
+        if not any(o[0] < r[0] * noise_factor and o[1] < r[1] * noise_factor for o in rows)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("noise_factor", [1.0, SOFT_FILTER_TOLERANCE])
+def test_fast_pareto_filter_keeps_exactly_the_rows_of_the_pairwise_one(
+    seed: int, noise_factor: float
+) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    # Few distinct values, so that equal times, equal energies and whole equal rows (ties)
+    # are common; sometimes exact multiples of the noise factor as well.
+    times = rng.choice(rng.uniform(0.01, 0.02, size=max(n // 4, 1)), size=n)
+    energies = rng.choice(rng.uniform(5.0, 10.0, size=max(n // 4, 1)), size=n)
+    if seed % 5 == 0:
+        times[: n // 2] = times[n // 2 : 2 * (n // 2)] * noise_factor
+    rows = [
+        (float(t), float(e), 1000 + i) for i, (t, e) in enumerate(zip(times, energies, strict=True))
+    ]
+    rows.sort(key=lambda r: r[0], reverse=True)
+    assert pareto_filter(rows, noise_factor) == _pairwise_pareto(rows, noise_factor)
+
+
+def test_pareto_filter_edge_cases() -> None:
+    assert pareto_filter([], 1.0) == []
+    same = [(0.1, 5.0, 1), (0.1, 5.0, 2)]
+    assert pareto_filter(same, 1.0) == same  # ties dominate nothing
+    assert pareto_filter([(0.2, 6.0, 1), (0.1, 5.0, 2)], 1.0) == [(0.1, 5.0, 2)]
+
+
+def test_options_of_many_clocks_are_those_of_the_pairwise_filter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the whole recipe (both filters, quantization, dedupe) on 600 noisy clocks."""
+    rng = np.random.default_rng(7)
+    n = 600
+    freqs = np.arange(n, dtype=np.int64) + 500
+    times = 10.0 / freqs + rng.normal(0, 1e-4, n)
+    energies = 5.0 + 1e-3 * freqs + rng.normal(0, 0.05, n)
+    m = measurements(list(zip(freqs.tolist(), times.tolist(), energies.tolist(), strict=True)))
+    fast = build_options(m, 1e-4, 80.0)
+    monkeypatch.setattr(options_module, "pareto_filter", _pairwise_pareto)
+    slow = build_options(m, 1e-4, 80.0)
+    assert len(fast.quant_times) > 10
+    for name in ("quant_times", "energies_j", "costs_j", "frequencies_mhz"):
+        assert getattr(fast, name).tolist() == getattr(slow, name).tolist()

@@ -473,3 +473,23 @@ def test_profile_error_attributes_and_pickling() -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error)
     assert (copy.source, copy.row, copy.problem) == ("a.csv", 7, "bad thing")
+
+
+# --------------------------------------------------------------------------- planner limits
+
+
+@pytest.mark.parametrize("energy", ["1e9", "1e300", "1.7e308"])
+def test_energy_beyond_what_the_planner_counts_is_refused_at_its_line(
+    tmp_path: Path, energy: str
+) -> None:
+    lines = _with_line(_valid_lines(), 3, f"0,backward,1410,0.30,{energy}")
+    error = _expect_error(_write(tmp_path, lines), 3, f"energy {energy} J is above", "7.04e+07 J")
+    assert "micro-joules" in str(error)
+
+
+def test_rich_form_energy_limit_names_the_line(tmp_path: Path) -> None:
+    lines, _ = _rich_lines()
+    fields = lines[4].split(",")
+    fields[7] = "1e300"
+    lines[4] = ",".join(fields)
+    _expect_error(_write(tmp_path, lines), 5, "energy 1e300 J is above")

@@ -22,9 +22,13 @@ from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
 from perseus_operator.kube import KubeError
 from perseus_operator.lifecycle import (
+    RELEASE_PENDING,
     STRAGGLER_STATE_ANNOTATION,
     JobMemo,
     Outcome,
+    Release,
+    ReleaseDecision,
+    decide_release,
     expected_iteration_s,
     planned_target_s,
     profile_config_map_name,
@@ -51,6 +55,7 @@ class FakeCluster:
         self.workloads: dict[tuple[str, str], dict[str, Any]] = {}
         self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
         self.node_plans: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.writes = 0
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -85,6 +90,14 @@ class FakeCluster:
                 obj["metadata"].update(resourceVersion=str(self.writes), uid=f"uid-{ns}")
                 listed.append(obj)
         return listed
+
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(p) for (ns, _), p in sorted(self.node_plans.items()) if ns == namespace
+        ]
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        return [copy.deepcopy(j) for (ns, _), j in sorted(self.jobs.items()) if ns == namespace]
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         if "resourceVersion" in body["metadata"]:  # as kube-apiserver does, on create
@@ -154,6 +167,7 @@ class Operator:
     def __init__(self, cluster: FakeCluster, body: dict[str, Any]) -> None:
         self.cluster = cluster
         self.body = body
+        cluster.jobs[(NS, body["metadata"]["name"])] = body
         self.memo = JobMemo()
         self.events: list[tuple[str, str]] = []
 
@@ -747,4 +761,286 @@ def test_release_empties_every_node_plan_then_deletes_it_once_its_agent_confirms
     assert set(cluster.node_plans) == {(NS, resources.node_plan_name(JOB, "node-1"))}
     cluster.report("node-1", observedRevision=5)
     assert asyncio.run(release(NS, JOB, cluster, owner)).done
+    assert cluster.node_plans == {}
+
+
+# -- deletion: kopf retries instead of sleeping in the handler (issue 18, item 13) -------------
+
+
+def test_release_decision_retries_until_done_then_forces_at_the_deadline() -> None:
+    waiting = Release(done=False, waiting_for=("node-0", "node-1"))
+    assert decide_release(Release(done=True), 0.0, 60.0, 1.0) == ReleaseDecision(None)
+    assert decide_release(Release(done=True), 999.0, 60.0, 1.0).finish
+
+    early = decide_release(waiting, 12.4, 60.0, 1.0)
+    assert not early.finish and not early.force
+    assert early.retry_in_s == 1.0
+    assert early.message.startswith(RELEASE_PENDING)
+    assert "node-0, node-1" in early.message and "(12 of 60 s)" in early.message
+
+    near = decide_release(waiting, 59.75, 60.0, 1.0)  # the last retry lands on the deadline
+    assert near.retry_in_s == pytest.approx(0.25)
+
+    late = decide_release(waiting, 60.0, 60.0, 1.0)
+    assert late.finish and late.force
+    assert late.message == (
+        "agents of node-0, node-1 did not confirm the reset within 60 s; deleting their plans "
+        "anyway"
+    )
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.forgotten: list[tuple[str, str]] = []
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        self.forgotten.append((namespace, name))
+
+
+def _deleting(cluster: FakeCluster, jobs: int) -> tuple[Any, list[Any]]:
+    """An operator memo over ``cluster`` and the bodies of ``jobs`` deleted PerseusJobs, each
+    with a node plan on one node."""
+    import kopf
+
+    from perseus_operator import handlers
+
+    owner = {"apiVersion": resources.API_VERSION, "kind": "PerseusJob", "name": JOB, "uid": "u"}
+    bodies = []
+    for j in range(jobs):
+        name = f"job-{j}"
+        plan = NodePlan.model_validate(
+            {
+                "node": f"node-{j}",
+                "namespace": NS,
+                "job": name,
+                "revision": 4,
+                "granularity": "Instruction",
+                "plans": {"p": pipeline_plan_fields()},
+                "assignments": [{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+            }
+        )
+        asyncio.run(cluster.put_node_plan(resources.node_plan_object(plan), owner))
+        raw = job_body()
+        raw["metadata"] = {
+            **raw["metadata"],
+            "name": name,
+            "uid": f"uid-{j}",
+            "deletionTimestamp": datetime.now(tz=UTC).isoformat(),
+        }
+        bodies.append(kopf.Body(raw))
+    state = handlers._Operator(
+        kube=cluster,  # type: ignore[arg-type]
+        planner=None,  # type: ignore[arg-type]
+        metrics=_Metrics(),  # type: ignore[arg-type]
+        policies=None,  # type: ignore[arg-type]
+    )
+    return {"perseus": state}, bodies
+
+
+def _plan_key(job: str, node: str) -> tuple[str, str]:
+    return (NS, resources.node_plan_name(job, node))
+
+
+def test_deleting_many_jobs_never_sleeps_in_the_handler(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    from perseus_operator import handlers
+
+    async def no_sleep(*_: object) -> None:
+        raise AssertionError("the delete handler slept instead of asking kopf to retry")
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    memo, bodies = _deleting(cluster, jobs=10)
+
+    async def delete_all(runtime_s: float) -> list[BaseException | None]:
+        calls = [
+            handlers.deleted(body=b, memo=memo, runtime=timedelta(seconds=runtime_s))
+            for b in bodies
+        ]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    # Every job's plans are emptied at once; each handler returns a retry at once.
+    results = asyncio.run(delete_all(0.0))
+    assert all(isinstance(r, kopf.TemporaryError) for r in results), results
+    first = results[0]
+    assert isinstance(first, kopf.TemporaryError)
+    assert first.delay == handlers.RELEASE_POLL_S
+    assert str(first).startswith(RELEASE_PENDING) and "node-0" in str(first)
+    for j in range(10):
+        assert cluster.node_plans[_plan_key(f"job-{j}", f"node-{j}")]["spec"]["assignments"] == []
+    assert memo["perseus"].metrics.forgotten == []  # the finalizer stays
+
+    # The agents confirm: the next retry deletes the plans and lets the jobs go.
+    for j in range(10):
+        cluster.node_plans[_plan_key(f"job-{j}", f"node-{j}")]["status"] = {"observedRevision": 5}
+    assert asyncio.run(delete_all(1.0)) == [None] * 10
+    assert cluster.node_plans == {}
+    assert sorted(memo["perseus"].metrics.forgotten) == sorted((NS, f"job-{j}") for j in range(10))
+
+
+def test_a_deletion_past_the_release_timeout_warns_and_deletes_the_plans(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    from perseus_operator import handlers
+
+    warnings: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "warn", lambda body, **kw: warnings.append(kw))
+    memo, (body,) = _deleting(cluster, jobs=1)
+    timeout_s = handlers.CONFIG.release_timeout_s
+    with pytest.raises(kopf.TemporaryError):
+        asyncio.run(handlers.deleted(body=body, memo=memo, runtime=timedelta(seconds=1)))
+    # Counted across retries (kopf's runtime), although the deletion timestamp is recent.
+    runtime = timedelta(seconds=timeout_s)
+    assert asyncio.run(handlers.deleted(body=body, memo=memo, runtime=runtime)) is None
+    assert cluster.node_plans == {}
+    assert warnings == [
+        {
+            "reason": "ReleaseTimeout",
+            "message": f"agents of node-0 did not confirm the reset within {timeout_s:g} s; "
+            "deleting their plans anyway",
+        }
+    ]
+    assert memo["perseus"].metrics.forgotten == [(NS, "job-0")]
+
+
+def test_kopfs_error_log_of_a_release_retry_is_demoted_to_info() -> None:
+    import logging
+
+    from perseus_operator import handlers
+
+    def record(message: str, level: int = logging.ERROR) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, message, None, None)
+
+    retry = record(f"Handler 'deleted' failed temporarily: {RELEASE_PENDING}: waiting for ...")
+    assert handlers.RELEASE_RETRY_FILTER.filter(retry)
+    assert (retry.levelno, retry.levelname) == (logging.INFO, "INFO")
+    other = record("Handler 'changed' failed temporarily: boom")
+    assert handlers.RELEASE_RETRY_FILTER.filter(other)
+    assert other.levelno == logging.ERROR
+    assert handlers.RELEASE_RETRY_FILTER in logging.getLogger("kopf.objects").filters
+
+
+# -- two jobs on the same pods: the older keeps the GPUs (issue 18, item 12) --------------------
+
+
+def _job_named(name: str, created: str) -> dict[str, Any]:
+    body = job_body()
+    body["metadata"] = {**body["metadata"], "name": name, "uid": f"uid-{name}"}
+    body["metadata"]["creationTimestamp"] = created
+    return body
+
+
+def _plans_of(cluster: FakeCluster, job: str) -> list[dict[str, Any]]:
+    return [p for p in cluster.node_plans.values() if p["spec"]["job"] == job]
+
+
+def _profiled(cluster: FakeCluster, job: str) -> None:
+    for plan in _plans_of(cluster, job):
+        plan["status"] = {"profiling": profiling_reports(plan["spec"])}
+
+
+def test_the_newer_of_two_jobs_on_the_same_pods_writes_no_node_plans(
+    cluster: FakeCluster,
+) -> None:
+    older = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    newer = Operator(cluster, _job_named("gpt3-copy", "2026-12-01T11:00:00Z"))
+    older.step()
+    _profiled(cluster, JOB)
+    older.step()
+    assert older.status["phase"] == "Running"
+
+    newer.step()
+    assert newer.status["phase"] == "Pending"
+    degraded = newer.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "GpuConflict")
+    assert f"older PerseusJob {NS}/{JOB}, created 2026-12-01T10:00:00Z" in degraded["message"]
+    assert "node-0/gpu0" in degraded["message"] and "and 4 more" in degraded["message"]
+    assert newer.status["message"] == degraded["message"]
+    assert _plans_of(cluster, "gpt3-copy") == []
+    assert ("GpuConflict", degraded["message"]) in newer.events
+    newer.step()  # still waiting: no second event
+    assert [r for r, _ in newer.events].count("GpuConflict") == 1
+
+    older.step()  # the older job is not disturbed
+    assert older.status["phase"] == "Running"
+    assert all(c["reason"] != "GpuConflict" for c in older.status["conditions"])
+
+    # The older job goes (its plans are released): the newer one takes over the GPUs.
+    for key in [k for k, p in cluster.node_plans.items() if p["spec"]["job"] == JOB]:
+        del cluster.node_plans[key]
+    del cluster.jobs[(NS, JOB)]
+    newer.step()
+    assert newer.status["phase"] == "Profiling"
+    assert newer.condition("Degraded")["reason"] == "GpuConflictResolved"
+    assert len(_plans_of(cluster, "gpt3-copy")) == 2
+
+
+def test_a_newer_job_that_wrote_plans_first_withdraws_them(cluster: FakeCluster) -> None:
+    """Created together, the newer one may plan before the older has: it withdraws then."""
+    older = Operator(cluster, _job_named("b-older", "2026-12-01T10:00:00Z"))
+    newer = Operator(cluster, _job_named("a-newer", "2026-12-01T10:00:01Z"))
+    newer.step()
+    assert len(_plans_of(cluster, "a-newer")) == 2
+    older.step()  # older: the newer one's plans do not stop it
+    assert older.status["phase"] == "Profiling"
+    assert len(_plans_of(cluster, "b-older")) == 2
+    newer.step()
+    assert newer.status["phase"] == "Pending"
+    assert newer.condition("Degraded")["reason"] == "GpuConflict"
+    assert _plans_of(cluster, "a-newer") == []
+    assert len(_plans_of(cluster, "b-older")) == 2
+
+
+def test_jobs_on_other_gpus_do_not_conflict(cluster: FakeCluster) -> None:
+    cluster.node_plans[(NS, "other-node-9")] = {
+        "metadata": {
+            "name": "other-node-9",
+            "namespace": NS,
+            "labels": {resources.JOB_LABEL: "other"},
+        },
+        "spec": {
+            "job": "other",
+            "namespace": NS,
+            "node": "node-9",
+            "assignments": [{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+        },
+    }
+    cluster.jobs[(NS, "other")] = _job_named("other", "2020-01-01T00:00:00Z")
+    op = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    op.step()
+    assert op.status["phase"] == "Profiling"
+
+
+def test_a_job_that_fails_for_its_own_reason_says_so_whoever_holds_its_gpus(
+    cluster: FakeCluster,
+) -> None:
+    older = Operator(cluster, _job_named(JOB, "2026-12-01T10:00:00Z"))
+    older.step()
+    body = _job_named("no-profile", "2026-12-01T11:00:00Z")
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "missing"}
+    newer = Operator(cluster, body)
+    newer.step()
+    assert newer.status["phase"] == "Failed"
+    assert "profileRef: ConfigMap missing does not exist" in newer.status["message"]
+
+
+def test_measured_blocking_power_beyond_the_planners_limit_fails_the_job_with_the_limit(
+    cluster: FakeCluster,
+) -> None:
+    """A profile whose measured blocking power the integer arithmetic cannot hold (issue 18,
+    item 7): the job is Failed with the limit, the operator does not crash."""
+    data = {"profile.csv": cut_profile(STAGES), "blockingPowerWatts": "1e+12"}
+    cluster.config_maps[(NS, "stored")] = {"data": data}
+    body = job_body()
+    del body["spec"]["policy"]["blockingPowerWatts"]
+    body["spec"]["profiling"]["profileRef"] = {"configMapName": "stored"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Failed"
+    assert "above the planner's limit of 7.04e+07 J" in op.status["message"]
+    assert op.condition("Degraded")["reason"] == "PlanningFailed"
     assert cluster.node_plans == {}

@@ -246,3 +246,33 @@ def test_node_plans_give_each_gpu_its_replicas_plan_and_stage(request_: Planning
 def test_bundled_profile_loads(profile_csv: str) -> None:
     assert load_profile(bundled_profile(DEFAULT_PROFILE).path).num_stages == 8
     assert parse_profile(profile_csv, "cut").num_stages == STAGES
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"blocking_power_w": 1e12},
+            r"energy bound is .* above the planner's limit of 7\.04e\+07 J",
+        ),
+        ({"num_microbatches": 100_000}, r"make 800,000 forwards and backwards .* limit of 500,000"),
+    ],
+)
+def test_input_beyond_the_planners_limits_is_a_planning_error_with_the_limit(
+    request_: PlanningInput, change: dict[str, Any], message: str
+) -> None:
+    """The operator reports these as the job's PlanningFailed condition, not a crash."""
+    with pytest.raises(PlanningError, match=message):
+        solve_frontier(PlanningInput(**{**request_.__dict__, **change}))
+
+
+def test_an_outlier_energy_in_reports_is_a_planning_error(
+    profile_csv: str, request_: PlanningInput
+) -> None:
+    lines = profile_csv.splitlines()
+    fields = lines[1].split(",")
+    fields[-1] = "1e9"
+    lines[1] = ",".join(fields)
+    outlier = PlanningInput(**{**request_.__dict__, "profile_csv": "\n".join(lines) + "\n"})
+    with pytest.raises(PlanningError, match="line 2: energy 1e9 J is above"):
+        solve_frontier(outlier)
