@@ -58,18 +58,25 @@ class WarmStepper:
     def __init__(self, tables: _Tables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
         self._t = tables
         self._dur, self._ef, self._ls = dur, ef, ls
-        self._adj_ptr, self._adj_arc, self._head = warm_network(
-            len(dur), tables.edge_u, tables.edge_v
+        num = len(dur)
+        tail, hd = warm_arcs(num, tables.edge_u, tables.edge_v)
+        # The source-to-sink searches need only computations and dependencies: leaving the
+        # repair arcs out of their adjacency keeps them from scanning two dead arcs a vertex.
+        num_pairs = num + len(tables.edge_u)
+        self._adj_ptr, self._adj_arc, self._head = adjacency(
+            2 * num + 2, tail, hd, np.arange(2 * num_pairs, dtype=np.int64)
         )
+        self._full_ptr, self._full_arc, _ = adjacency(2 * num + 2, tail, hd)
         self.cap = np.zeros(len(self._head), dtype=np.int64)
-        num_pairs = len(dur) + len(tables.edge_u)
         self.lo = np.zeros(num_pairs, dtype=np.int64)
         self.hi = np.zeros(num_pairs, dtype=np.int64)
-        num_vertices = len(self._adj_ptr) - 1
+        num_vertices = 2 * num + 2
         self.excess = np.zeros(num_vertices, dtype=np.int64)
+        self._touched = np.zeros(num_vertices, dtype=np.int64)
+        self._listed = np.zeros(num_vertices, dtype=np.bool_)
+        self._state = np.zeros(3, dtype=np.int64)  # search stamp, touched count, last search size
         self._level = np.empty(num_vertices, dtype=np.int64)
         self._seen = np.zeros(num_vertices, dtype=np.int64)
-        self._stamps = np.zeros(1, dtype=np.int64)
         self._queue = np.empty(num_vertices, dtype=np.int64)
         self._cursor = np.empty(num_vertices, dtype=np.int64)
         self._stack = np.empty(num_vertices, dtype=np.int64)
@@ -80,8 +87,9 @@ class WarmStepper:
         _warm.warm_step(
             *t.graph, t.edge_u, t.edge_v, t.dummy, self._dur, t.dmin, t.dmax, t.tab_off,
             t.cost_tab, t.lb_tab, t.ub_tab, self._ef, self._ls, self._adj_ptr, self._adj_arc,
-            self._head, self.cap, self.lo, self.hi, self.excess, self._level, self._seen,
-            self._stamps, self._queue, self._cursor, self._stack, up, down, out_i, out_f,
+            self._full_ptr, self._full_arc, self._head, self.cap, self.lo, self.hi, self.excess,
+            self._touched, self._listed, self._level, self._seen, self._state, self._queue,
+            self._cursor, self._stack, up, down, out_i, out_f,
         )  # fmt: skip
 
     def move_flow(self, pair: int, flow: int) -> None:
@@ -100,7 +108,7 @@ class WarmStepper:
         else:
             e = pair - num
             tail, head = 2 * int(self._t.edge_u[e]) + 1, 2 * int(self._t.edge_v[e])
-        args = (self.lo, self.hi, self.cap, self.excess)
+        args = (self.lo, self.hi, self.cap, self.excess, self._touched, self._listed, self._state)
         _warm.set_bounds(pair, tail, head, flow, flow, *args)
         _warm.set_bounds(pair, tail, head, lo, hi, *args)
 
@@ -130,24 +138,27 @@ def reference_network(
 
 
 def adjacency(
-    num_vertices: int, tail: IntArray, hd: IntArray
+    num_vertices: int, tail: IntArray, hd: IntArray, arcs: IntArray | None = None
 ) -> tuple[IntArray, IntArray, IntArray]:
-    """``(adj_ptr, adj_arc, head)`` of arcs ``tail -> hd``, each with its residual twin."""
+    """``(adj_ptr, adj_arc, head)`` of arcs ``tail -> hd``, each with its residual twin.
+
+    Arc ``2k`` is ``tail[k] -> hd[k]`` and ``2k + 1`` its twin. ``arcs``, when
+    given, limits the adjacency lists to those arc numbers (``head`` covers all).
+    """
     # Interleave each arc with its residual twin (a, a ^ 1).
     arc_tail = np.empty(2 * len(tail), dtype=np.int64)
     arc_head = np.empty(2 * len(tail), dtype=np.int64)
     arc_tail[0::2], arc_tail[1::2] = tail, hd
     arc_head[0::2], arc_head[1::2] = hd, tail
-    order = np.argsort(arc_tail, kind="stable").astype(np.int64)
+    listed = np.arange(len(arc_tail), dtype=np.int64) if arcs is None else arcs
+    order = listed[np.argsort(arc_tail[listed], kind="stable")].astype(np.int64)
     adj_ptr = np.zeros(num_vertices + 1, dtype=np.int64)
-    np.cumsum(np.bincount(arc_tail, minlength=num_vertices), out=adj_ptr[1:])
+    np.cumsum(np.bincount(arc_tail[listed], minlength=num_vertices), out=adj_ptr[1:])
     return adj_ptr, order, arc_head
 
 
-def warm_network(
-    num: int, edge_u: IntArray, edge_v: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
-    """Arcs of the network :func:`perseus_planner._warm.warm_step` expects.
+def warm_arcs(num: int, edge_u: IntArray, edge_v: IntArray) -> tuple[IntArray, IntArray]:
+    """Tails and heads of the arcs :func:`perseus_planner._warm.warm_step` expects.
 
     As :func:`reference_network`, but with an arc ``s' -> v`` and ``v -> t'`` for
     every vertex ``v``: a warm-started flow can be out of balance anywhere.
@@ -174,4 +185,4 @@ def warm_network(
             np.array([2 * (num - 2)], dtype=np.int64),
         ]
     )
-    return adjacency(num_v + 2, tail, hd)
+    return tail, hd

@@ -18,7 +18,7 @@ a feasible flow exists or not whatever flow the repair starts from. Arcs whose
 residual is "infinite" (at least half of ``INF_UNITS``) on a whole augmenting
 path mean an infinite minimum cut; the reference ends the frontier there too.
 
-Network (see :func:`perseus_planner._steps.warm_network`): arc pairs ``2p`` /
+Network (see :func:`perseus_planner._steps.warm_arcs`): arc pairs ``2p`` /
 ``2p + 1`` (forward, residual twin). Pairs ``0..num-1`` are computations
 ``left(i) -> right(i)``, then the dependencies ``right(u) -> left(v)``, then an
 arc ``s' -> v`` and ``v -> t'`` for every vertex, then ``t -> s``. The bounds
@@ -48,14 +48,15 @@ _COST_EPSILON_J = 1e-6
 
 
 @njit(cache=True)
-def _bfs(s: int, t: int, stop_at_t: bool, adj_ptr: Array, adj_arc: Array, head: Array,
-         cap: Array, level: Array, seen: Array, stamp: int, queue: Array,
-         cursor: Array) -> bool:  # fmt: skip
-    """Level vertices reachable from ``s`` (``seen == stamp``); return whether ``t`` is.
+def _bfs(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array,
+         level: Array, seen: Array, state: Array, queue: Array, cursor: Array) -> bool:  # fmt: skip
+    """Level vertices reachable from ``s`` (``seen == state[0]``); return whether ``t`` is.
 
-    With ``stop_at_t`` the search stops after the level of ``t``: Dinic's phase
-    needs no deeper vertex, and a short repair path then costs little.
+    The search stops after the level of ``t``: Dinic's phase needs no deeper
+    vertex, and a short repair path then costs little. ``queue[:state[2]]``
+    lists the vertices it reached.
     """
+    stamp = state[0]
     seen[s] = stamp
     level[s] = 0
     cursor[s] = adj_ptr[s]
@@ -78,28 +79,28 @@ def _bfs(s: int, t: int, stop_at_t: bool, adj_ptr: Array, adj_arc: Array, head: 
                     cursor[v] = adj_ptr[v]
                     queue[qt] = v
                     qt += 1
-                    if v == t and stop_at_t:
+                    if v == t:
                         t_level = level[v]
+    state[2] = qt
     return bool(seen[t] == stamp)
 
 
 @njit(cache=True)
 def _dinic(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array,
-           level: Array, seen: Array, stamps: Array, queue: Array, cursor: Array,
+           level: Array, seen: Array, state: Array, queue: Array, cursor: Array,
            stack: Array) -> int:  # fmt: skip
     """Augment from ``s`` to ``t`` until no path is left; return the flow added.
 
     Returns -1 as soon as a path's bottleneck is "infinite". When it returns
-    normally, ``seen == stamps[0]`` marks exactly the vertices reachable from
-    ``s`` in the final residual graph.
+    normally, ``seen == state[0]`` marks exactly the vertices reachable from
+    ``s`` in the final residual graph, and ``queue[:state[2]]`` lists them.
     """
     total = 0
     while True:
-        stamps[0] += 1
-        stamp = stamps[0]
-        if not _bfs(s, t, True, adj_ptr, adj_arc, head, cap, level, seen, stamp, queue, cursor):
-            # The phase search stopped at t's level only when it found t, so it
-            # is complete here: finish it to mark the whole reachable set.
+        state[0] += 1
+        stamp = state[0]
+        if not _bfs(s, t, adj_ptr, adj_arc, head, cap, level, seen, state, queue, cursor):
+            # A search stops early only once it has found t: this one is complete.
             return total
         while True:
             depth = 0
@@ -138,9 +139,23 @@ def _dinic(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Arr
 
 
 @njit(cache=True)
+def _add_excess(v: int, amount: int, excess: Array, touched: Array, listed: Array,
+                state: Array) -> None:  # fmt: skip
+    if not listed[v]:
+        listed[v] = True
+        touched[state[1]] = v
+        state[1] += 1
+    excess[v] += amount
+
+
+@njit(cache=True)
 def set_bounds(p: int, tail: int, hd: int, new_lo: int, new_hi: int, lo: Array, hi: Array,
-                cap: Array, excess: Array) -> None:  # fmt: skip
-    """Move pair ``p`` onto new bounds, keeping as much of its flow as they allow."""
+               cap: Array, excess: Array, touched: Array, listed: Array,
+               state: Array) -> None:  # fmt: skip
+    """Move pair ``p`` onto new bounds, keeping as much of its flow as they allow.
+
+    Vertices whose balance changes are listed, once, in ``touched[:state[1]]``.
+    """
     f = lo[p] + cap[2 * p + 1]
     nf = f
     if nf > new_hi:
@@ -148,8 +163,8 @@ def set_bounds(p: int, tail: int, hd: int, new_lo: int, new_hi: int, lo: Array, 
     if nf < new_lo:
         nf = new_lo
     if nf != f:
-        excess[tail] -= nf - f
-        excess[hd] += nf - f
+        _add_excess(tail, f - nf, excess, touched, listed, state)
+        _add_excess(hd, nf - f, excess, touched, listed, state)
     lo[p] = new_lo
     hi[p] = new_hi
     cap[2 * p] = new_hi - nf
@@ -163,14 +178,17 @@ def warm_step(
     dur: Array, dmin: Array, dmax: Array, tab_off: Array,
     cost_tab: Array, lb_tab: Array, ub_tab: Array,
     ef: Array, ls: Array,
-    adj_ptr: Array, adj_arc: Array, head: Array, cap: Array, lo: Array, hi: Array,
-    excess: Array, level: Array, seen: Array, stamps: Array, queue: Array, cursor: Array,
-    stack: Array, changed_up: Array, changed_down: Array, out_i: Array, out_f: Array,
+    adj_ptr: Array, adj_arc: Array, full_ptr: Array, full_arc: Array, head: Array,
+    cap: Array, lo: Array, hi: Array, excess: Array, touched: Array, listed: Array,
+    level: Array, seen: Array, state: Array, queue: Array, cursor: Array, stack: Array,
+    changed_up: Array, changed_down: Array, out_i: Array, out_f: Array,
 ) -> None:  # fmt: skip
     """One step of :func:`perseus_planner._kernel.pd_step`, from the flow ``cap`` holds.
 
-    ``cap``/``lo``/``hi`` start all zero (no flow) and are kept between calls;
-    ``excess`` must be all zero. Same outputs and status as ``pd_step``.
+    ``cap``/``lo``/``hi`` start all zero (no flow) and are kept between calls,
+    as are ``excess``/``touched``/``listed`` (the imbalance left to route) and
+    ``state``. ``adj_*`` lists the arcs of computations and dependencies only,
+    ``full_*`` every arc. Same outputs and status as ``pd_step``.
     """
     n = dur.shape[0]
     n_edges = edge_u.shape[0]
@@ -198,84 +216,100 @@ def warm_step(
                 if new_hi < new_lo:  # as the reference: the arc then only carries its bound
                     new_hi = new_lo
         if new_lo != lo[i] or new_hi != hi[i]:
-            set_bounds(i, 2 * i, 2 * i + 1, new_lo, new_hi, lo, hi, cap, excess)
+            set_bounds(i, 2 * i, 2 * i + 1, new_lo, new_hi, lo, hi, cap, excess, touched,
+                       listed, state)  # fmt: skip
     for e in range(n_edges):
         p = dep_pair + e
         new_hi = _INF if ef[edge_u[e]] == ls[edge_v[e]] else 0
         if new_hi != hi[p]:
-            set_bounds(p, 2 * edge_u[e] + 1, 2 * edge_v[e], 0, new_hi, lo, hi, cap, excess)
+            set_bounds(p, 2 * edge_u[e] + 1, 2 * edge_v[e], 0, new_hi, lo, hi, cap, excess,
+                       touched, listed, state)  # fmt: skip
 
     # 2. Route the imbalance that left back into a feasible flow (through t -> s).
     # The source and sink may change their net flow freely: that is the flow value.
     excess[source] = 0
     excess[sink] = 0
+    n_touched = state[1]
     need = 0
-    for v in range(num_v):
+    for k in range(n_touched):
+        v = touched[k]
         x = excess[v]
         if x > 0:
             cap[2 * (sp_pair + v)] = x
             need += x
         elif x < 0:
             cap[2 * (tp_pair + v)] = -x
+    routed = need
     if need > 0:
         cap[2 * ts_pair] = _INF
-        routed = _dinic(s_prime, t_prime, adj_ptr, adj_arc, head, cap, level, seen, stamps,
+        routed = _dinic(s_prime, t_prime, full_ptr, full_arc, head, cap, level, seen, state,
                         queue, cursor, stack)  # fmt: skip
-        for v in range(num_v):
-            if excess[v] != 0:
-                cap[2 * (sp_pair + v)] = 0
-                cap[2 * (sp_pair + v) + 1] = 0
-                cap[2 * (tp_pair + v)] = 0
-                cap[2 * (tp_pair + v) + 1] = 0
-                excess[v] = 0
         cap[2 * ts_pair] = 0
         cap[2 * ts_pair + 1] = 0
-        if routed != need:
-            out_i[0] = STATUS_INFEASIBLE_FLOW
-            return
-    else:
-        for v in range(num_v):
-            excess[v] = 0
+    for k in range(n_touched):
+        v = touched[k]
+        cap[2 * (sp_pair + v)] = 0
+        cap[2 * (sp_pair + v) + 1] = 0
+        cap[2 * (tp_pair + v)] = 0
+        cap[2 * (tp_pair + v) + 1] = 0
+        excess[v] = 0
+        listed[v] = False
+    state[1] = 0
+    if routed != need:
+        out_i[0] = STATUS_INFEASIBLE_FLOW
+        return
 
-    # 3. Maximize; the last search marks the source side of the minimal minimum cut.
-    if _dinic(source, sink, adj_ptr, adj_arc, head, cap, level, seen, stamps, queue, cursor,
+    # 3. Maximize; the last search marks the source side of the minimal minimum cut
+    # and lists it in queue[:state[2]].
+    if _dinic(source, sink, adj_ptr, adj_arc, head, cap, level, seen, state, queue, cursor,
               stack) < 0:  # fmt: skip
         out_i[0] = STATUS_AT_LIMIT
         return
-    stamp = stamps[0]
+    stamp = state[0]
 
+    # 4. The cut: computations leaving the source side are sped up, those entering
+    # it slowed down; a dependency leaving it cannot be shortened.
     n_up = 0
     n_down = 0
-    cost_change = 0.0
-    for i in range(n):
-        if ef[i] != ls[i] + dur[i]:
+    for k in range(state[2]):
+        u = queue[k]
+        i = u >> 1
+        if i >= n or ef[i] != ls[i] + dur[i]:
             continue
-        left_in = seen[2 * i] == stamp
-        right_in = seen[2 * i + 1] == stamp
-        if left_in and not right_in:
-            if dummy[i] or dur[i] - 1 < dmin[i]:
-                out_i[0] = STATUS_AT_LIMIT
-                return
-            k = tab_off[i] + dur[i] - dmin[i]
-            cost_change += abs(cost_tab[k - 1] - cost_tab[k])
-            changed_up[n_up] = i
-            n_up += 1
-        elif right_in and not left_in and not dummy[i]:
+        if u & 1 == 0:
+            if seen[u + 1] != stamp:
+                if dummy[i] or dur[i] - 1 < dmin[i]:
+                    out_i[0] = STATUS_AT_LIMIT
+                    return
+                changed_up[n_up] = i
+                n_up += 1
+            continue
+        if seen[u - 1] != stamp and not dummy[i]:
             if dur[i] + 1 > dmax[i]:
                 out_i[0] = STATUS_AT_LIMIT
                 return
-            k = tab_off[i] + dur[i] - dmin[i]
-            cost_change -= abs(cost_tab[k] - cost_tab[k + 1])
             changed_down[n_down] = i
             n_down += 1
-    for e in range(n_edges):
-        if (
-            ef[edge_u[e]] == ls[edge_v[e]]
-            and seen[2 * edge_u[e] + 1] == stamp
-            and seen[2 * edge_v[e]] != stamp
-        ):
-            out_i[0] = STATUS_AT_LIMIT  # a dependency cannot be shortened
-            return
+        for j in range(succ_ptr[i], succ_ptr[i + 1]):
+            v = succ_idx[j]
+            if ef[i] == ls[v] and seen[2 * v] != stamp:
+                out_i[0] = STATUS_AT_LIMIT
+                return
+    changed_up[:n_up].sort()
+    changed_down[:n_down].sort()
+    # Summed in node order, as the reference does, so that the no-gain test sees the same float.
+    cost_change = 0.0
+    a = 0
+    b = 0
+    while a < n_up or b < n_down:
+        if b == n_down or (a < n_up and changed_up[a] < changed_down[b]):
+            k = tab_off[changed_up[a]] + dur[changed_up[a]] - dmin[changed_up[a]]
+            cost_change += abs(cost_tab[k - 1] - cost_tab[k])
+            a += 1
+        else:
+            k = tab_off[changed_down[b]] + dur[changed_down[b]] - dmin[changed_down[b]]
+            cost_change -= abs(cost_tab[k] - cost_tab[k + 1])
+            b += 1
     if n_up == 0 or abs(cost_change) < _COST_EPSILON_J:
         out_i[0] = STATUS_NO_GAIN
         return
