@@ -75,6 +75,10 @@ class WarmStepper:
         self._touched = np.zeros(num_vertices, dtype=np.int64)
         self._listed = np.zeros(num_vertices, dtype=np.bool_)
         self._state = np.zeros(3, dtype=np.int64)  # search stamp, touched count, last search size
+        topo = tables.graph[0]
+        self._topo_pos = np.empty(num, dtype=np.int64)
+        self._topo_pos[topo] = np.arange(num, dtype=np.int64)
+        self._dirty = np.zeros(num, dtype=np.bool_)
         self._level = np.empty(num_vertices, dtype=np.int64)
         self._seen = np.zeros(num_vertices, dtype=np.int64)
         self._queue = np.empty(num_vertices, dtype=np.int64)
@@ -86,7 +90,8 @@ class WarmStepper:
         t = self._t
         _warm.warm_step(
             *t.graph, t.edge_u, t.edge_v, t.dummy, self._dur, t.dmin, t.dmax, t.tab_off,
-            t.cost_tab, t.lb_tab, t.ub_tab, self._ef, self._ls, self._adj_ptr, self._adj_arc,
+            t.cost_tab, t.lb_tab, t.ub_tab, self._ef, self._ls, self._topo_pos, self._dirty,
+            self._adj_ptr, self._adj_arc,
             self._full_ptr, self._full_arc, self._head, self.cap, self.lo, self.hi, self.excess,
             self._touched, self._listed, self._level, self._seen, self._state, self._queue,
             self._cursor, self._stack, up, down, out_i, out_f,

@@ -25,6 +25,11 @@ arc ``s' -> v`` and ``v -> t'`` for every vertex, then ``t -> s``. The bounds
 of each computation and dependency pair live in ``lo``/``hi``; its flow is
 ``lo + cap[2p + 1]``. Searches mark vertices with a stamp instead of clearing
 arrays, so a search that stops early costs only what it visited.
+
+After the cut, earliest finishes and latest starts are recomputed only where an
+input moved (:func:`_update_times`), with the values a full critical-path pass
+would give. What is left per step is linear in the DAG but small: one pass over
+the bounds, the search that marks the source side of the cut, those updates.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from perseus_planner._kernel import (
     STATUS_NO_GAIN,
     STATUS_OK,
     Array,
-    critical_path,
 )
 
 _INF = int(INF_UNITS)
@@ -172,12 +176,73 @@ def set_bounds(p: int, tail: int, hd: int, new_lo: int, new_hi: int, lo: Array, 
 
 
 @njit(cache=True)
+def _update_times(topo: Array, topo_pos: Array, pred_ptr: Array, pred_idx: Array,
+                  succ_ptr: Array, succ_idx: Array, dur: Array, ef: Array, ls: Array,
+                  up: Array, n_up: int, down: Array, n_down: int,
+                  dirty: Array) -> int:  # fmt: skip
+    """Bring ``ef``/``ls`` up to date after ``up[:n_up]`` and ``down[:n_down]`` changed duration.
+
+    The same values as :func:`perseus_planner._kernel.critical_path`, recomputed
+    only where an input changed: earliest finishes in topological order from the
+    changed computations on, latest starts backwards from them and from the sink
+    when the makespan moved. Returns the makespan.
+    """
+    n = topo.shape[0]
+    sink = n - 1
+    first = n
+    last = -1
+    for k in range(n_up + n_down):
+        v = up[k] if k < n_up else down[k - n_up]
+        dirty[v] = True
+        first = min(first, topo_pos[v])
+        last = max(last, topo_pos[v])
+    for k in range(first, n):
+        v = topo[k]
+        if not dirty[v]:
+            continue
+        dirty[v] = False
+        es = 0
+        for j in range(pred_ptr[v], pred_ptr[v + 1]):
+            if ef[pred_idx[j]] > es:
+                es = ef[pred_idx[j]]
+        if es + dur[v] != ef[v]:
+            ef[v] = es + dur[v]
+            for j in range(succ_ptr[v], succ_ptr[v + 1]):
+                dirty[succ_idx[j]] = True
+    # Every computation reaches the sink and durations are not negative, so the
+    # sink finishes last: its finish is the makespan, and its latest start was.
+    makespan: int = ef[sink]
+    for k in range(n_up):
+        dirty[up[k]] = True
+    for k in range(n_down):
+        dirty[down[k]] = True
+    if ls[sink] != makespan - dur[sink]:
+        dirty[sink] = True
+        last = max(last, topo_pos[sink])
+    for k in range(last, -1, -1):
+        v = topo[k]
+        if not dirty[v]:
+            continue
+        dirty[v] = False
+        lf = makespan
+        for j in range(succ_ptr[v], succ_ptr[v + 1]):
+            if ls[succ_idx[j]] < lf:
+                lf = ls[succ_idx[j]]
+        if lf - dur[v] != ls[v]:
+            ls[v] = lf - dur[v]
+            for j in range(pred_ptr[v], pred_ptr[v + 1]):
+                dirty[pred_idx[j]] = True
+    return makespan
+
+
+@njit(cache=True)
 def warm_step(
     topo: Array, pred_ptr: Array, pred_idx: Array, succ_ptr: Array, succ_idx: Array,
     edge_u: Array, edge_v: Array, dummy: Array,
     dur: Array, dmin: Array, dmax: Array, tab_off: Array,
     cost_tab: Array, lb_tab: Array, ub_tab: Array,
     ef: Array, ls: Array,
+    topo_pos: Array, dirty: Array,
     adj_ptr: Array, adj_arc: Array, full_ptr: Array, full_arc: Array, head: Array,
     cap: Array, lo: Array, hi: Array, excess: Array, touched: Array, listed: Array,
     level: Array, seen: Array, state: Array, queue: Array, cursor: Array, stack: Array,
@@ -188,12 +253,12 @@ def warm_step(
     ``cap``/``lo``/``hi`` start all zero (no flow) and are kept between calls,
     as are ``excess``/``touched``/``listed`` (the imbalance left to route) and
     ``state``. ``adj_*`` lists the arcs of computations and dependencies only,
-    ``full_*`` every arc. Same outputs and status as ``pd_step``.
+    ``full_*`` every arc. ``topo_pos`` is each node's place in ``topo``, ``dirty``
+    all false between calls. Same outputs and status as ``pd_step``.
     """
     n = dur.shape[0]
     n_edges = edge_u.shape[0]
     num_v = 2 * n
-    dep_pair = n
     sp_pair = n + n_edges
     tp_pair = sp_pair + num_v
     ts_pair = tp_pair + num_v
@@ -202,7 +267,9 @@ def warm_step(
     source = 2 * (n - 2)  # left(SRC)
     sink = 2 * (n - 1) + 1  # right(SNK)
 
-    # 1. The previous flow on this step's bounds (zero off the critical DAG).
+    # 1. The previous flow on this step's bounds (zero off the critical DAG). A pass
+    # in node order costs less than visiting only the computations whose times moved:
+    # after a step those are most of the sink side of the cut, twice over.
     for i in range(n):
         new_lo = 0
         new_hi = 0
@@ -216,13 +283,12 @@ def warm_step(
                 if new_hi < new_lo:  # as the reference: the arc then only carries its bound
                     new_hi = new_lo
         if new_lo != lo[i] or new_hi != hi[i]:
-            set_bounds(i, 2 * i, 2 * i + 1, new_lo, new_hi, lo, hi, cap, excess, touched,
-                       listed, state)  # fmt: skip
+            set_bounds(i, 2 * i, 2 * i + 1, new_lo, new_hi, lo, hi, cap, excess, touched, listed,
+                       state)  # fmt: skip
     for e in range(n_edges):
-        p = dep_pair + e
         new_hi = _INF if ef[edge_u[e]] == ls[edge_v[e]] else 0
-        if new_hi != hi[p]:
-            set_bounds(p, 2 * edge_u[e] + 1, 2 * edge_v[e], 0, new_hi, lo, hi, cap, excess,
+        if new_hi != hi[n + e]:
+            set_bounds(n + e, 2 * edge_u[e] + 1, 2 * edge_v[e], 0, new_hi, lo, hi, cap, excess,
                        touched, listed, state)  # fmt: skip
 
     # 2. Route the imbalance that left back into a feasible flow (through t -> s).
@@ -318,7 +384,8 @@ def warm_step(
         dur[changed_up[k]] -= 1
     for k in range(n_down):
         dur[changed_down[k]] += 1
-    makespan = critical_path(topo, pred_ptr, pred_idx, succ_ptr, succ_idx, dur, ef, ls)
+    makespan = _update_times(topo, topo_pos, pred_ptr, pred_idx, succ_ptr, succ_idx, dur, ef,
+                             ls, changed_up, n_up, changed_down, n_down, dirty)  # fmt: skip
     total = 0.0
     for i in range(n):
         if not dummy[i]:

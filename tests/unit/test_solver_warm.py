@@ -93,6 +93,11 @@ def _steps(problem: FrontierProblem, seed: int | None) -> list[Step]:
         stepper.step(up, down, out_i, out_f)
         if out_i[0] != _kernel.STATUS_OK:
             return steps
+        # The step updates the critical path incrementally: it must equal a full recomputation.
+        ef_full, ls_full = np.empty_like(ef), np.empty_like(ls)
+        assert _kernel.critical_path(*t.graph, dur, ef_full, ls_full) == out_i[1]
+        np.testing.assert_array_equal(ef, ef_full)
+        np.testing.assert_array_equal(ls, ls_full)
         steps.append(
             (
                 int(out_i[1]),
