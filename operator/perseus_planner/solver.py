@@ -8,6 +8,11 @@ saving of slowing it down (lower bound), speed up the computations crossing the
 cut forward and slow down those crossing it backward. Each step is one point of
 the frontier, until a step would have to shorten something that cannot be
 (``T_min``).
+
+Each step starts its maximum flow from the previous step's, which the small
+change between steps leaves almost intact (:mod:`perseus_planner._warm`); the
+minimum cut read from it is the one a flow built from zero gives
+(:mod:`perseus_planner._steps` keeps that reference for comparison).
 """
 
 from __future__ import annotations
