@@ -42,7 +42,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py
 
 ## The large cases: A40, 96 microbatches, 0.1 ms (~65,000 frontier points, within 15 s), and
-## 16 stages x 128 microbatches (within the planner's 600 s limit, memory reported).
+## 16 stages x 128 microbatches (within the planner's 600 s limit, memory reported, checked
+## against the old algorithm).
 bench-large: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
 	$(BIN)/python benchmarks/planner_scale.py --large

@@ -12,7 +12,8 @@ Three measurements, each of ours in one process:
   ``2s + 1``, each with half the time and half the energy of ``s`` at every clock (the
   same model split in two). Blocking power stays per GPU. Wall time must stay within the
   operator's default planner time limit; memory is reported as the tracemalloc peak of
-  the solve and the process's maximum RSS.
+  the solve and the process's maximum RSS. The old algorithm then solves it too (~20 s) and
+  must give the same frontier.
 
 Run from the repository root::
 
@@ -240,11 +241,21 @@ def main_large(pp: ModuleType) -> int:
         f"{(end - mid) / len(frontier) * 1e6:.0f} µs/point); "
         f"tracemalloc peak {peak / MIB:.1f} MiB, max RSS {max(rss, max_rss_mib()):.1f} MiB"
     )
+    log("the old algorithm (keep_flow=False) on the same problem ...")
+    ref_start = time.perf_counter()
+    reference = frontier_key(list(pp.iterate_frontier(problem, keep_flow=False)))
+    ref_s = time.perf_counter() - ref_start
+    same = reference == frontier_key(list(pp.iterate_frontier(problem)))
+    print(
+        f"old algorithm: {ref_s:.2f} s solve ({ref_s / (end - mid):.1f}x the time), "
+        + ("same frontier." if same else "FRONTIER DIFFERS.")
+    )
+    status = 0 if same else 1
     if wall > PLANNER_TIME_LIMIT_S:
         print(f"FAIL: over the planner time limit of {PLANNER_TIME_LIMIT_S:.0f} s")
         return 1
     print(f"OK: within the planner time limit of {PLANNER_TIME_LIMIT_S:.0f} s.")
-    return 0
+    return status
 
 
 def run_growth(pp: ModuleType) -> int:
