@@ -36,13 +36,17 @@ unit: $(STAMP)
 	  || echo "WARNING: no test control plane (see above): Kubernetes end-to-end tests will skip"; \
 	  $(BIN)/python -m pytest
 
-## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches).
+## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the
+## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py
 
-## The large case: A40, 96 microbatches, 0.1 ms (~65,000 frontier points).
+## The large cases: A40, 96 microbatches, 0.1 ms (~65,000 frontier points, within 15 s), and
+## 16 stages x 128 microbatches (within the planner's 600 s limit, memory reported, checked
+## against the old algorithm).
 bench-large: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
+	$(BIN)/python benchmarks/planner_scale.py --large
 
 ## Node agent overhead: hook round trip vs a bare NVML call, agent CPU and RSS.
 bench-agent: $(STAMP)

@@ -146,7 +146,7 @@ def pd_step(
     """
     n = dur.shape[0]
     n_edges = edge_u.shape[0]
-    # Arc numbering (see solver._flow_network): computation arcs, dependency
+    # Arc numbering (see _steps.reference_network): computation arcs, dependency
     # arcs, lower-bound arcs from s' and to t', then the return arc t -> s.
     dep_base = 2 * n
     sp_base = dep_base + 2 * n_edges

@@ -8,6 +8,11 @@ saving of slowing it down (lower bound), speed up the computations crossing the
 cut forward and slow down those crossing it backward. Each step is one point of
 the frontier, until a step would have to shorten something that cannot be
 (``T_min``).
+
+Each step starts its maximum flow from the previous step's, which the small
+change between steps leaves almost intact (:mod:`perseus_planner._warm`); the
+minimum cut read from it is the one a flow built from zero gives
+(:mod:`perseus_planner._steps` keeps that reference for comparison).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from perseus_api.profile import Profile
-from perseus_planner import _kernel
+from perseus_planner import _kernel, _steps
 from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
@@ -268,24 +273,21 @@ def _bounds(cost: FloatArray) -> tuple[IntArray, IntArray]:
     return lb, ub
 
 
-def iterate_frontier(problem: FrontierProblem) -> Iterator[FrontierPoint]:
-    """Yield the frontier from ``T_max`` down to ``T_min``, one time unit per point."""
+def iterate_frontier(
+    problem: FrontierProblem, *, keep_flow: bool = True
+) -> Iterator[FrontierPoint]:
+    """Yield the frontier from ``T_max`` down to ``T_min``, one time unit per point.
+
+    Args:
+        problem: The prepared problem.
+        keep_flow: Start each step's maximum flow from the previous step's
+            (:mod:`perseus_planner._warm`). ``False`` rebuilds it from zero
+            every step, the reference the tests compare with; both give the
+            same frontier.
+    """
     t = problem._tables
     n = problem.dag.num_nodes
     num = n + 2
-    network = _flow_network(num, t.edge_u, t.edge_v)
-    adj_ptr, adj_arc, head = network
-    cap = np.zeros(len(head), dtype=np.int64)
-    num_vertices = len(adj_ptr) - 1
-    level = np.empty(num_vertices, dtype=np.int64)
-    queue = np.empty(num_vertices, dtype=np.int64)
-    cursor = np.empty(num_vertices, dtype=np.int64)
-    stack = np.empty(num_vertices, dtype=np.int64)
-    changed_up = np.empty(num, dtype=np.int64)
-    changed_down = np.empty(num, dtype=np.int64)
-    out_i = np.zeros(4, dtype=np.int64)
-    out_f = np.zeros(2, dtype=np.float64)
-
     dur = t.dmax.copy()
     dur[n:] = 0
     ef = np.empty(num, dtype=np.int64)
@@ -293,14 +295,15 @@ def iterate_frontier(problem: FrontierProblem) -> Iterator[FrontierPoint]:
     makespan = int(_kernel.critical_path(*t.graph, dur, ef, ls))
     empty = np.empty(0, dtype=np.int64)
     yield _point(problem, 0, makespan, problem.cost_j(dur[:n]), dur[:n], empty, empty)
-
+    stepper = _steps.WarmStepper if keep_flow else _steps.ReferenceStepper
+    step = stepper(t, dur, ef, ls).step
+    changed_up = np.empty(num, dtype=np.int64)
+    changed_down = np.empty(num, dtype=np.int64)
+    out_i = np.zeros(4, dtype=np.int64)
+    out_f = np.zeros(2, dtype=np.float64)
     iteration = 0
     while True:
-        _kernel.pd_step(
-            *t.graph, t.edge_u, t.edge_v, t.dummy, dur, t.dmin, t.dmax, t.tab_off,
-            t.cost_tab, t.lb_tab, t.ub_tab, ef, ls, adj_ptr, adj_arc, head, cap,
-            level, queue, cursor, stack, changed_up, changed_down, out_i, out_f,
-        )  # fmt: skip
+        step(changed_up, changed_down, out_i, out_f)
         if out_i[0] != _kernel.STATUS_OK:
             return
         iteration += 1
@@ -337,38 +340,3 @@ def _point(
         sped_up=sped_up,
         slowed_down=slowed_down,
     )
-
-
-def _flow_network(
-    num: int, edge_u: IntArray, edge_v: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
-    """Static arcs of the activity-on-arc network, in the order the kernel expects.
-
-    Returns ``(adj_ptr, adj_arc, head)``: arcs leaving each vertex (CSR) and the
-    head vertex of each arc. Vertices: ``left(i) = 2i``, ``right(i) = 2i+1``,
-    then ``s'`` and ``t'``.
-    """
-    s_prime, t_prime = 2 * num, 2 * num + 1
-    idx = np.arange(num, dtype=np.int64)
-    tails = [2 * idx]  # computation arcs left(i) -> right(i)
-    heads = [2 * idx + 1]
-    tails.append(2 * edge_u + 1)  # dependency arcs right(u) -> left(v)
-    heads.append(2 * edge_v)
-    tails.append(np.full(num, s_prime, dtype=np.int64))  # s' -> right(i): lower bounds in
-    heads.append(2 * idx + 1)
-    tails.append(2 * idx)  # left(i) -> t': lower bounds out
-    heads.append(np.full(num, t_prime, dtype=np.int64))
-    tails.append(np.array([2 * (num - 1) + 1], dtype=np.int64))  # t -> s
-    heads.append(np.array([2 * (num - 2)], dtype=np.int64))
-    tail = np.concatenate(tails)
-    hd = np.concatenate(heads)
-    # Interleave each arc with its residual twin (a, a ^ 1).
-    arc_tail = np.empty(2 * len(tail), dtype=np.int64)
-    arc_head = np.empty(2 * len(tail), dtype=np.int64)
-    arc_tail[0::2], arc_tail[1::2] = tail, hd
-    arc_head[0::2], arc_head[1::2] = hd, tail
-    num_vertices = 2 * num + 2
-    order = np.argsort(arc_tail, kind="stable").astype(np.int64)
-    adj_ptr = np.zeros(num_vertices + 1, dtype=np.int64)
-    np.cumsum(np.bincount(arc_tail, minlength=num_vertices), out=adj_ptr[1:])
-    return adj_ptr, order, arc_head
