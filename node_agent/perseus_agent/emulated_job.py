@@ -659,7 +659,8 @@ class EmulatedJob:
         write) is part of the instruction rather than added to it. The GPU stays marked busy
         after it: the caller marks it idle only when it has to wait. The rate is read again
         after :data:`_FIRST_POLL_S`, then at doubling intervals up to ``clock_poll_s``; a
-        change counts in ``overheads`` (how long the computation ran before it). ``slack_s``
+        change applies from when the GPU changed (not when it was seen) and counts in
+        ``overheads`` (how long the computation ran before it). ``slack_s``
         is how much earlier than its end the last sleep wakes up, to make up for the usual
         oversleep of ``time.sleep``; returns it updated with this instruction's oversleep.
         """
@@ -683,13 +684,19 @@ class EmulatedJob:
             time.sleep(poll_s)
             poll_s = min(2 * poll_s, self._clock_poll_s)
             now_s = time.monotonic()
-            remaining -= (now_s - last_s) / duration_s
-            last_s = now_s
-            rate_s = backend.instruction_time_s(index, stage, instruction) * self._time_scale
+            rate_s, age_s = backend.instruction_rate(index, stage, instruction)
+            rate_s *= self._time_scale
             if rate_s != duration_s:
+                # The work since the change went at the new rate: the GPU changed then, not
+                # when this rank looked (a slowdown is not timed: it counts from the last look).
+                changed_s = min(max(now_s - age_s, last_s), now_s)
+                remaining -= (changed_s - last_s) / duration_s + (now_s - changed_s) / rate_s
                 duration_s = rate_s
                 overheads["clock_changes"] += 1
-                overheads["clock_lag_s"] += now_s - start_s
+                overheads["clock_lag_s"] += changed_s - start_s
+            else:
+                remaining -= (now_s - last_s) / duration_s
+            last_s = now_s
         return slack_s
 
     def _event(self, key: _DepKey) -> threading.Event:

@@ -335,6 +335,17 @@ class EmulatedBackend(GpuBackend):
             gpu = self._gpu(txn, index, check_fault=False)
             return self._tables[activity].at(self._current_clock_mhz(gpu)).time_s * gpu.slowdown
 
+    def instruction_rate(self, index: int, stage: int, instruction: str) -> tuple[float, float]:
+        """:meth:`instruction_time_s`, and how many seconds ago the GPU's clock or activity
+        last changed: a rank that finds a new rate learns when it began (a slowdown's change
+        is not timed: it reads as the last other change)."""
+        activity = self._activity_arg(stage, instruction)
+        assert activity is not None
+        with self._transaction(write=False) as txn:
+            gpu = self._gpu(txn, index, check_fault=False)
+            time_s = self._tables[activity].at(self._current_clock_mhz(gpu)).time_s * gpu.slowdown
+            return time_s, max(0.0, self._clock() - gpu.last_change_s)
+
     def set_slowdown(self, index: int, factor: float) -> bool:
         """Make the GPU's instructions take ``factor`` times as long as profiled; 1 restores it.
 

@@ -366,12 +366,12 @@ def test_records_carry_the_emulations_own_costs(profile: Profile) -> None:
     for record in records[1:]:  # the first iteration's clocks start in place
         o = record.overheads
         assert o["hook_s"] >= instructions * LateAgentClient.hook_s
-        # Computations see their clock change (to the other of two) while they run, the change
-        # landing a poll or so after the lag (most of them: on a loaded machine a timer can
-        # fire after a short computation has ended).
+        # Computations see their clock change (to the other of two) while they run, timed when
+        # the GPU changed, ``lag_s`` after the hook (most of them: on a loaded machine a timer
+        # can fire after a short computation has ended).
         assert o["clock_changes"] >= 0.5 * instructions
         per_change_s = o["clock_lag_s"] / o["clock_changes"]
-        assert LateAgentClient.lag_s <= per_change_s < LateAgentClient.lag_s + 0.01
+        assert 0.9 * LateAgentClient.lag_s <= per_change_s < LateAgentClient.lag_s + 0.005
         # Stages wait on each other: every forward but stage 0's and every backward but the
         # last stage's (when it has to wait at all).
         assert 0 < o["handoffs"] <= 2 * 2 * (STAGES - 1) * MICROBATCHES
