@@ -10,8 +10,9 @@ that each row differs from the one before it by one thing:
 1. **ideal**: GPUs in memory; the planned clock set by the rank itself as each computation
    begins (no hook, no agent, no latency);
 2. **shared state**: the same, with the GPUs in state files (as agent and training share them);
-3. **late clock**: as 2, with every clock change landing ``--lag-ms`` after the computation
-   began (the agent's latency as the e2e measured it: its records' ``clock_lag_s`` per change).
+3. **late clock**: as 2, with every clock change landing ``--lag-ms`` after the hook that
+   asks for it (the agent's latency; the e2e's records measure it: ``clock_lag_s`` per
+   change), the next computation's clock asked for as the previous one ends, as the agent does.
 
 Each row: the iteration time (median replica time) against the planner's ``T_min``, and the
 savings at the same throughput (the e2e's formula) as a share of the planner's prediction.
@@ -87,18 +88,29 @@ def plan_for(csv: str) -> PipelinePlan:
 
 
 class PlannedClocks:
-    """A rank's client that locks the plan's clock of each computation itself, at once or
-    ``lag_s`` later (a timer), as an agent with that latency would."""
+    """A rank's client that locks the plan's clocks itself, as the agent does, at once or
+    ``lag_s`` later (a timer): a computation's clock as it begins, and the next one's already
+    when it ends (so that after a wait the clock is in place)."""
 
     def __init__(
         self, info: RankInfo, backend: EmulatedBackend, plan: PipelinePlan | None, lag_s: float
     ) -> None:
         self._backend, self._index, self._lag_s = backend, info.gpu_index, lag_s
-        self._clocks = (
-            [] if plan is None else [c.frequency_mhz for c in plan.stages[info.stage].instructions]
-        )
+        stage = None if plan is None else plan.stages[info.stage]
+        self._clocks = [] if stage is None else [c.frequency_mhz for c in stage.instructions]
         self._position = 0
         self._timers: list[threading.Timer] = []
+
+    def _lock(self, position: int) -> None:
+        if position >= len(self._clocks):
+            return
+        clock = self._clocks[position]
+        if self._lag_s <= 0:
+            self._backend.lock_sm_clock(self._index, clock)
+            return
+        timer = threading.Timer(self._lag_s, self._backend.lock_sm_clock, (self._index, clock))
+        timer.start()
+        self._timers.append(timer)
 
     def on_step_begin(self, step: int) -> None:
         self._position = 0
@@ -107,20 +119,12 @@ class PlannedClocks:
         self._timers = [t for t in self._timers if t.is_alive()]
 
     def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
-        if not self._clocks:
-            return None
-        clock = self._clocks[self._position]
+        self._lock(self._position)
         self._position += 1
-        if self._lag_s <= 0:
-            self._backend.lock_sm_clock(self._index, clock)
-        else:
-            timer = threading.Timer(self._lag_s, self._backend.lock_sm_clock, (self._index, clock))
-            timer.start()
-            self._timers.append(timer)
         return None
 
     def on_instruction_end(self, name: str) -> None:
-        pass
+        self._lock(self._position)
 
     def close(self) -> None:
         for timer in self._timers:
