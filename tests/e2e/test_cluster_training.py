@@ -23,7 +23,6 @@ profile with no client hooks; last, the dashboards' queries against the scenario
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -70,7 +69,6 @@ BLOCKING_W = 83.64
 # Profiled instruction times scaled by this: an iteration takes ~0.8 s instead of ~1.6 s.
 TIME_SCALE = 1.0
 TIMEOUT_S = 240.0
-TRAINING_NICE = 10
 MEASURED_ITERATIONS = 8
 SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one more
 # Iteration time under a plan vs. all GPUs at their highest clock (the measured T_min). Over
@@ -202,10 +200,6 @@ class Training:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=source_env(),
-                # On a node the training runs on cores of its own; here its 8 ranks share 2
-                # cores with the agents, and an agent waiting for a core applied each clock
-                # ~1.3 ms late. Niced, the ranks yield: see TRAINING_NICE.
-                preexec_fn=lambda: os.nice(TRAINING_NICE),
             )  # fmt: skip
 
     def records(self) -> list[dict[str, Any]]:
