@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from perseus_planner.dag import build_pipeline_dag
-from perseus_planner.model_stages import solver_profile
-from perseus_planner.solver import build_problem, iterate_frontier
 from test_solver_bruteforce import (
     BLOCKING_W,
     UNIT_S,
@@ -23,6 +19,10 @@ from test_solver_bruteforce import (
     best_cost_by_makespan,
     synthetic_profile,
 )
+
+from perseus_planner.dag import build_pipeline_dag
+from perseus_planner.model_stages import solver_profile
+from perseus_planner.solver import build_problem, iterate_frontier
 
 # Model stage v*P + p runs on GPU p: stages 0 and 2 on GPU 0, 1 and 3 on GPU 1.
 SPEC_INTERLEAVED_P2_V2: Spec = {
