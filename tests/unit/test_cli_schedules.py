@@ -192,3 +192,25 @@ def test_zb_h1_backward_input_fraction_changes_the_split(tmp_path: Path) -> None
     }
     ratio = first["backward_input"]["time_s"] / first["backward_weight"]["time_s"]
     assert ratio == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    "args", [("interleaved-1f1b", "--virtual-stages", "2"), ("zb-h1",)], ids=["interleaved", "zb"]
+)
+def test_simulate_takes_the_new_schedules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...]
+) -> None:
+    out = tmp_path / "sim"
+    common = ["simulate", "--microbatches", str(M), "--iterations", "4", "--replicas", "2"]
+    methods = ["--methods", "max,perseus-instruction,perseus-stage,zeus-per-stage"]
+    assert main([*common, *methods, "--schedule", *args, "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert f"{args[0]}, 8 stages" in stdout
+    rows = (out / "simulate.csv").read_text().splitlines()[1:]
+    saved = {}
+    for row in rows:
+        method, _, _, energy_j, baseline_j = row.split(",")
+        saved.setdefault(method, []).append(1 - float(energy_j) / float(baseline_j))
+    assert set(saved) == {"max", "perseus-instruction", "perseus-stage", "zeus-per-stage"}
+    assert max(saved["max"]) == pytest.approx(0.0, abs=1e-9)
+    assert min(saved["perseus-instruction"]) > 0.05
