@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator reproduce clean
+.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(STAMP)
 ## The large case: A40, 96 microbatches, 0.1 ms (~65,000 frontier points).
 bench-large: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
+
+## Schedules side by side: 1F1B, interleaved 1F1B (V=2), ZB-H1: savings at T_min (the README
+## table), planning time and tracemalloc peak, each beside 1F1B (~1 min).
+bench-schedules: $(STAMP)
+	$(BIN)/python benchmarks/schedules.py
 
 ## Node agent overhead: hook round trip vs a bare NVML call, agent CPU and RSS.
 bench-agent: $(STAMP)
