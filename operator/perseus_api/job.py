@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -206,6 +213,16 @@ class Parallelism(_Spec):
         description="Model chunks per GPU (Interleaved1F1B: 2 or more; virtual stage "
         "v * pipelineStages + p runs on pipeline stage p). 1 for the other schedules.",
     )
+
+    @model_serializer(mode="wrap")
+    def _omit_one_virtual_stage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Specs without virtual stages serialize as before the field existed, so the spec
+        # hashes of jobs a PerseusPolicy created do not change (and trigger no update).
+        data: dict[str, Any] = handler(self)
+        for key in ("virtualStages", "virtual_stages"):
+            if data.get(key) == 1:
+                del data[key]
+        return data
 
     @model_validator(mode="after")
     def _schedulable(self) -> Parallelism:
