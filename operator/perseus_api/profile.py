@@ -2,7 +2,10 @@
 
 A profile lists, for every pipeline stage and every instruction (forward or backward pass of
 one microbatch), how long the instruction takes and how much energy it draws at each GPU clock
-that was measured. Two CSV layouts are accepted:
+that was measured. Every stage has a ``forward`` and a backward: ``backward``, or its two
+halves ``backward_input`` and ``backward_weight`` (zero-bubble schedules run them apart), or
+both. (Which stages and instructions a schedule needs: :mod:`perseus_planner.model_stages`.)
+Two CSV layouts are accepted:
 
 Simple form, one row per (stage, instruction, frequency)::
 
