@@ -201,6 +201,10 @@ def topological_order(num_nodes: int, edges: npt.NDArray[np.int64]) -> npt.NDArr
     return np.asarray(order, dtype=np.int64)
 
 
+_RUNS_AFTER = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
+"""On one model stage and microbatch, the computation each kind has to follow."""
+
+
 def validate_dag(dag: PipelineDAG) -> None:
     """Check the invariants the solver relies on.
 
@@ -214,7 +218,7 @@ def validate_dag(dag: PipelineDAG) -> None:
         raise ScheduleError("stage orders must list every computation exactly once")
     for gpu, order in enumerate(dag.stage_order):
         gpus = {dag.computations[i].gpu for i in order}
-        if gpus != {gpu}:
+        if gpus - {gpu}:
             raise ScheduleError(f"the order of GPU {gpu} mixes GPUs {sorted(gpus)}")
         position = {
             (
@@ -225,8 +229,7 @@ def validate_dag(dag: PipelineDAG) -> None:
             for k, i in enumerate(order)
         }
         for (stage, instruction, mb), k in position.items():
-            before = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
-            first = before.get(instruction)
+            first = _RUNS_AFTER.get(instruction)
             if first is not None and position.get((stage, first, mb), n) > k:
                 raise ScheduleError(
                     f"stage {stage} runs {instruction} of microbatch {mb} before its {first}"

@@ -140,6 +140,8 @@ def load_dag(doc: dict[str, Any], source: str = "DAG document") -> LoadedDAG:
                     f"virtual stage {comp.stage} {comp.instruction}"
                 )
         edges = np.asarray(doc["edges"], dtype=np.int64).reshape(-1, 2)
+        if edges.size and not (edges.min() >= 0 and edges.max() < len(nodes)):
+            raise ScheduleError(f"{source}: edges must join node ids 0..{len(nodes) - 1}")
         dag = PipelineDAG(
             schedule=Schedule.parse(doc["schedule"]),
             num_stages=num_gpus,

@@ -214,3 +214,21 @@ def test_simulate_takes_the_new_schedules(
     assert set(saved) == {"max", "perseus-instruction", "perseus-stage", "zeus-per-stage"}
     assert max(saved["max"]) == pytest.approx(0.0, abs=1e-9)
     assert min(saved["perseus-instruction"]) > 0.05
+
+
+def test_load_dag_refuses_what_is_not_a_solvable_dag(runs: dict[str, Path]) -> None:
+    from perseus_api.errors import ScheduleError
+
+    good = _doc(runs, "zb-h1")
+    with pytest.raises(ScheduleError, match="format must be 'perseus-dag/v1'"):
+        load_dag({**good, "format": "other"})
+    with pytest.raises(ScheduleError, match="edges must join node ids"):
+        load_dag({**good, "edges": [*good["edges"], [0, len(good["nodes"])]]})
+    with pytest.raises(ScheduleError, match="the dependency graph has a cycle"):
+        load_dag({**good, "edges": [*good["edges"], list(reversed(good["edges"][0]))]})
+    nodes = json.loads(json.dumps(good["nodes"]))
+    nodes[1]["options"] = nodes[1]["options"][:-1]
+    with pytest.raises(ScheduleError, match="has other options than another node"):
+        load_dag({**good, "nodes": nodes})
+    with pytest.raises(ScheduleError, match="not a perseus-dag/v1 document"):
+        load_dag({k: v for k, v in good.items() if k != "num_gpus"})
