@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator reproduce clean
+.PHONY: demo test lint typecheck unit bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: $(STAMP)
 bench-large: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py --large
 	$(BIN)/python benchmarks/planner_scale.py --large
+
+## Schedules side by side: 1F1B, interleaved 1F1B (V=2), ZB-H1: savings at T_min (the README
+## table), planning time and tracemalloc peak, each beside 1F1B (~1 min).
+bench-schedules: $(STAMP)
+	$(BIN)/python benchmarks/schedules.py
 
 ## Node agent overhead: hook round trip vs a bare NVML call, agent CPU and RSS.
 bench-agent: $(STAMP)

@@ -98,9 +98,10 @@ MALFORMED: list[tuple[str, Mutation, str, str]] = [
     ),
     (
         "unknown-schedule",
-        _set("parallelism.schedule", "Interleaved1F1B"),
+        _set("parallelism.schedule", "ZBV"),
         "Failed",
-        "invalid spec: parallelism.schedule: Input should be '1F1B' or 'GPipe'",
+        "invalid spec: parallelism.schedule: Input should be '1F1B', 'GPipe', 'Interleaved1F1B' "
+        "or 'ZBH1'",
     ),
     (
         "unknown-rank-order",

@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -142,6 +149,8 @@ class Workload(_Spec):
 class ScheduleName(StrEnum):
     ONE_F_ONE_B = "1F1B"
     GPIPE = "GPipe"
+    INTERLEAVED_1F1B = "Interleaved1F1B"  # Megatron-LM's, with virtualStages per GPU
+    ZBH1 = "ZBH1"  # zero bubble (Qi et al. 2024): backward split into input and weight
 
 
 PARALLELISM_RULES: Final = (
@@ -149,23 +158,41 @@ PARALLELISM_RULES: Final = (
         "self.schedule != '1F1B' || self.microbatches >= self.pipelineStages",
         "1F1B needs at least as many microbatches as pipeline stages",
     ),
+    (
+        "self.schedule != 'Interleaved1F1B' || (self.virtualStages >= 2 && "
+        "self.microbatches % self.pipelineStages == 0)",
+        "Interleaved1F1B needs virtualStages >= 2 and microbatches a multiple of pipelineStages",
+    ),
+    (
+        "self.schedule == 'Interleaved1F1B' || self.virtualStages == 1",
+        "virtualStages above 1 need schedule Interleaved1F1B",
+    ),
 )
 
 
-def check_schedulable(schedule: str, pipeline_stages: int, microbatches: int) -> None:
-    """The rule of :data:`PARALLELISM_RULES` in Python, for the CRD models and for
+def check_schedulable(
+    schedule: str, pipeline_stages: int, microbatches: int, virtual_stages: int = 1
+) -> None:
+    """The rules of :data:`PARALLELISM_RULES` in Python, for the CRD models and for
     ``perseus plan``/``simulate``, so that a pipeline the CLI plans is one the cluster takes.
 
-    ``schedule`` in any case (``1F1B``, ``1f1b``).
+    ``schedule`` in any spelling (``1F1B``, ``1f1b``, ``Interleaved1F1B``,
+    ``interleaved-1f1b``, ``ZBH1``, ``zb-h1``).
 
     Raises:
-        ValueError: 1F1B with fewer microbatches than stages.
+        ValueError: 1F1B with fewer microbatches than stages; interleaved 1F1B with fewer
+            than 2 virtual stages or microbatches not a multiple of the stages; virtual
+            stages with another schedule.
     """
-    if schedule.lower() == ScheduleName.ONE_F_ONE_B.lower() and microbatches < pipeline_stages:
-        raise ValueError(
-            f"{PARALLELISM_RULES[0][1]} (got {microbatches} microbatches for "
-            f"{pipeline_stages} stages)"
-        )
+    name = schedule.lower().replace("-", "").replace("_", "")
+    got = f"(got {microbatches} microbatches for {pipeline_stages} stages"
+    if name == ScheduleName.ONE_F_ONE_B.lower() and microbatches < pipeline_stages:
+        raise ValueError(f"{PARALLELISM_RULES[0][1]} {got})")
+    if name == ScheduleName.INTERLEAVED_1F1B.lower():
+        if virtual_stages < 2 or microbatches % pipeline_stages:
+            raise ValueError(f"{PARALLELISM_RULES[1][1]} {got}, virtualStages {virtual_stages})")
+    elif virtual_stages != 1:
+        raise ValueError(f"{PARALLELISM_RULES[2][1]} (got {virtual_stages} with {schedule})")
 
 
 class Parallelism(_Spec):
@@ -179,10 +206,29 @@ class Parallelism(_Spec):
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree.")
     microbatches: int = Field(ge=1, le=4096, description="Microbatches per iteration.")
     schedule: ScheduleName = Field(default=ScheduleName.ONE_F_ONE_B)
+    virtual_stages: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Model chunks per GPU (Interleaved1F1B: 2 or more; virtual stage "
+        "v * pipelineStages + p runs on pipeline stage p). 1 for the other schedules.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_one_virtual_stage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Specs without virtual stages serialize as before the field existed, so the spec
+        # hashes of jobs a PerseusPolicy created do not change (and trigger no update).
+        data: dict[str, Any] = handler(self)
+        for key in ("virtualStages", "virtual_stages"):
+            if data.get(key) == 1:
+                del data[key]
+        return data
 
     @model_validator(mode="after")
     def _schedulable(self) -> Parallelism:
-        check_schedulable(self.schedule, self.pipeline_stages, self.microbatches)
+        check_schedulable(
+            self.schedule, self.pipeline_stages, self.microbatches, self.virtual_stages
+        )
         return self
 
     @property

@@ -5,16 +5,28 @@ share it unless they are re-targeted). The node agent applies, per GPU of stage
 ``s``, either ``stages[s].frequency_mhz`` (``Stage`` granularity: one locked
 clock) or ``stages[s].instructions`` in schedule order (``Instruction``
 granularity: the clock switches at every forward/backward).
+
+Interleaved 1F1B runs several model (virtual) stages per GPU: each instruction then names
+its ``virtual_stage`` (``v * num_stages + s``). Zero-bubble schedules list
+``backward_input`` and ``backward_weight`` where the others list ``backward``. Plans of the
+other schedules are unchanged (``virtual_stage`` is left out).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
-from perseus_api.schedule import stage_instruction_order
+from perseus_api.schedule import Step, gpu_computation_order
 
 API_VERSION: Final = "perseus.energy/v1alpha1"
 
@@ -41,9 +53,22 @@ class _Model(BaseModel):
 class InstructionClock(_Model):
     """Clock of one computation, in the stage's execution order."""
 
-    instruction: Literal["forward", "backward"]
+    instruction: Literal["forward", "backward", "backward_input", "backward_weight"]
     microbatch: int = Field(ge=0)
     frequency_mhz: int = Field(gt=0)
+    virtual_stage: int | None = Field(
+        default=None,
+        ge=0,
+        description="Model stage (v * num_stages + stage) with virtual stages; else omitted.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_virtual_stage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Plans without virtual stages serialize exactly as before the field existed.
+        data: dict[str, Any] = handler(self)
+        if data.get("virtual_stage") is None:
+            data.pop("virtual_stage", None)
+        return data
 
 
 class StagePlan(_Model):
@@ -73,9 +98,10 @@ class PipelinePlan(_Model):
 
     api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
     kind: Literal["PipelinePlan"] = "PipelinePlan"
-    schedule: Literal["1f1b", "gpipe"]
+    schedule: Literal["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]
     num_stages: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
+    virtual_stages: int = Field(default=1, ge=1, description="Model stages per GPU.")
     granularity: Granularity = Field(description="Which part of each StagePlan to apply.")
     objective: PlanObjective
     target_iteration_time_s: float | None = Field(
@@ -101,22 +127,45 @@ class PipelinePlan(_Model):
     def _consistent(self) -> PipelinePlan:
         if [s.stage for s in self.stages] != list(range(self.num_stages)):
             raise ValueError(f"stages must list stages 0..{self.num_stages - 1} in order")
-        for s in self.stages:
-            if len(s.instructions) != 2 * self.num_microbatches:
+        try:
+            orders = [
+                gpu_computation_order(
+                    self.schedule, self.num_stages, self.num_microbatches, s, self.virtual_stages
+                )
+                for s in range(self.num_stages)
+            ]
+        except ValueError as exc:  # ScheduleError: sizes the schedule does not accept
+            raise ValueError(str(exc)) from None
+        for s, order in zip(self.stages, orders, strict=True):
+            if len(s.instructions) != len(order):
                 raise ValueError(
                     f"stage {s.stage} lists {len(s.instructions)} computations, expected "
-                    f"{2 * self.num_microbatches} (a forward and a backward per microbatch)"
+                    f"{len(order)} ({self.schedule} with {self.num_microbatches} microbatches)"
                 )
             # Agents follow this order to know which computation comes next.
-            order = stage_instruction_order(
-                self.schedule, self.num_stages, self.num_microbatches, s.stage
-            )
-            listed = [(i.instruction, i.microbatch) for i in s.instructions]
+            listed = [_step(i, s.stage, self.virtual_stages) for i in s.instructions]
             if listed != order:
                 k = next(k for k, (a, b) in enumerate(zip(listed, order, strict=True)) if a != b)
                 raise ValueError(
                     f"stage {s.stage} must list its computations in {self.schedule} order: "
-                    f"computation {k} is {listed[k][0]} of microbatch {listed[k][1]}, expected "
-                    f"{order[k][0]} of microbatch {order[k][1]}"
+                    f"computation {k} is {_label(listed[k], self.virtual_stages)}, expected "
+                    f"{_label(order[k], self.virtual_stages)}"
                 )
         return self
+
+
+def _step(clock: InstructionClock, stage: int, virtual_stages: int) -> Step:
+    """The computation an instruction names; ``virtual_stage`` is required with virtual
+    stages (else ambiguous) and, without, may only repeat the stage."""
+    virtual = clock.virtual_stage
+    if virtual is None:
+        virtual = stage if virtual_stages == 1 else -1
+    return Step(clock.instruction, clock.microbatch, virtual)
+
+
+def _label(step: Step, virtual_stages: int) -> str:
+    where = ""
+    if virtual_stages > 1:
+        where = f" on virtual stage {step.virtual_stage}" if step.virtual_stage >= 0 else ""
+        where = where or " without a virtual stage"
+    return f"{step.instruction} of microbatch {step.microbatch}{where}"

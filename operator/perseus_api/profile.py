@@ -2,7 +2,10 @@
 
 A profile lists, for every pipeline stage and every instruction (forward or backward pass of
 one microbatch), how long the instruction takes and how much energy it draws at each GPU clock
-that was measured. Two CSV layouts are accepted:
+that was measured. Every stage has a ``forward`` and a backward: ``backward``, or its two
+halves ``backward_input`` and ``backward_weight`` (zero-bubble schedules run them apart), or
+both. (Which stages and instructions a schedule needs: :mod:`perseus_planner.model_stages`.)
+Two CSV layouts are accepted:
 
 Simple form, one row per (stage, instruction, frequency)::
 
@@ -50,7 +53,12 @@ __all__ = [
     "parse_profile",
 ]
 
-INSTRUCTIONS: tuple[str, ...] = ("forward", "backward")
+INSTRUCTIONS: tuple[str, ...] = ("forward", "backward", "backward_input", "backward_weight")
+"""Instruction names a profile may hold. The node agent's emulated GPU state file stores an
+instruction by its index here, so names are only ever appended. ``backward_input`` and
+``backward_weight`` are the two halves of a backward that zero-bubble schedules run apart."""
+
+_SPLIT_BACKWARD = ("backward_input", "backward_weight")
 
 _SIMPLE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 _RICH_COLUMNS = (
@@ -494,29 +502,49 @@ def _build_profile(entries: Sequence[_Entry], source: str) -> Profile:
             f"{noun} {listed} missing; stages must be numbered contiguously 0..{num_stages - 1}",
         )
 
+    present: dict[int, set[str]] = {}
+    for stage, instruction in by_key:
+        present.setdefault(stage, set()).add(instruction)
     for stage in range(num_stages):
-        for instruction in INSTRUCTIONS:
-            if (stage, instruction) not in by_key:
-                raise ProfileError(source, f"stage {stage} has no {instruction} rows")
+        _check_stage_instructions(stage, present[stage], source)
 
     measurements: dict[tuple[int, str], Measurements] = {}
-    for stage in range(num_stages):
-        for instruction in INSTRUCTIONS:
-            rows = by_key[(stage, instruction)]
-            # Duplicates were rejected while parsing, so the row count is the clock count.
-            if len(rows) < 2:
-                raise ProfileError(
-                    source,
-                    f"stage {stage} {instruction} has only one frequency "
-                    f"({rows[0].frequency_mhz} MHz); profile at least two clocks",
-                    rows[0].line,
-                )
-            measurements[(stage, instruction)] = Measurements(
-                frequencies_mhz=np.array([r.frequency_mhz for r in rows], dtype=np.int64),
-                times_s=np.array([r.time_s for r in rows], dtype=np.float64),
-                energies_j=np.array([r.energy_j for r in rows], dtype=np.float64),
+    for (stage, instruction), rows in sorted(
+        by_key.items(), key=lambda item: (item[0][0], INSTRUCTIONS.index(item[0][1]))
+    ):
+        # Duplicates were rejected while parsing, so the row count is the clock count.
+        if len(rows) < 2:
+            raise ProfileError(
+                source,
+                f"stage {stage} {instruction} has only one frequency "
+                f"({rows[0].frequency_mhz} MHz); profile at least two clocks",
+                rows[0].line,
             )
+        measurements[(stage, instruction)] = Measurements(
+            frequencies_mhz=np.array([r.frequency_mhz for r in rows], dtype=np.int64),
+            times_s=np.array([r.time_s for r in rows], dtype=np.float64),
+            energies_j=np.array([r.energy_j for r in rows], dtype=np.float64),
+        )
     return Profile(source=source, num_stages=num_stages, measurements=measurements)
+
+
+def _check_stage_instructions(stage: int, present: set[str], source: str) -> None:
+    """Every stage needs a forward and a backward: whole (``backward``), split in two
+    (``backward_input`` and ``backward_weight``, for zero-bubble schedules), or both."""
+    if "forward" not in present:
+        raise ProfileError(source, f"stage {stage} has no forward rows")
+    halves = [name for name in _SPLIT_BACKWARD if name in present]
+    if len(halves) == 1:
+        other = next(name for name in _SPLIT_BACKWARD if name not in present)
+        raise ProfileError(
+            source, f"stage {stage} has {halves[0]} rows but no {other} rows; give both halves"
+        )
+    if "backward" not in present and not halves:
+        raise ProfileError(
+            source,
+            f"stage {stage} has no backward rows (give backward, or backward_input and "
+            "backward_weight)",
+        )
 
 
 def _first_missing(stages: Sequence[int], limit: int) -> list[int]:

@@ -6,7 +6,12 @@ Outputs, in the ``--out`` directory:
   written with ``repr`` like the Perseus artifact's CSVs so that they read back exactly;
 - ``plan.json``: the ``PipelinePlan`` the operator and node agents apply;
 - ``frontier.png``: the frontier with ``T_min``, ``T*``, the chosen point and the
-  all-max-clock baseline (unless ``--no-plot``).
+  all-max-clock baseline (unless ``--no-plot``);
+- with ``--export-dag FILE``: the DAG that was solved with its measured options, as JSON
+  (:mod:`perseus_planner.dag_json`), written together with the others.
+
+Schedules: ``1f1b``, ``gpipe``, ``interleaved-1f1b`` (``--virtual-stages``) and ``zb-h1``;
+the profile forms they need are in :mod:`perseus_cli.schedules`.
 
 The files are replaced together: each is written to a temporary file in ``--out`` first,
 and they are renamed into place only when all are complete (a full disk leaves the previous
@@ -26,7 +31,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +39,7 @@ from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_float, positive_float, positive_int
 from perseus_cli.outputs import Output, write_together
 from perseus_cli.progress import Progress
+from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for, write_dag_json
 
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
@@ -107,12 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="pipeline stages (default: the profile's; must match it)",
     )
-    pipeline.add_argument(
-        "--schedule",
-        default="1f1b",
-        metavar="{1f1b,gpipe}",
-        help="pipeline schedule, case-insensitive (default: %(default)s)",
-    )
+    add_schedule_arguments(pipeline, default="1f1b")
 
     solver = parser.add_argument_group("solver")
     solver.add_argument(
@@ -175,6 +176,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     output.add_argument("--no-plot", action="store_true", help="do not draw frontier.png")
     output.add_argument(
+        "--export-dag",
+        type=Path,
+        metavar="FILE",
+        help="also write the solved DAG and its measured options as JSON (perseus-dag/v1)",
+    )
+    output.add_argument(
         "--quiet", action="store_true", help="print nothing on success, show no progress"
     )
 
@@ -196,20 +203,20 @@ def run(args: argparse.Namespace) -> int:
 
     schedule = Schedule.parse(args.schedule)
     source = _resolve_source(args)
-    profile = source.profile
-    num_stages = profile.num_stages if args.stages is None else args.stages
-    if num_stages != profile.num_stages:
-        raise CliError(
-            f"--stages {num_stages} does not match the profile {profile.source}, which has "
-            f"{profile.num_stages} stages; profile every stage of the pipeline"
-        )
-    check_pipeline(schedule.value, num_stages, args.microbatches)
+    shaped = schedule_profile_for(
+        args, schedule.value, source.profile, bundled=args.profile is None
+    )
+    source = replace(source, profile=shaped.profile)
+    num_stages, virtual_stages = shaped.num_stages, shaped.virtual_stages
+    check_pipeline(schedule.value, num_stages, args.microbatches, virtual_stages)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
     start_s = time.perf_counter()
-    problem = prepare(source, schedule, num_stages, args.microbatches, args.max_solver_work)
+    problem = prepare(
+        source, schedule, num_stages, args.microbatches, args.max_solver_work, virtual_stages
+    )
     frontier = solve_with_progress(problem, source.name, quiet=args.quiet)
     solve_s = time.perf_counter() - start_s
     log.info("frontier: %d points in %.2f s", len(frontier), solve_s)
@@ -226,28 +233,42 @@ def run(args: argparse.Namespace) -> int:
     granularity = Granularity.STAGE if args.granularity == "stage" else Granularity.INSTRUCTION
     plan = build_plan(frontier, baseline, choice, granularity)
 
-    title = f"{source.name}: {schedule.value}, {num_stages} stages, M={args.microbatches}"
+    chunks = f" x {virtual_stages} virtual" if virtual_stages > 1 else ""
+    title = f"{source.name}: {schedule.value}, {num_stages}{chunks} stages, M={args.microbatches}"
 
-    written = _write_outputs(out_dir, frontier, baseline, choice, plan, title, args.no_plot)
+    written = _write_outputs(
+        out_dir, frontier, baseline, choice, plan, title, args.no_plot, args.export_dag
+    )
     if not args.quiet:
         print(_summary(source, frontier, baseline, choice, plan, solve_s, written))
+        if shaped.derived:
+            print(f"Profile used   {shaped.profile.source}")
     return 0
 
 
-def check_pipeline(schedule: str, num_stages: int, num_microbatches: int) -> None:
-    """The PerseusJob CRD's rule on schedules, so that what the CLI plans the cluster takes.
+def check_pipeline(
+    schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> None:
+    """The PerseusJob CRD's rules on schedules, so that what the CLI plans the cluster takes.
 
     Raises:
-        CliError: 1F1B with fewer microbatches than stages.
+        CliError: 1F1B with fewer microbatches than stages; virtual stages that do not suit
+            the schedule (see :func:`perseus_api.job.check_schedulable`).
     """
     from perseus_api.job import check_schedulable
+    from perseus_planner import Schedule
 
     try:
-        check_schedulable(schedule, num_stages, num_microbatches)
+        check_schedulable(schedule, num_stages, num_microbatches, virtual_stages)
     except ValueError as exc:
-        raise CliError(
-            f"{exc}; use --microbatches {num_stages} or more, or --schedule gpipe"
-        ) from None
+        sched = Schedule.parse(schedule)
+        if sched is Schedule.INTERLEAVED_1F1B:
+            hint = f"use --virtual-stages 2 or more and --microbatches a multiple of {num_stages}"
+        elif virtual_stages != 1:
+            hint = "--virtual-stages applies to interleaved-1f1b only"
+        else:
+            hint = f"use --microbatches {num_stages} or more, or --schedule gpipe"
+        raise CliError(f"{exc}; {hint}") from None
 
 
 def prepare(
@@ -256,6 +277,7 @@ def prepare(
     num_stages: int,
     num_microbatches: int,
     max_solver_work: int | None,
+    virtual_stages: int = 1,
 ) -> FrontierProblem:
     """The problem to solve, after the planner's limits (see ``--max-solver-work``)."""
     from perseus_planner import PlannerLimits, prepare_problem
@@ -271,6 +293,7 @@ def prepare(
         source.unit_time_s,
         source.blocking_power_w,
         limits,
+        virtual_stages=virtual_stages,
     )
 
 
@@ -334,11 +357,14 @@ def _write_outputs(
     plan: PipelinePlan,
     title: str,
     no_plot: bool,
+    export_dag: Path | None = None,
 ) -> list[Path]:
     outputs: list[Output] = [
         (out_dir / FRONTIER_CSV, lambda tmp: tmp.write_text(frontier_csv(frontier))),
         (out_dir / PLAN_JSON, lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n")),
     ]
+    if export_dag is not None:
+        outputs.append((export_dag, lambda tmp: write_dag_json(tmp, frontier.problem)))
     png = out_dir / FRONTIER_PNG
     if not no_plot:
         from perseus_cli.plotting import plot_frontier
@@ -389,8 +415,12 @@ def _summary(
         objective += f", {what} {plan.target_iteration_time_s:.{digits}f} s"
     stages = frontier.problem.num_stages
     dag = frontier.problem.dag
+    if dag.virtual_stages > 1:
+        stages_shown = f"{stages} stages x {dag.virtual_stages} virtual"
+    else:
+        stages_shown = f"{stages} stages"
     lines = [
-        f"Profile        {source.name}: {stages} stages, {dag.schedule.value}, "
+        f"Profile        {source.name}: {stages_shown}, {dag.schedule.value}, "
         f"{dag.num_microbatches} microbatches, unit {source.unit_time_s:g} s, "
         f"blocking {source.blocking_power_w:g} W",
         f"Frontier       {len(frontier)} points, solved in {solve_s:.2f} s",

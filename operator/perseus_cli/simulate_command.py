@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ from perseus_cli.plan_command import (
     prepare,
     solve_with_progress,
 )
+from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for
 
 if TYPE_CHECKING:
     from perseus_planner.sim import MethodRun, Scenario, SimSetup, StragglerClocks, Summary
@@ -90,11 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="WATTS",
         help="power of a waiting GPU (required with --profile)",
     )
-    parser.add_argument(
-        "--schedule",
-        metavar="{1f1b,gpipe}",
-        help=f"pipeline schedule (default: {DEFAULT_SCHEDULE})",
-    )
+    add_schedule_arguments(parser.add_argument_group("schedule"), default=None)
     parser.add_argument(
         "--microbatches",
         type=positive_int,
@@ -180,13 +177,18 @@ def run(args: argparse.Namespace) -> int:
     )
     source = _resolve_source(args)
     schedule = Schedule.parse(args.schedule or DEFAULT_SCHEDULE)
-    num_stages = source.profile.num_stages
-    check_pipeline(schedule.value, num_stages, microbatches)
+    args.stages = None  # the profile's; simulate has no --stages
+    shaped = schedule_profile_for(
+        args, schedule.value, source.profile, bundled=args.profile is None
+    )
+    source = replace(source, profile=shaped.profile)
+    num_stages, virtual_stages = shaped.num_stages, shaped.virtual_stages
+    check_pipeline(schedule.value, num_stages, microbatches, virtual_stages)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
-    problem = prepare(source, schedule.value, num_stages, microbatches, None)
+    problem = prepare(source, schedule.value, num_stages, microbatches, None, virtual_stages)
     dag = problem.dag
     frontier = solve_with_progress(problem, source.name, quiet=False)
     setup = sim_setup(frontier, max_frequency_baseline(problem))

@@ -48,7 +48,7 @@ from perseus_api.plan import (
     PlanObjective,
     StagePlan,
 )
-from perseus_api.schedule import stage_instruction_order
+from perseus_api.schedule import Schedule, gpu_computation_order
 from perseus_operator.gpu_conflicts import (
     CONFLICT_REASON,
     GpuClaim,
@@ -542,6 +542,7 @@ class _Step:
             schedule=spec.parallelism.schedule,
             num_stages=spec.parallelism.pipeline_stages,
             num_microbatches=spec.parallelism.microbatches,
+            virtual_stages=spec.parallelism.virtual_stages,
             blocking_power_w=blocking_w,
             frequency_mhz=spec.policy.frequency_mhz,
         )
@@ -888,13 +889,14 @@ def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
     """A plan that only says which computations each stage runs, for profiling node plans
     (the agents measure instead of applying it)."""
     p = spec.parallelism
-    schedule = p.schedule.value.lower()
+    schedule = Schedule.parse(p.schedule.value).value
     clock = get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz[0]
     estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
     return PipelinePlan(
         schedule=schedule,
         num_stages=p.pipeline_stages,
         num_microbatches=p.microbatches,
+        virtual_stages=p.virtual_stages,
         granularity=Granularity.INSTRUCTION,
         objective=PlanObjective.MIN_TIME,
         unit_time_s=0.001,
@@ -909,9 +911,14 @@ def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
                 stage=s,
                 frequency_mhz=clock,
                 instructions=[
-                    InstructionClock(instruction=kind, microbatch=m, frequency_mhz=clock)
-                    for kind, m in stage_instruction_order(
-                        schedule, p.pipeline_stages, p.microbatches, s
+                    InstructionClock(
+                        instruction=step.instruction,
+                        microbatch=step.microbatch,
+                        frequency_mhz=clock,
+                        virtual_stage=step.virtual_stage if p.virtual_stages > 1 else None,
+                    )
+                    for step in gpu_computation_order(
+                        schedule, p.pipeline_stages, p.microbatches, s, p.virtual_stages
                     )
                 ],
             )

@@ -23,6 +23,7 @@ from perseus_api.job import FrequencyRange, Mode, Parallelism, Policy, Profiling
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
 from perseus_api.plan import Granularity, PipelinePlan
 from perseus_api.profile import Profile, parse_profile
+from perseus_api.schedule import Schedule
 from perseus_operator.workloads import RankPlacement
 from perseus_planner import (
     Frontier,
@@ -151,6 +152,8 @@ class PlanningInput:
     num_microbatches: int
     blocking_power_w: float
     frequency_mhz: FrequencyRange | None = None
+    virtual_stages: int = 1
+    """Model stages per GPU (Interleaved1F1B); the profile then has ``num_stages * V``."""
 
 
 def choose_unit_time_s(profile: Profile) -> float:
@@ -200,6 +203,7 @@ def solve_frontier(request: PlanningInput) -> Frontier:
             request.num_microbatches,
             choose_unit_time_s(profile),
             request.blocking_power_w,
+            virtual_stages=request.virtual_stages,
         )
         return compute_frontier(problem)
     except ValueError as exc:  # ProfileError, SolverError, ... are ValueErrors
@@ -292,5 +296,6 @@ def parallelism_fits(parallelism: Parallelism, frontier: Frontier) -> bool:
     return (
         dag.num_stages == parallelism.pipeline_stages
         and dag.num_microbatches == parallelism.microbatches
-        and dag.schedule.value == parallelism.schedule.value.lower()
+        and dag.virtual_stages == parallelism.virtual_stages
+        and dag.schedule is Schedule.parse(parallelism.schedule.value)
     )

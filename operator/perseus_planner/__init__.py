@@ -24,6 +24,7 @@ from perseus_planner.errors import (
 )
 from perseus_planner.frontier import Baseline, Frontier, compute_frontier, max_frequency_baseline
 from perseus_planner.limits import PlannerLimits, check_target, prepare_problem
+from perseus_planner.model_stages import derive_profile, split_backward, split_virtual_stages
 from perseus_planner.plan import Choice, build_plan, choose_point, stage_clocks
 from perseus_planner.solver import FrontierPoint, FrontierProblem, build_problem, iterate_frontier
 
@@ -53,10 +54,13 @@ __all__ = [
     "check_target",
     "choose_point",
     "compute_frontier",
+    "derive_profile",
     "iterate_frontier",
     "load_profile",
     "max_frequency_baseline",
     "parse_profile",
     "prepare_problem",
+    "split_backward",
+    "split_virtual_stages",
     "stage_clocks",
 ]

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from perseus_api.profile import Profile
+from perseus_api.schedule import check_schedule_sizes
 from perseus_planner import _kernel
 from perseus_planner.dag import Schedule, build_pipeline_dag
 from perseus_planner.errors import LimitError
+from perseus_planner.model_stages import schedule_profile, solver_profile
 from perseus_planner.solver import CAPACITY_QUANTUM_J, FrontierProblem, build_problem
 
 __all__ = [
@@ -52,7 +54,7 @@ MAX_QUANT_UNITS = 2**53
 """Largest duration, in time units, that float64 still counts exactly (and int64 holds)."""
 
 COMPUTATIONS_PER_MICROBATCH_AND_STAGE = 2
-"""A forward and a backward, for every schedule the planner knows (1F1B, GPipe)."""
+"""A forward and a backward per model stage (three with a split backward: ZB-H1)."""
 
 
 @dataclass(frozen=True)
@@ -90,17 +92,35 @@ def prepare_problem(
     unit_time_s: float,
     blocking_power_w: float,
     limits: PlannerLimits = DEFAULT_LIMITS,
+    *,
+    virtual_stages: int = 1,
 ) -> FrontierProblem:
     """Check the input against ``limits``, build the DAG and the problem, check it again.
+
+    ``num_stages`` counts GPUs (pipeline stages); with ``virtual_stages`` (interleaved 1F1B)
+    the profile has ``num_stages * virtual_stages`` model stages
+    (:mod:`perseus_planner.model_stages`).
 
     Raises:
         LimitError: The input is beyond what the solver can hold (the message says which
             limit and what to change).
         PlannerError: Any other reason the input cannot be planned (from the builders).
     """
-    check_inputs(profile, num_stages, num_microbatches, unit_time_s, blocking_power_w, limits)
-    dag = build_pipeline_dag(schedule, num_stages, num_microbatches)
-    problem = build_problem(profile, dag, unit_time_s, blocking_power_w)
+    sched = check_schedule_sizes(schedule, num_stages, num_microbatches, virtual_stages)
+    if profile.num_stages == num_stages * virtual_stages:
+        # Only the model stages and instructions the schedule runs count towards the limits.
+        profile = schedule_profile(profile, sched, num_stages, num_microbatches, virtual_stages)
+    check_inputs(
+        profile,
+        num_stages * virtual_stages,
+        num_microbatches,
+        unit_time_s,
+        blocking_power_w,
+        limits,
+        computations_per_stage_and_microbatch=len(sched.instructions),
+    )
+    dag = build_pipeline_dag(sched, num_stages, num_microbatches, virtual_stages)
+    problem = build_problem(solver_profile(profile, dag), dag, unit_time_s, blocking_power_w)
     check_problem(problem, limits)
     return problem
 
@@ -112,8 +132,12 @@ def check_inputs(
     unit_time_s: float,
     blocking_power_w: float,
     limits: PlannerLimits = DEFAULT_LIMITS,
+    *,
+    computations_per_stage_and_microbatch: int = COMPUTATIONS_PER_MICROBATCH_AND_STAGE,
 ) -> None:
     """Checks that need neither the DAG nor the tables (cheap: one pass over the profile).
+
+    ``num_stages`` counts model stages (with virtual stages, more than the GPUs).
 
     Raises:
         LimitError: see :func:`prepare_problem`.
@@ -122,7 +146,7 @@ def check_inputs(
         raise LimitError(f"unit time must be a positive number of seconds, got {unit_time_s}")
     if not (math.isfinite(blocking_power_w) and blocking_power_w >= 0):
         raise LimitError(f"blocking power must be a number >= 0 W, got {blocking_power_w}")
-    computations = COMPUTATIONS_PER_MICROBATCH_AND_STAGE * num_stages * num_microbatches
+    computations = computations_per_stage_and_microbatch * num_stages * num_microbatches
     if computations > limits.max_computations:
         raise LimitError(
             f"{num_stages} stages x {num_microbatches} microbatches make {computations:,} "

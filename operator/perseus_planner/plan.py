@@ -122,24 +122,25 @@ class _StageModel:
         self.energies: list[npt.NDArray[np.float64]] = []
         self.nodes: list[IntArray] = []
         for stage, order in enumerate(dag.stage_order):
-            fwd = problem.profile.get(stage, "forward")
-            bwd = problem.profile.get(stage, "backward")
+            # Every model stage and instruction this GPU runs (several with virtual stages or
+            # a split backward) must be profiled at the clock it is locked to.
+            keys = [(dag.computations[i].stage, dag.computations[i].instruction) for i in order]
+            measured = {k: problem.profile.get(*k) for k in dict.fromkeys(keys)}
             common = sorted(
-                set(fwd.frequencies_mhz.tolist()) & set(bwd.frequencies_mhz.tolist()),
+                set.intersection(*(set(m.frequencies_mhz.tolist()) for m in measured.values())),
                 reverse=True,
             )
             if not common:
-                raise PlannerError(f"stage {stage}: forward and backward share no profiled clock")
+                raise PlannerError(f"stage {stage}: its computations share no profiled clock")
             freqs = np.asarray(common, dtype=np.int64)
             nodes = np.asarray(order, dtype=np.int64)
-            is_fwd = np.array([dag.computations[i].instruction == "forward" for i in order])
             t = np.empty((len(freqs), len(nodes)))
             e = np.empty((len(freqs), len(nodes)))
-            for k, f in enumerate(freqs.tolist()):
-                jf = int(np.nonzero(fwd.frequencies_mhz == f)[0][0])
-                jb = int(np.nonzero(bwd.frequencies_mhz == f)[0][0])
-                t[k] = np.where(is_fwd, fwd.times_s[jf], bwd.times_s[jb])
-                e[k] = np.where(is_fwd, fwd.energies_j[jf], bwd.energies_j[jb])
+            for key, m in measured.items():
+                columns = [j for j, k in enumerate(keys) if k == key]
+                rows = [int(np.nonzero(m.frequencies_mhz == f)[0][0]) for f in freqs.tolist()]
+                t[:, columns] = m.times_s[rows][:, None]
+                e[:, columns] = m.energies_j[rows][:, None]
             self.choices.append(freqs)
             self.nodes.append(nodes)
             self.times.append(t)
@@ -274,6 +275,7 @@ def build_plan(
                     instruction=dag.computations[i].instruction,
                     microbatch=dag.computations[i].microbatch,
                     frequency_mhz=int(freqs[i]),
+                    virtual_stage=dag.computations[i].stage if dag.virtual_stages > 1 else None,
                 )
                 for i in order
             ],
@@ -284,6 +286,7 @@ def build_plan(
         schedule=dag.schedule.value,
         num_stages=dag.num_stages,
         num_microbatches=dag.num_microbatches,
+        virtual_stages=dag.virtual_stages,
         granularity=granularity,
         objective=choice.objective,
         target_iteration_time_s=choice.target_s,

@@ -546,6 +546,43 @@ CEL_CASES: dict[str, tuple[dict[str, Any], str, tuple[str, str], tuple[tuple[str
             "(got 4 microbatches for 8 stages)",
         ),
     ),
+    "Interleaved1F1B with one virtual stage": (
+        _set(_minimal_spec(), "parallelism.schedule", "Interleaved1F1B"),
+        "parallelism",
+        PARALLELISM_RULES[1],
+        (
+            ("parallelism",),
+            "Value error, Interleaved1F1B needs virtualStages >= 2 and microbatches a multiple "
+            "of pipelineStages (got 24 microbatches for 8 stages, virtualStages 1)",
+        ),
+    ),
+    "Interleaved1F1B with microbatches not a multiple of stages": (
+        _set(
+            _set(
+                _set(_minimal_spec(), "parallelism.schedule", "Interleaved1F1B"),
+                "parallelism.virtualStages",
+                2,
+            ),
+            "parallelism.microbatches",
+            20,
+        ),
+        "parallelism",
+        PARALLELISM_RULES[1],
+        (
+            ("parallelism",),
+            "Value error, Interleaved1F1B needs virtualStages >= 2 and microbatches a multiple "
+            "of pipelineStages (got 20 microbatches for 8 stages, virtualStages 2)",
+        ),
+    ),
+    "virtual stages under ZBH1": (
+        _set(_set(_minimal_spec(), "parallelism.schedule", "ZBH1"), "parallelism.virtualStages", 2),
+        "parallelism",
+        PARALLELISM_RULES[2],
+        (
+            ("parallelism",),
+            "Value error, virtualStages above 1 need schedule Interleaved1F1B (got 2 with ZBH1)",
+        ),
+    ),
     "minMHz above maxMHz": (
         _set(_full_spec(), "policy.frequencyMHz", {"minMHz": 1500, "maxMHz": 1000}),
         "policy.frequencyMHz",

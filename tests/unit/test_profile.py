@@ -11,12 +11,14 @@ import pytest
 
 from perseus_api.errors import ApiError, ProfileError
 from perseus_api.profile import (
-    INSTRUCTIONS,
     Measurements,
     Profile,
     load_profile,
     parse_profile,
 )
+
+WHOLE_BACKWARD = ("forward", "backward")
+"""The instructions of the shipped profiles and of most test profiles (backward not split)."""
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "operator" / "perseus_planner" / "profiles"
 
@@ -86,7 +88,7 @@ def test_real_profiles_load(name: str) -> None:
 
     assert profile.source == str(path)
     assert profile.num_stages == 8
-    assert set(profile.measurements) == {(s, i) for s in range(8) for i in INSTRUCTIONS}
+    assert set(profile.measurements) == {(s, i) for s in range(8) for i in WHOLE_BACKWARD}
     assert profile.frequencies_mhz.tolist() == expected_frequencies_mhz
     assert profile.frequencies_mhz.dtype == np.int64
     assert profile.max_frequency_mhz == expected_frequencies_mhz[0]
@@ -96,7 +98,7 @@ def test_real_profiles_load(name: str) -> None:
     with path.open(newline="") as handle:
         records = list(csv.DictReader(handle))
     for stage in range(8):
-        for instruction in INSTRUCTIONS:
+        for instruction in WHOLE_BACKWARD:
             mine = [
                 r for r in records if (int(r["stage"]), r["instruction"]) == (stage, instruction)
             ]
@@ -215,7 +217,7 @@ def _rich_lines() -> tuple[list[str], dict[tuple[int, str, int], tuple[float, fl
     lines = ["rank,dp_rank,pp_rank,tp_rank,instruction,frequency,time,energy,host"]
     expected: dict[tuple[int, str, int], tuple[float, float]] = {}
     for frequency_mhz in (1410, 1200):
-        for instruction in INSTRUCTIONS:
+        for instruction in WHOLE_BACKWARD:
             for pp in range(2):
                 times, energies = [], []
                 for tp in range(2):
@@ -243,7 +245,7 @@ def test_rich_form_aggregates_tensor_ranks_of_replica_zero(tmp_path: Path) -> No
     assert profile.num_stages == 2
     assert profile.frequencies_mhz.tolist() == [1410, 1200]
     for stage in range(2):
-        for instruction in INSTRUCTIONS:
+        for instruction in WHOLE_BACKWARD:
             measured = profile.get(stage, instruction)
             assert measured.frequencies_mhz.tolist() == [1410, 1200]
             for i, frequency_mhz in enumerate((1410, 1200)):

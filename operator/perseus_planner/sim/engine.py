@@ -68,7 +68,8 @@ def pipeline_graph(dag: PipelineDAG) -> PipelineGraph:
     order = np.argsort(depth, kind="stable")
     bounds = np.searchsorted(depth[order], np.arange(int(depth.max()) + 2))
     levels = tuple(order[bounds[k] : bounds[k + 1]] for k in range(len(bounds) - 1))
-    node_stage = np.array([c.stage for c in dag.computations], dtype=np.int64)
+    # The GPU, not the model stage: with virtual stages a GPU runs several of them.
+    node_stage = np.array([c.gpu for c in dag.computations], dtype=np.int64)
     return PipelineGraph(n, dag.num_stages, levels, preds, node_stage)
 
 

@@ -579,7 +579,8 @@ TRAINER = "spec/replicatedJobs/1/template/spec/template/spec/containers/0"
         (
             pytorch_job(annotations={"perseus.energy/schedule": "interleaved"}),
             None,
-            "invalid parallelism: schedule: Input should be '1F1B' or 'GPipe'",
+            "invalid parallelism: schedule: Input should be '1F1B', 'GPipe', 'Interleaved1F1B' or "
+            "'ZBH1'",
         ),
         (
             pytorch_job(annotations={"perseus.energy/pipeline-stages": "6"}),
