@@ -14,7 +14,8 @@ Two parts:
   computation, so only the points where the counter changes are kept and the energy at any
   moment is interpolated linearly between them (:meth:`EnergySampler.energy_at`).
 * :class:`StageProfiler` follows one GPU through the clock schedule. The training process's
-  requests are timestamped on receipt (``time.monotonic_ns()``, the sampler's time source):
+  requests are timed by the client (``time.monotonic_ns()``, the sampler's time source; on
+  receipt for a client that does not say, see :func:`local_server.event_time_ns`):
   ``step_begin``/``step_end`` delimit an iteration, ``instruction_begin``/``instruction_end``
   one computation. After every clock change the first ``warmup_iterations`` iterations are
   dropped, the next ``iterations_per_frequency`` are measured, then the next clock is locked

@@ -261,6 +261,9 @@ class PerseusClient:
                     return None
                 if sync and self.synchronize is not None:
                     self._synchronize()
+                if request.get("op") != protocol.OP_HELLO:
+                    # The event's own time, after the synchronization: see protocol's t_ns.
+                    request = {**request, "t_ns": time.monotonic_ns()}
                 return self._request(request)
         except Exception as exc:  # last resort: never raise into training
             self._warn_misuse(f"unexpected error in a hook: {exc!r}")

@@ -8,10 +8,15 @@ Requests (``op`` selects the kind)::
 
     {"op": "hello", "version": 1, "rank": 0, "local_rank": 0, "gpu_uuids": ["GPU-..."],
      "pid": 42, "job": "llm", "namespace": "team-a", "pod": "llm-worker-0"}
-    {"op": "step_begin", "step": 7}
+    {"op": "step_begin", "step": 7, "t_ns": 81234567890123}
     {"op": "step_end", "step": 7}
     {"op": "instruction_begin", "name": "forward", "microbatch": 3}
     {"op": "instruction_end", "name": "forward"}
+
+``t_ns`` (optional, on the four event requests) is the client's ``time.monotonic_ns()`` when
+the event happened, after any GPU synchronization: the node's monotonic clock, which the
+agent shares, so profiling times the event itself rather than its receipt, a fraction of a
+millisecond to a few milliseconds later on a busy node (see the agent's ``local_server``).
 
 ``hello`` must be the first request of a connection; the agent rejects a
 ``version`` other than :data:`PROTOCOL_VERSION`. ``rank``, ``local_rank``,
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Final, Literal, TypeAlias, TypedDict, cast
+from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict, cast
 
 PROTOCOL_VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 4096
@@ -71,22 +76,26 @@ class HelloRequest(TypedDict):
 class StepBeginRequest(TypedDict):
     op: Literal["step_begin"]
     step: int
+    t_ns: NotRequired[int]
 
 
 class StepEndRequest(TypedDict):
     op: Literal["step_end"]
     step: int
+    t_ns: NotRequired[int]
 
 
 class InstructionBeginRequest(TypedDict):
     op: Literal["instruction_begin"]
     name: InstructionName
     microbatch: int | None
+    t_ns: NotRequired[int]
 
 
 class InstructionEndRequest(TypedDict):
     op: Literal["instruction_end"]
     name: InstructionName
+    t_ns: NotRequired[int]
 
 
 Request: TypeAlias = (
@@ -235,21 +244,25 @@ def validate_request(obj: object) -> Request:
             "namespace": _str(obj, "namespace"),
             "pod": _str(obj, "pod"),
         }
+    event: dict[str, Any]
     if op in (OP_STEP_BEGIN, OP_STEP_END):
         step = _int(obj, "step")
         assert step is not None
-        if op == OP_STEP_BEGIN:
-            return {"op": OP_STEP_BEGIN, "step": step}
-        return {"op": OP_STEP_END, "step": step}
-    if op == OP_INSTRUCTION_BEGIN:
-        return {
+        event = {"op": op, "step": step}
+    elif op == OP_INSTRUCTION_BEGIN:
+        event = {
             "op": OP_INSTRUCTION_BEGIN,
             "name": _name(obj),
             "microbatch": _int(obj, "microbatch", nullable=True),
         }
-    if op == OP_INSTRUCTION_END:
-        return {"op": OP_INSTRUCTION_END, "name": _name(obj)}
-    raise ProtocolError(f"unknown op {_describe(op)}")
+    elif op == OP_INSTRUCTION_END:
+        event = {"op": OP_INSTRUCTION_END, "name": _name(obj)}
+    else:
+        raise ProtocolError(f"unknown op {_describe(op)}")
+    t_ns = _int(obj, "t_ns", nullable=True)
+    if t_ns is not None:
+        event["t_ns"] = t_ns
+    return cast(Request, event)
 
 
 def validate_reply(obj: object, op: str | None = None) -> Reply:

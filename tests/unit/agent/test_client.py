@@ -46,12 +46,14 @@ class Handler:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.calls: list[tuple[str, int, dict[str, Any]]] = []
+        self.calls: list[tuple[str, int, dict[str, Any], int]] = []  # (op, conn, msg, t_ns)
         self.fail: dict[str, BaseException] = {}
 
-    def _record(self, op: str, session: ClientSession, msg: Mapping[str, Any]) -> None:
+    def _record(
+        self, op: str, session: ClientSession, msg: Mapping[str, Any], t_ns: int = 0
+    ) -> None:
         with self.lock:
-            self.calls.append((op, session.connection_id, dict(msg)))
+            self.calls.append((op, session.connection_id, dict(msg), t_ns))
         if op in self.fail:
             raise self.fail[op]
 
@@ -67,21 +69,21 @@ class Handler:
         self._record("hello", session, msg)
 
     def step_begin(self, session: ClientSession, msg: StepBeginRequest, received_ns: int) -> None:
-        self._record("step_begin", session, msg)
+        self._record("step_begin", session, msg, received_ns)
 
     def step_end(self, session: ClientSession, msg: StepEndRequest, received_ns: int) -> None:
-        self._record("step_end", session, msg)
+        self._record("step_end", session, msg, received_ns)
 
     def instruction_begin(
         self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
     ) -> dict[str, Any]:
-        self._record("instruction_begin", session, msg)
+        self._record("instruction_begin", session, msg, received_ns)
         return {"sm_clock_mhz": 1410 if msg["name"] == "forward" else 1200}
 
     def instruction_end(
         self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
     ) -> None:
-        self._record("instruction_end", session, msg)
+        self._record("instruction_end", session, msg, received_ns)
 
     def disconnected(self, session: ClientSession) -> None:
         pass
@@ -171,6 +173,11 @@ def test_all_hooks_round_trip(server: LocalServer, handler: Handler) -> None:
     msgs = [c[2] for c in handler.calls]
     assert msgs[0]["rank"] == 5 and msgs[0]["local_rank"] == 1
     assert msgs[0]["gpu_uuids"] == ["GPU-x"] and msgs[0]["pid"] == os.getpid()
+    # Every event carries its own time (the node's monotonic clock), in order; the handler
+    # is given that time, not the receipt's.
+    stamps = [m.pop("t_ns") for m in msgs[1:]]
+    assert stamps == sorted(stamps) and "t_ns" not in msgs[0]
+    assert [c[3] for c in handler.calls[1:]] == stamps
     assert msgs[1] == {"op": "step_begin", "step": 7}
     assert msgs[2] == {"op": "instruction_begin", "name": "forward", "microbatch": 0}
     assert msgs[3] == {"op": "instruction_end", "name": "forward"}
@@ -529,6 +536,8 @@ def test_pipelined_hooks_arrive_in_order_and_close_waits_for_them(
     assert handler.ops() == [*expected, "step_begin"]
     assert client.connections == 1
     begins = [c[2] for c in handler.calls if c[0] == "instruction_begin"]
+    for begin in begins:
+        begin.pop("t_ns")
     assert begins[:2] == [
         {"op": "instruction_begin", "name": "forward", "microbatch": 0},
         {"op": "instruction_begin", "name": "backward", "microbatch": 0},

@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 
 from perseus_agent.local_server import (
+    MAX_EVENT_AGE_NS,
     ClientSession,
     LocalServer,
     LocalServerError,
     RequestError,
+    event_time_ns,
 )
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
@@ -30,8 +32,10 @@ from perseus_client.protocol import (
     HelloRequest,
     InstructionBeginRequest,
     InstructionEndRequest,
+    ProtocolError,
     StepBeginRequest,
     StepEndRequest,
+    validate_request,
 )
 
 HELLO: dict[str, Any] = {
@@ -610,3 +614,21 @@ def test_stop_from_a_handler_is_refused(sock_dir: Path) -> None:
         assert srv.running
         client.close()
     assert len(errors) == 1 and "own threads" in str(errors[0])
+
+
+def test_an_event_is_timed_by_the_client_when_its_time_is_plausible() -> None:
+    received_ns = 5_000_000_000
+    stamped = {"op": "step_begin", "step": 1, "t_ns": received_ns - 400_000}
+    assert event_time_ns(stamped, received_ns) == received_ns - 400_000
+    # From the future, more than a second old, or absent: the receipt time.
+    for t_ns in (received_ns + 1, received_ns - MAX_EVENT_AGE_NS - 1):
+        assert event_time_ns({**stamped, "t_ns": t_ns}, received_ns) == received_ns
+    assert event_time_ns({"op": "step_begin", "step": 1}, received_ns) == received_ns
+
+
+def test_an_event_time_must_be_a_non_negative_integer() -> None:
+    assert validate_request({"op": "instruction_end", "name": "forward", "t_ns": 7})["t_ns"] == 7
+    for bad in (-1, "7", 1.5, True):
+        with pytest.raises(ProtocolError, match="t_ns"):
+            validate_request({"op": "instruction_end", "name": "forward", "t_ns": bad})
+    assert "t_ns" not in validate_request({"op": "step_end", "step": 2, "t_ns": None})
