@@ -76,6 +76,13 @@ DEFAULT_SAMPLE_CAPACITY: Final = 1 << 16
 """Counter changes kept per GPU: about 5 minutes at the default interval."""
 MIN_BLOCKING_FRACTION: Final = 0.02
 """Least share of the measured iterations' time outside computations to report blocking power."""
+EDGE_TRIM_NS: Final = 10_000_000
+"""Blocking power is measured this far inside each wait (2 default sampling periods): at the
+edges the interpolated counter mixes in the neighbouring computation's power, and a hook's
+time stamp lies a little off the GPU's own edge."""
+MIN_TRIMMED_FRACTION: Final = 0.01
+"""Least share of the measured iterations' time inside trimmed waits to measure blocking power
+there; below it, it is measured over all the time outside computations."""
 
 PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
 _INSTRUCTIONS: Final = ("forward", "backward")
@@ -244,6 +251,18 @@ class ProfileRow(BaseModel):
     samples: int = Field(ge=1, description="Computations measured.")
 
 
+def _inner_waits(m: _Measured) -> list[tuple[int, int]]:
+    """The iteration's waits (time outside computations), each cut :data:`EDGE_TRIM_NS`
+    short at both ends; those too short for that are left out."""
+    edges = sorted((b, e) for _, b, e in m.instructions)
+    waits, at = [], m.begin_ns
+    for begin, end in [*edges, (m.end_ns, m.end_ns)]:
+        if begin - at > 2 * EDGE_TRIM_NS:
+            waits.append((at + EDGE_TRIM_NS, begin - EDGE_TRIM_NS))
+        at = max(at, end)
+    return waits
+
+
 def profile_csv(rows: Iterable[ProfileRow]) -> str:
     """``rows`` in the simple profile CSV form (``stage,instruction,frequency,time,energy``).
 
@@ -341,6 +360,8 @@ class StageProfiler:
         self._sums: dict[tuple[InstructionName, int], _Sum] = {}
         self._blocking_ns = 0
         self._blocking_j = 0.0
+        self._inner_ns = 0  # inside waits, EDGE_TRIM_NS from their edges
+        self._inner_j = 0.0
         self._iterations_ns = 0
 
     # -- progress ------------------------------------------------------------------------------
@@ -469,6 +490,11 @@ class StageProfiler:
         self._iterations_ns += m.end_ns - m.begin_ns
         self._blocking_ns += (m.end_ns - m.begin_ns) - sum(p[1] for p in parts)
         self._blocking_j += (end_j - begin_j) - sum(p[2] for p in parts)
+        for lo, hi in _inner_waits(m):
+            e_lo, e_hi = energy_at(lo), energy_at(hi)
+            if e_lo is not None and e_hi is not None:
+                self._inner_ns += hi - lo
+                self._inner_j += e_hi - e_lo
         self.measured_iterations += 1
 
     # -- results -------------------------------------------------------------------------------
@@ -496,17 +522,23 @@ class StageProfiler:
 
     @property
     def blocking_power_w(self) -> float | None:
-        """Energy over time of the measured iterations outside computations.
+        """Energy over time of the measured iterations while waiting: inside the waits, away
+        from their edges (:data:`EDGE_TRIM_NS`) when at least :data:`MIN_TRIMMED_FRACTION` of
+        the time is there, else over all the time outside computations.
 
-        ``None`` when that time is under :data:`MIN_BLOCKING_FRACTION` of the measured
-        iterations' time (too short to tell from the counter's interpolation error) or the
-        energy is not positive.
+        ``None`` when the time outside computations is under :data:`MIN_BLOCKING_FRACTION` of
+        the measured iterations' time (too short to tell from the counter's interpolation
+        error) or the energy is not positive. Over all the time outside computations, an
+        emulated 4-stage pipeline's blocking power came out 7-11 % high.
         """
         if self._blocking_ns <= MIN_BLOCKING_FRACTION * self._iterations_ns:
             return None
-        if self._blocking_j <= 0 or self._blocking_ns <= 0:
+        energy_j, time_ns = self._blocking_j, self._blocking_ns
+        if self._inner_ns >= MIN_TRIMMED_FRACTION * self._iterations_ns:
+            energy_j, time_ns = self._inner_j, self._inner_ns
+        if energy_j <= 0 or time_ns <= 0:
             return None
-        return self._blocking_j / (self._blocking_ns / 1e9)
+        return energy_j / (time_ns / 1e9)
 
     @property
     def blocking_s(self) -> float:

@@ -370,6 +370,23 @@ def test_energy_is_interpolated_at_the_request_times(gpus: EmulatedBackend, sim:
     assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
 
 
+def test_blocking_power_is_measured_inside_waits_away_from_the_edges(
+    gpus: EmulatedBackend, sim: SimTime
+) -> None:
+    """Waits of 40 ms, the counter sampled every 5 ms and never at a power change: the
+    interpolation across each edge puts computation energy into the waits beside it; inside
+    them, away from the edges, the power is the GPU's blocking power exactly."""
+    p = make_profiler(manual_sampler(gpus, sim), (1410, 1005), iterations=2, warmup=1)
+    rank = Rank(p, gpus, sim, sample_every_ns=5 * MS, sample_on_change=False)
+    sim.ns += 1_234_567  # off the sampling grid
+    while p.measuring:
+        rank.iteration(bubble_ns=40 * MS)
+    rank.advance(10 * MS)
+    p.poll()
+    assert p.done
+    assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
+
+
 @pytest.mark.parametrize("bubble_ns", [0, 20_000])
 def test_no_blocking_power_from_a_rank_that_hardly_waits(
     gpus: EmulatedBackend, sim: SimTime, bubble_ns: int
