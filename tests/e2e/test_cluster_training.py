@@ -77,6 +77,16 @@ SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one
 # latencies (hooks, the shared GPU state file, thread wake-ups) land on it, and the all-max
 # window is measured before the operator and agents start reporting. 1% failed one run in five.
 ITERATION_TOLERANCE = 0.02
+# The T_min plan's iteration vs the planner's T_min: at the profile's own times (time scale 1)
+# it ran +1.14% to +1.78% over the runs of the issue-13 work (emulation_breakdown.py: +0.6%
+# with an ideal agent; the rest hooks and hand-offs), at time scale 0.5 +2.4% to +2.6%.
+PLANNED_TOLERANCE = 0.02
+# Energy saved vs what the planner predicted: measured 86.7% to 96.8% with the profile's
+# blocking power measured over all the time outside computations (7-11% high, so the
+# prediction was), 96.8% since it is measured inside the waits (predicted 5.34%, saved 5.17%;
+# the planner's prediction from the emulated GPUs' own profile: 5.47%). An ideal agent
+# realizes 94-95% of that (the planner's cost model vs the profile's table).
+SAVINGS_SHARE = 0.9
 
 
 # -- the emulated training job ---------------------------------------------------------------
@@ -156,8 +166,9 @@ def _columns(m: Any) -> tuple[Any, Any, Any]:
 def measure_plan(
     training: Training, baseline: Window, status: dict[str, Any], label: str
 ) -> tuple[Window, str]:
-    """Measure the plan just applied, once settled, and check it saves at least 80% of what
-    the planner predicted (``status.plan``); the window and a report of both."""
+    """Measure the plan just applied, once settled, and check it saves at least
+    :data:`SAVINGS_SHARE` of what the planner predicted (``status.plan``); the window and a
+    report of both."""
     training.wait_iterations(SETTLE_ITERATIONS)
     planned = training.measure()
     predicted = status["plan"]["expectedSavingsRatio"]
@@ -170,7 +181,7 @@ def measure_plan(
         f"all-max {overheads(baseline)}; planned {overheads(planned)}"
     )
     print(report)
-    assert saved >= 0.8 * predicted, report
+    assert saved >= SAVINGS_SHARE * predicted, report
     return planned, report
 
 
@@ -499,6 +510,8 @@ def test_profiling_survives_an_operator_restart_and_the_plan_saves_energy(
     assert planned.iteration_s == pytest.approx(baseline.iteration_s, rel=ITERATION_TOLERANCE), (
         report
     )
+    t_min_s = status["frontier"]["tMinSeconds"]
+    assert planned.iteration_s <= t_min_s * (1 + PLANNED_TOLERANCE), report
 
 
 def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_restores_t_min(
