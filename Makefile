@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The end-to-end tests need a kube-apiserver, a kube-controller-manager and an etcd, built from
-# Go modules on first use (~15 min on 2 cores) and cached in ~/.cache/perseus-k8s; without them
+# Go modules on first use (~8 min on 2 cores, measured cold) and cached in ~/.cache/perseus-k8s; without them
 # those tests skip, saying why (CI sets PERSEUS_REQUIRE_E2E=1: they fail instead).
 unit: $(STAMP)
 	@exports="$$(scripts/build_test_control_plane.sh --env)" && eval "$$exports" \
