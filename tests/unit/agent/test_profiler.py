@@ -370,6 +370,35 @@ def test_energy_is_interpolated_at_the_request_times(gpus: EmulatedBackend, sim:
     assert p.blocking_power_w == pytest.approx(BLOCKING_W, rel=1e-9)
 
 
+def test_a_stalled_computation_does_not_move_the_profile(
+    gpus: EmulatedBackend, sim: SimTime
+) -> None:
+    """One forward of the measured iterations at 1410 MHz runs 1.5x long (a stall): the
+    profile reports the median of that clock's forwards, which the stall does not move."""
+    p = make_profiler(manual_sampler(gpus, sim), (1410, 1005), iterations=3, warmup=1)
+    rank = Rank(p, gpus, sim)
+    stalled = False
+    set_activity = gpus.set_activity
+
+    def stall_once(index: int, stage: int | None, name: str | None) -> bool:
+        nonlocal stalled
+        measuring_1410 = gpus.locked_sm_clock_mhz(0) == 1410 and p.frequency_index == 0
+        if name == "forward" and measuring_1410 and p._warmup_left == 0 and not stalled:
+            stalled = True
+            gpus.set_slowdown(0, 1.5)
+        elif name is None:
+            gpus.set_slowdown(0, 1.0)
+        return set_activity(index, stage, name)
+
+    gpus.set_activity = stall_once  # type: ignore[method-assign]
+    while p.measuring:
+        rank.iteration()
+    rank.advance(2 * MS)
+    p.poll()
+    assert stalled and p.done
+    assert as_tuples(p.rows()) == expected_rows((1410, 1005), samples=3 * 2)
+
+
 def test_blocking_power_is_measured_inside_waits_away_from_the_edges(
     gpus: EmulatedBackend, sim: SimTime
 ) -> None:
