@@ -279,20 +279,13 @@ class KubeClient:
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
         selector = f"{resources.JOB_LABEL}={resources.label_value(job)}"
-        return await self._items(
-            lambda: self._custom.list_namespaced_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                namespace,
-                resources.NODE_PLAN_PLURAL,
-                label_selector=selector,
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
+        return await self._node_plans(namespace, label_selector=selector)
 
     async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
         """Every job's node plans in ``namespace`` (which GPUs are claimed, and by whom)."""
+        return await self._node_plans(namespace)
+
+    async def _node_plans(self, namespace: str, **selector: str) -> list[dict[str, Any]]:
         return await self._items(
             lambda: self._custom.list_namespaced_custom_object(
                 resources.GROUP,
@@ -301,6 +294,7 @@ class KubeClient:
                 resources.NODE_PLAN_PLURAL,
                 _preload_content=False,
                 _request_timeout=REQUEST_TIMEOUT_S,
+                **selector,
             )
         )
 
