@@ -13,6 +13,7 @@ from perseus_api.profile import load_profile, parse_profile
 from perseus_operator.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
+    UNIT_STEPS_PER_COMPUTATION,
     PlanningError,
     PlanningInput,
     applies_clocks,
@@ -121,13 +122,13 @@ def test_gathered_profile_needs_every_stage_and_well_formed_reports() -> None:
         gather_profile([{"stage": 0, "done": True, "rows": [{"instruction": "forward"}]}], 1)
 
 
-def test_unit_time_is_a_hundredth_of_the_shortest_computation_on_a_1_2_5_grid(
+def test_unit_time_is_a_fixed_fraction_of_the_shortest_computation_on_a_1_2_5_grid(
     profile_csv: str,
 ) -> None:
     profile = parse_profile(profile_csv, "p")
     shortest = min(float(m.times_s.min()) for m in profile.measurements.values())
     unit = choose_unit_time_s(profile)
-    assert unit <= shortest / 100 < 2.5 * unit
+    assert unit <= shortest / UNIT_STEPS_PER_COMPUTATION < 2.5 * unit
     assert f"{unit:.0e}"[0] in "125"
 
 
