@@ -84,12 +84,17 @@ class StagePlan(_Model):
 class PlanEstimate(_Model):
     """Predicted iteration time and energy of one pipeline under a plan."""
 
-    iteration_time_s: float = Field(gt=0, description="The pipeline's own iteration time.")
+    iteration_time_s: float = Field(
+        gt=0, description="The planner's iteration time (in its time unit; targets are met on it)."
+    )
     energy_j: float = Field(
-        gt=0, description="Per iteration, incl. blocking power while waiting for a straggler."
+        gt=0,
+        description="Per iteration: the plan's clocks replayed on the profile's measured rows, "
+        "incl. blocking power while waiting for a straggler.",
     )
     savings_ratio: float = Field(
-        description="Energy saved vs. every GPU at its highest clock, at the same iteration time."
+        description="Energy saved vs. every GPU at its highest clock, at the same iteration time, "
+        "both on the profile's measured rows."
     )
 
 

@@ -159,8 +159,9 @@ class PlanningInput:
 
 
 def choose_unit_time_s(profile: Profile) -> float:
-    """A time unit of about 1/:data:`UNIT_STEPS_PER_COMPUTATION` of the shortest computation, on a 1-2-5 grid: fine enough
-    that quantization costs little, coarse enough that the frontier has few points."""
+    """A time unit of about 1/:data:`UNIT_STEPS_PER_COMPUTATION` of the shortest computation,
+    on a 1-2-5 grid: fine enough that quantization costs little, coarse enough that the
+    frontier has few points."""
     shortest_s = min(float(m.times_s.min()) for m in profile.measurements.values())
     raw = shortest_s / UNIT_STEPS_PER_COMPUTATION
     exponent = math.floor(math.log10(raw))
