@@ -258,7 +258,7 @@ def _torch_order(schedule_class: Any, p: int, v: int, m: int, rank: int) -> str:
     for action in sched._calculate_single_rank_operations(rank):
         if action is None:
             continue
-        kind = str(action.computation_type)
+        kind = action.computation_type.value  # an enum since torch 2.x: 'F', 'B', 'I', 'W'
         out.append(f"{action.stage_index}{letters[kind]}{action.microbatch_index}")
     return " ".join(out)
 
