@@ -241,11 +241,20 @@ class Cluster:
         data: Mapping[str, str],
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.calls += 1
         self.config_maps[(namespace, name)] = json.dumps(
-            config_map_object(namespace, name, data, owner, annotations)
+            config_map_object(namespace, name, data, owner, annotations, labels)
         )
+
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        return []  # the simulated jobs name no model: never called
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        self.calls += 1
+        return None
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
         self.calls += 1

@@ -69,6 +69,25 @@ from perseus_operator.planning import (
     get_node_plans,
     get_profiling_spec,
 )
+from perseus_operator.profile_source import (
+    BLOCKING_POWER_KEY as BLOCKING_POWER_KEY,
+)
+from perseus_operator.profile_source import (
+    PIPELINE_KEY,
+    PROFILE_KEY,
+    PROFILE_REQUIRED,
+    StartAction,
+    StoredProfile,
+    choose_shared_profile,
+    decide_start,
+    gpu_product,
+    pipeline_key,
+    profile_labels,
+    profiling_note,
+    read_profile,
+    shared_profile_selector,
+)
+from perseus_operator.profiling_watch import NO_TRAINING_PROCESS, ProfilingState, decide_profiling
 from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
 from perseus_operator.workloads import (
     RankPlacement,
@@ -83,9 +102,6 @@ from perseus_operator.workloads import (
 )
 from perseus_planner import Frontier
 
-PROFILE_KEY: Final = "profile.csv"
-BLOCKING_POWER_KEY: Final = "blockingPowerWatts"
-PIPELINE_KEY: Final = "pipeline"
 STRAGGLER_STATE_ANNOTATION: Final = f"{resources.GROUP}/straggler-state"
 """The straggler detector's memory, so a restarted operator neither forgets nor re-detects."""
 
@@ -101,6 +117,8 @@ class JobIO(Protocol):
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
+
     async def put_config_map(
         self,
         namespace: str,
@@ -108,7 +126,10 @@ class JobIO(Protocol):
         data: Mapping[str, str],
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None: ...
+
+    async def get_node(self, name: str) -> dict[str, Any] | None: ...
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]: ...
 
@@ -152,6 +173,8 @@ class JobMemo:
     """The straggler target the current plans were written for (None: T_min for all)."""
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
+    gpu_product: tuple[tuple[str, ...], str | None] | None = None
+    """(nodes, their GPU product): read once per set of nodes, not at every tick."""
 
 
 @dataclass
@@ -432,13 +455,22 @@ class _Step:
         self.condition(ConditionType.DEGRADED, False, reason, message)
 
     async def _start(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        profile = await self._stored_profile(spec)
-        if profile is not None:
-            self.status.phase = Phase.OPTIMIZING
-            self.condition(ConditionType.PROFILED, True, "ProfileFound", profile[2])
-            return
-        if spec.profiling.profile_ref is not None:
+        found = await self._stored_profile(spec, ranks)
+        if found is None and spec.profiling.profile_ref is not None:
             return  # _stored_profile failed the job with the reason
+        product = await self._gpu_product(ranks) if spec.profiling.model else None
+        stages = spec.parallelism.pipeline_stages
+        decision = decide_start(spec, found, product=product, stages=stages)
+        if decision.action == StartAction.PLAN:
+            self.status.phase = Phase.OPTIMIZING
+            self.condition(ConditionType.PROFILED, True, "ProfileFound", decision.message)
+            return
+        if decision.action == StartAction.REQUIRE_PROFILE:
+            if self.status.message != decision.message:
+                self.event("Warning", PROFILE_REQUIRED, decision.message)
+            self.status.message = decision.message
+            self.condition(ConditionType.PROFILED, False, PROFILE_REQUIRED, decision.message)
+            return
         if await self._gpus_held_by_an_older_job(ranks):
             return
         self.status.revision += 1
@@ -456,36 +488,82 @@ class _Step:
         await self._write_node_plans(node_plans)
         clocks = len(get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz)
         self.status.phase = Phase.PROFILING
+        self.status.profiling_started_at = _rfc3339(self.now_s)
         self.status.message = f"profiling {clocks} SM clocks on {len(ranks)} GPUs"
+        if decision.message:
+            self.status.message += f". {decision.message}"
         self.condition(ConditionType.PROFILED, False, "Profiling", self.status.message)
 
-    async def _stored_profile(self, spec: PerseusJobSpec) -> tuple[str, float | None, str] | None:
-        """(CSV, blocking power, ConfigMap name) of a profile to plan from, if one exists."""
+    async def _stored_profile(
+        self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
+    ) -> StoredProfile | None:
+        """A profile to plan from, if one exists: ``profileRef`` (the job fails when it is
+        missing), the job's own, or one a job of the same model stored
+        (:mod:`perseus_operator.profile_source`)."""
         ref = spec.profiling.profile_ref
-        name = ref.config_map_name if ref else profile_config_map_name(self.ref.name)
-        key = ref.key if ref else PROFILE_KEY
-        cm = await self.io.get_config_map(self.ref.namespace, name)
-        if cm is None:
-            if ref is not None:
-                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} does not exist")
+        if ref is not None:
+            cm = await self.io.get_config_map(self.ref.namespace, ref.config_map_name)
+            if cm is None:
+                self.fail(
+                    "ProfileNotFound", f"profileRef: ConfigMap {ref.config_map_name} does not exist"
+                )
+                return None
+            found = read_profile(cm, ref.key, name=ref.config_map_name)
+            if found is None:
+                self.fail(
+                    "ProfileNotFound",
+                    f"profileRef: ConfigMap {ref.config_map_name} has no key {ref.key!r}",
+                )
+            return found
+        own_name = profile_config_map_name(self.ref.name)
+        own = await self.io.get_config_map(self.ref.namespace, own_name)
+        if own is not None and (own.get("data") or {}).get(PIPELINE_KEY) == pipeline_key(spec):
+            found = read_profile(own, name=own_name)
+            if found is not None:
+                return found
+        # else: profiled for another pipeline, profile again (or use a shared one)
+        model = spec.profiling.model
+        if model is None:
             return None
-        data = cm.get("data") or {}
-        csv_text = data.get(key)
-        if not isinstance(csv_text, str):
-            if ref is not None:
-                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} has no key {key!r}")
+        product = await self._gpu_product(ranks)
+        if product is None:
             return None
-        if ref is None and data.get(PIPELINE_KEY) != _pipeline_key(spec):
-            return None  # profiled for another pipeline: profile again
-        blocking = data.get(BLOCKING_POWER_KEY)
-        try:
-            blocking_w = float(blocking) if blocking else None
-        except ValueError:
-            blocking_w = None
-        return csv_text, blocking_w, name
+        shared = await self.io.list_config_maps(self.ref.namespace, shared_profile_selector(model))
+        return choose_shared_profile(
+            shared, model=model, product=product, pipeline=pipeline_key(spec)
+        )
+
+    async def _gpu_product(self, ranks: Sequence[RankPlacement]) -> str | None:
+        """The GPU product of the job's nodes (None: unknown or mixed), read once per set of
+        nodes."""
+        nodes = tuple(sorted({r.node for r in ranks}))
+        cached = self.memo.gpu_product
+        if cached is None or cached[0] != nodes:
+            product = gpu_product([await self.io.get_node(n) for n in nodes])
+            self.memo.gpu_product = cached = (nodes, product)
+        return cached[1]
 
     async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        if self.status.profiling_started_at is None:  # profiling began under an older operator
+            self.status.profiling_started_at = _rfc3339(self.now_s)
+        verdict = decide_profiling(
+            plans,
+            ranks,
+            spec.parallelism.pipeline_stages,
+            started_s=_parse_rfc3339(self.status.profiling_started_at, self.now_s),
+            now_s=self.now_s,
+            timeout_s=spec.profiling.training_process_timeout_seconds,
+            note=profiling_note(spec),
+        )
+        if verdict.state == ProfilingState.NO_TRAINING_PROCESS:
+            await self._release_plans()
+            self.fail(NO_TRAINING_PROCESS, verdict.message)
+            self.condition(ConditionType.PROFILED, False, NO_TRAINING_PROCESS, verdict.message)
+            return
+        if verdict.state == ProfilingState.WAITING:
+            self.status.message = verdict.message
+            return
         reports = [
             r
             for p in plans
@@ -493,28 +571,31 @@ class _Step:
             if isinstance(r, Mapping)
         ]
         stages = spec.parallelism.pipeline_stages
-        done_stages = {int(r.get("stage", -1)) for r in reports if r.get("done")}
-        if len(done_stages & set(range(stages))) < stages:
-            self.status.message = (
-                f"profiling: {len(done_stages)} of {stages} pipeline stages measured"
-            )
-            return
         try:
             gathered = gather_profile(reports, stages)
         except PlanningError as exc:
             self.fail("ProfilingFailed", str(exc))
             return
-        data = {PROFILE_KEY: gathered.csv_text, PIPELINE_KEY: _pipeline_key(spec)}
+        data = {PROFILE_KEY: gathered.csv_text, PIPELINE_KEY: pipeline_key(spec)}
         if gathered.blocking_power_w is not None:
             data[BLOCKING_POWER_KEY] = f"{gathered.blocking_power_w:.6g}"
         name = profile_config_map_name(self.ref.name)
-        await self.io.put_config_map(self.ref.namespace, name, data, self.ref.owner)
+        product = await self._gpu_product(ranks) if spec.profiling.model else None
+        await self.io.put_config_map(
+            self.ref.namespace,
+            name,
+            data,
+            self.ref.owner,
+            labels=profile_labels(spec, product),
+        )
         self.status.phase = Phase.OPTIMIZING
         message = f"profile of {gathered.gpus} GPUs stored in ConfigMap {name}"
         self.condition(ConditionType.PROFILED, True, "Profiled", message)
         self.event("Normal", "Profiled", message)
 
-    async def _frontier(self, spec: PerseusJobSpec) -> tuple[Frontier, str] | None:
+    async def _frontier(
+        self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
+    ) -> tuple[Frontier, str] | None:
         frontier_status = self.status.frontier
         if (
             self.memo.frontier is not None
@@ -523,12 +604,16 @@ class _Step:
         ):
             # Solved for this spec already: no need to read the profile again every tick.
             return self.memo.frontier, frontier_status.profile_config_map
-        profile = await self._stored_profile(spec)
+        profile = await self._stored_profile(spec, ranks)
         if profile is None:
             if self.status.phase != Phase.FAILED:
                 self.status.phase = Phase.PENDING  # the profile is gone: measure again
             return None
-        csv_text, measured_w, cm_name = profile
+        csv_text, measured_w, cm_name = (
+            profile.csv_text,
+            profile.blocking_power_w,
+            profile.config_map,
+        )
         blocking_w = spec.policy.blocking_power_watts or measured_w
         if blocking_w is None:
             self.fail(
@@ -558,7 +643,7 @@ class _Step:
         return self.memo.frontier, cm_name
 
     async def _optimize(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        solved = await self._frontier(spec)
+        solved = await self._frontier(spec, ranks)
         if solved is None:
             return
         frontier, cm_name = solved
@@ -632,7 +717,7 @@ class _Step:
         self.event("Normal", "PlanWritten", self.status.message)
 
     async def _run(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        solved = await self._frontier(spec)
+        solved = await self._frontier(spec, ranks)
         if solved is None:
             return
         frontier, _ = solved
@@ -766,12 +851,19 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _pipeline_key(spec: PerseusJobSpec) -> str:
-    """What a stored profile was measured for: the pipeline's stages (and clocks swept)."""
-    p = spec.parallelism
-    clamp = spec.policy.frequency_mhz
-    span = f"{clamp.min_mhz}-{clamp.max_mhz}" if clamp else "default"
-    return f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
+def _rfc3339(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_rfc3339(stamp: str, default_s: float) -> float:
+    """Unix seconds of an RFC 3339 time (``default_s`` when it cannot be read)."""
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return default_s
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def rank_samples(
@@ -874,15 +966,7 @@ def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
 def _reported_at_s(status: Mapping[str, Any], now_s: float) -> float:
     """When the agent wrote ``status``, in Unix seconds (``now_s`` when it does not say)."""
     stamp = status.get(resources.STATUS_REPORTED_AT)
-    if not isinstance(stamp, str):
-        return now_s
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return now_s
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.timestamp()
+    return _parse_rfc3339(stamp, now_s) if isinstance(stamp, str) else now_s
 
 
 def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
