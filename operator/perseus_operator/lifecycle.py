@@ -70,23 +70,18 @@ from perseus_operator.planning import (
     get_profiling_spec,
 )
 from perseus_operator.profile_source import (
-    BLOCKING_POWER_KEY as BLOCKING_POWER_KEY,
-)
-from perseus_operator.profile_source import (
+    BLOCKING_POWER_KEY,
     PIPELINE_KEY,
     PROFILE_KEY,
     PROFILE_REQUIRED,
     StartAction,
     StoredProfile,
-    choose_shared_profile,
     decide_start,
-    gpu_product,
     pipeline_key,
     profile_labels,
     profiling_note,
-    read_profile,
-    shared_profile_selector,
 )
+from perseus_operator.profile_store import GpuProducts, find_profile
 from perseus_operator.profiling_watch import NO_TRAINING_PROCESS, ProfilingState, decide_profiling
 from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
 from perseus_operator.workloads import (
@@ -173,8 +168,7 @@ class JobMemo:
     """The straggler target the current plans were written for (None: T_min for all)."""
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
-    gpu_product: tuple[tuple[str, ...], str | None] | None = None
-    """(nodes, their GPU product): read once per set of nodes, not at every tick."""
+    gpu_products: GpuProducts = field(default_factory=GpuProducts)
 
 
 @dataclass
@@ -497,51 +491,22 @@ class _Step:
     async def _stored_profile(
         self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
     ) -> StoredProfile | None:
-        """A profile to plan from, if one exists: ``profileRef`` (the job fails when it is
-        missing), the job's own, or one a job of the same model stored
-        (:mod:`perseus_operator.profile_source`)."""
-        ref = spec.profiling.profile_ref
-        if ref is not None:
-            cm = await self.io.get_config_map(self.ref.namespace, ref.config_map_name)
-            if cm is None:
-                self.fail(
-                    "ProfileNotFound", f"profileRef: ConfigMap {ref.config_map_name} does not exist"
-                )
-                return None
-            found = read_profile(cm, ref.key, name=ref.config_map_name)
-            if found is None:
-                self.fail(
-                    "ProfileNotFound",
-                    f"profileRef: ConfigMap {ref.config_map_name} has no key {ref.key!r}",
-                )
-            return found
-        own_name = profile_config_map_name(self.ref.name)
-        own = await self.io.get_config_map(self.ref.namespace, own_name)
-        if own is not None and (own.get("data") or {}).get(PIPELINE_KEY) == pipeline_key(spec):
-            found = read_profile(own, name=own_name)
-            if found is not None:
-                return found
-        # else: profiled for another pipeline, profile again (or use a shared one)
-        model = spec.profiling.model
-        if model is None:
-            return None
-        product = await self._gpu_product(ranks)
-        if product is None:
-            return None
-        shared = await self.io.list_config_maps(self.ref.namespace, shared_profile_selector(model))
-        return choose_shared_profile(
-            shared, model=model, product=product, pipeline=pipeline_key(spec)
+        """A profile to plan from, if one fits (:func:`~perseus_operator.profile_store.
+        find_profile`); a ``profileRef`` that cannot be read fails the job."""
+        found = await find_profile(
+            self.io,
+            self.ref.namespace,
+            profile_config_map_name(self.ref.name),
+            spec,
+            [r.node for r in ranks],
+            self.memo.gpu_products,
         )
+        if found.error:
+            self.fail("ProfileNotFound", found.error)
+        return found.profile
 
     async def _gpu_product(self, ranks: Sequence[RankPlacement]) -> str | None:
-        """The GPU product of the job's nodes (None: unknown or mixed), read once per set of
-        nodes."""
-        nodes = tuple(sorted({r.node for r in ranks}))
-        cached = self.memo.gpu_product
-        if cached is None or cached[0] != nodes:
-            product = gpu_product([await self.io.get_node(n) for n in nodes])
-            self.memo.gpu_product = cached = (nodes, product)
-        return cached[1]
+        return await self.memo.gpu_products.of(self.io, [r.node for r in ranks])
 
     async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)

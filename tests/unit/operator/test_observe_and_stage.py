@@ -319,3 +319,20 @@ def test_a_long_sweep_is_never_timed_out(cluster: FakeCluster) -> None:
     assert job.status["phase"] == "Profiling"
     assert "0 of 4 pipeline stages measured" in job.status["message"]
     assert "waiting for" not in job.status["message"]
+
+
+def test_a_waiting_job_reads_its_nodes_once_and_looks_for_a_profile_every_tick(
+    cluster: FakeCluster,
+) -> None:
+    gpu_nodes(cluster, A100, "node-0", "node-1")
+    cluster.pods = pods_of("gpt3", ("node-0", "node-1"))
+    job = Job(cluster, named("gpt3", "gpt3", mode="Observe"))
+    job.body["spec"]["profiling"]["model"] = "gpt3-175b"
+    for _ in range(4):
+        job.step()
+    assert [c for c in cluster.calls if c[0] == "get_node"] == [
+        ("get_node", "node-0"),
+        ("get_node", "node-1"),
+    ]
+    lists = [c for c in cluster.calls if c[0] == "list_config_maps"]
+    assert lists == [("list_config_maps", f"{MODEL_LABEL}=gpt3-175b")] * 4
