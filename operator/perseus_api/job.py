@@ -395,8 +395,9 @@ class Profiling(_Spec):
         ge=1,
         le=86400,
         description="While profiling: how long to wait for every training process to begin "
-        "an iteration through perseus_client. Then the job fails (reason "
-        "NoTrainingProcess) naming the pods that never called in, and resets their GPUs.",
+        "an iteration through perseus_client, and for a running sweep to move (an "
+        "iteration measured or dropped on some GPU). Then the job fails (reason "
+        "NoTrainingProcess, or ProfilingStalled) naming the pods, and resets their GPUs.",
     )
     iterations_per_frequency: int = Field(default=5, ge=1, le=100)
     warmup_iterations: int = Field(
@@ -482,10 +483,9 @@ class Phase(StrEnum):
     FAILED = "Failed"
 
 
+# Reasons the operator gives for Profiled=False include Profiling, ProfileRequired (Observe, no
+# stored profile), NoTrainingProcess and ProfilingStalled (profiling.trainingProcessTimeoutSeconds).
 class ConditionType(StrEnum):
-    """Reasons the operator gives for ``Profiled=False`` include ``Profiling``,
-    ``ProfileRequired`` (Observe, no stored profile) and ``NoTrainingProcess``."""
-
     PROFILED = "Profiled"
     OPTIMIZED = "Optimized"
     PLAN_APPLIED = "PlanApplied"
@@ -539,6 +539,15 @@ class PerseusJobStatus(_Status):
         default=None,
         description="When the profiling plans were written (RFC 3339): the training "
         "processes' wait (profiling.trainingProcessTimeoutSeconds) counts from then.",
+    )
+    profiling_progress: int = Field(
+        default=0,
+        description="While profiling: iterations measured or dropped and clocks done, over "
+        "all GPUs, when last seen (the sweep stands still while it does not change).",
+    )
+    profiling_progress_at: str | None = Field(
+        default=None,
+        description="When profilingProgress last changed (RFC 3339).",
     )
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)

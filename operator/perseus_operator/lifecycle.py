@@ -82,7 +82,7 @@ from perseus_operator.profile_source import (
     profiling_note,
 )
 from perseus_operator.profile_store import GpuProducts, find_profile
-from perseus_operator.profiling_watch import NO_TRAINING_PROCESS, ProfilingState, decide_profiling
+from perseus_operator.profiling_watch import ProfilingState, decide_profiling, profiling_progress
 from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
 from perseus_operator.workloads import (
     RankPlacement,
@@ -482,7 +482,8 @@ class _Step:
         await self._write_node_plans(node_plans)
         clocks = len(get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz)
         self.status.phase = Phase.PROFILING
-        self.status.profiling_started_at = _rfc3339(self.now_s)
+        self.status.profiling_started_at = self.status.profiling_progress_at = _rfc3339(self.now_s)
+        self.status.profiling_progress = 0
         self.status.message = f"profiling {clocks} SM clocks on {len(ranks)} GPUs"
         if decision.message:
             self.status.message += f". {decision.message}"
@@ -510,21 +511,26 @@ class _Step:
 
     async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
-        if self.status.profiling_started_at is None:  # profiling began under an older operator
-            self.status.profiling_started_at = _rfc3339(self.now_s)
+        status = self.status
+        if status.profiling_started_at is None:  # profiling began under an older operator
+            status.profiling_started_at = _rfc3339(self.now_s)
+        progress = profiling_progress(plans)
+        if progress != status.profiling_progress or status.profiling_progress_at is None:
+            status.profiling_progress, status.profiling_progress_at = progress, _rfc3339(self.now_s)
         verdict = decide_profiling(
             plans,
             ranks,
             spec.parallelism.pipeline_stages,
-            started_s=_parse_rfc3339(self.status.profiling_started_at, self.now_s),
+            started_s=_parse_rfc3339(status.profiling_started_at, self.now_s),
+            progress_at_s=_parse_rfc3339(status.profiling_progress_at, self.now_s),
             now_s=self.now_s,
             timeout_s=spec.profiling.training_process_timeout_seconds,
             note=profiling_note(spec),
         )
-        if verdict.state == ProfilingState.NO_TRAINING_PROCESS:
+        if verdict.state in (ProfilingState.NO_TRAINING_PROCESS, ProfilingState.STALLED):
             await self._release_plans()
-            self.fail(NO_TRAINING_PROCESS, verdict.message)
-            self.condition(ConditionType.PROFILED, False, NO_TRAINING_PROCESS, verdict.message)
+            self.fail(verdict.state.value, verdict.message)
+            self.condition(ConditionType.PROFILED, False, verdict.state.value, verdict.message)
             return
         if verdict.state == ProfilingState.WAITING:
             self.status.message = verdict.message

@@ -9,8 +9,12 @@ status and says: done, still waiting (and for whom), or, once
 ``profiling.trainingProcessTimeoutSeconds`` have passed since the profiling plans were
 written, that the job ends with ``NoTrainingProcess``, naming the pods that never called in.
 
-Only processes that never called in are timed out: a sweep that runs takes as long as its
-clocks x iterations take, which depends on the model, not on the operator.
+A sweep that runs takes as long as its clocks x iterations take, which depends on the model,
+not on the operator: it is never timed out as a whole. What is bounded, by the same
+``trainingProcessTimeoutSeconds``, is a sweep that stops moving (no iteration measured or
+dropped, no clock done, on any GPU of the job: :func:`profiling_progress`), e.g. training
+processes that called in and then hung: the job ends with ``ProfilingStalled``, naming the
+pods not done.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Final
 from perseus_operator.workloads import RankPlacement
 
 NO_TRAINING_PROCESS: Final = "NoTrainingProcess"
+PROFILING_STALLED: Final = "ProfilingStalled"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class ProfilingState(StrEnum):
     """Measuring, or waiting (within the bound) for training processes to call in."""
     NO_TRAINING_PROCESS = "NoTrainingProcess"
     """Some processes never called in within the bound: the job ends (see ``message``)."""
+    STALLED = "ProfilingStalled"
+    """The sweep made no progress within the bound: the job ends (see ``message``)."""
 
 
 @dataclass(frozen=True)
@@ -106,21 +113,44 @@ def silent_pods(
     )
 
 
+def profiling_progress(plans: Sequence[Mapping[str, Any]]) -> int:
+    """A count that grows whenever the job's sweep moves (clocks locked, iterations measured
+    or dropped, clocks and GPUs done, over every GPU's report); unchanged while it stands
+    still. Warm-up iterations after a clock change are not reported, so a sweep stands still
+    for up to ``warmupIterations`` iterations at each clock."""
+    total = 0
+    for plan in plans:
+        for r in (plan.get("status") or {}).get("profiling") or []:
+            if not isinstance(r, Mapping):
+                continue
+            for key in ("measured_iterations", "dropped_iterations", "frequency_index"):
+                value = r.get(key)
+                total += value if isinstance(value, int) and value > 0 else 0
+            applied = r.get("applied_mhz")
+            if isinstance(applied, list):  # a clock locked at an iteration's begin
+                total += sum(1 for clock in applied if clock is not None)
+            total += 1 if r.get("done") else 0
+    return total
+
+
 def decide_profiling(
     plans: Sequence[Mapping[str, Any]],
     ranks: Sequence[RankPlacement],
     stages: int,
     *,
     started_s: float,
+    progress_at_s: float,
     now_s: float,
     timeout_s: float,
     note: str = "",
 ) -> ProfilingVerdict:
     """Where the profiling of a job stands.
 
-    ``plans``: the job's node plans with the agents' status; ``started_s``/``now_s``: Unix
-    seconds when the profiling plans were written, and now; ``timeout_s``: the bound on a
-    training process calling in; ``note``: appended to the messages (what profiling needs).
+    ``plans``: the job's node plans with the agents' status; ``started_s``, ``progress_at_s``,
+    ``now_s``: Unix seconds when the profiling plans were written, when
+    :func:`profiling_progress` last changed (or they were written), and now; ``timeout_s``:
+    the bound on a training process calling in, and on the sweep standing still; ``note``:
+    appended to the messages (what profiling needs).
     """
     reports = [
         r
@@ -146,6 +176,18 @@ def decide_profiling(
             "same model stored). The profiling plans were withdrawn and the GPUs reset",
             silent,
         )
+    still_s = max(now_s - progress_at_s, 0.0)
+    if not silent and still_s >= timeout_s:
+        unfinished = unfinished_pods(plans, ranks)
+        return ProfilingVerdict(
+            ProfilingState.STALLED,
+            f"profiling made no progress for {still_s:.0f} s (profiling."
+            "trainingProcessTimeoutSeconds: no iteration measured or dropped on any GPU): "
+            f"pods {', '.join(unfinished)} have not finished their sweep. Their training "
+            "processes called in and then stopped calling (hung, or stopped before an "
+            "iteration ended); the profiling plans were withdrawn and the GPUs reset. Fix the "
+            "training and change the spec to profile again, or set spec.profiling.profileRef",
+        )
     if silent:
         names = ", ".join(s.pod for s in silent)
         message += (
@@ -155,6 +197,19 @@ def decide_profiling(
     if note:
         message += f". {note}"
     return ProfilingVerdict(ProfilingState.WAITING, message, silent)
+
+
+def unfinished_pods(
+    plans: Sequence[Mapping[str, Any]], ranks: Sequence[RankPlacement]
+) -> list[str]:
+    """The pods with a profiled GPU whose report is missing or not done."""
+    done = set()
+    for plan in plans:
+        node = str((plan.get("spec") or {}).get("node") or "")
+        for r in (plan.get("status") or {}).get("profiling") or []:
+            if isinstance(r, Mapping) and r.get("done") and isinstance(r.get("index"), int):
+                done.add((node, r["index"]))
+    return sorted({r.pod for r in ranks if (r.node, r.gpu_index) not in done})
 
 
 def _stage(report: Mapping[str, Any]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from test_applier import Profiling
 
-from perseus_operator.profiling_watch import called_in
+from perseus_operator.profiling_watch import called_in, profiling_progress
 
 
 def report_of(run: Profiling, index: int) -> dict[str, object]:
@@ -27,3 +27,24 @@ def test_a_gpu_is_called_in_once_its_process_begins_an_iteration(tmp_path: Path)
     run.iteration(s, 0, stage=0)
     assert called_in(report_of(run, 0))
     assert not called_in(report_of(run, 1))  # GPU 1's process never came
+
+
+def test_the_sweep_progress_moves_at_least_once_per_warmup_and_measured_iteration(
+    tmp_path: Path,
+) -> None:
+    """What bounds a stalled sweep (``ProfilingStalled``) reads from the real report: with one
+    warm-up iteration per clock, the count moves at every iteration or every other one."""
+    run = Profiling(tmp_path)
+    run.applier.apply(run.plan([(0, 0)], [1410, 1200, 1005], iterations=2, warmup=1))
+    s = run.connect(0)
+
+    def progress() -> int:
+        return profiling_progress([{"status": {"profiling": [report_of(run, 0)]}}])
+
+    seen = [progress()]
+    for _ in range(3 * (1 + 2)):
+        run.iteration(s, 0, stage=0)
+        seen.append(progress())
+    assert report_of(run, 0)["done"]
+    assert seen == sorted(seen)  # never backwards
+    assert all(later > earlier for earlier, later in zip(seen, seen[2:], strict=False))

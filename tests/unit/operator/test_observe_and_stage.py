@@ -302,23 +302,41 @@ def test_a_node_whose_agent_never_reports_is_named_after_the_default_wait(
     )
 
 
-def test_a_long_sweep_is_never_timed_out(cluster: FakeCluster) -> None:
-    """Only processes that never called in are: measuring takes as long as the model does."""
+def test_a_long_sweep_is_never_timed_out_but_one_that_stops_moving_is(
+    cluster: FakeCluster,
+) -> None:
+    """Measuring takes as long as the model's iterations do; standing still is bounded."""
     cluster.pods = pods_of("gpt3", ("node-0", "node-1"))
     job = Job(cluster, named("gpt3", "gpt3"))
     job.body["spec"]["profiling"]["trainingProcessTimeoutSeconds"] = 5
     job.step(1000.0)
-    for plan in cluster.node_plans.values():
+    reports = {}
+    for key, plan in cluster.node_plans.items():
         spec = plan["spec"]
         clocks = spec["profiling"]["frequencies_mhz"]
-        reports = [silent_gpu(a, clocks) for a in spec["assignments"]]
-        for r in reports:
+        reports[key] = [silent_gpu(a, clocks) for a in spec["assignments"]]
+        for r in reports[key]:
             r["applied_mhz"][0] = clocks[0]  # the first clock is locked: it called in
-        plan["status"] = {"profiling": reports}
-    job.step(1000.0 + 86400)
-    assert job.status["phase"] == "Profiling"
+    now_s = 1000.0
+    for iteration in range(1, 31):  # 30 iterations, 4 s each: 120 s, far past the bound
+        now_s += 4
+        for key, plan in cluster.node_plans.items():
+            for r in reports[key]:
+                r["measured_iterations"] = iteration
+            plan["status"] = {"profiling": copy.deepcopy(reports[key])}
+        job.step(now_s)
+        assert job.status["phase"] == "Profiling", job.status["message"]
     assert "0 of 4 pipeline stages measured" in job.status["message"]
     assert "waiting for" not in job.status["message"]
+
+    job.step(now_s + 4.9)  # the training hangs: nothing moves
+    assert job.status["phase"] == "Profiling"
+    job.step(now_s + 5)
+    assert job.status["phase"] == "Failed"
+    assert job.condition("Profiled")["reason"] == "ProfilingStalled"
+    assert "no progress for 5 s" in job.status["message"]
+    assert "pods gpt3-0, gpt3-1 have not finished their sweep" in job.status["message"]
+    assert cluster.node_plans == {}
 
 
 def test_a_waiting_job_reads_its_nodes_once_and_looks_for_a_profile_every_tick(
