@@ -222,12 +222,12 @@ def test_observe_changes_no_clock_with_or_without_a_profile(setup: Any) -> None:
     custom.delete_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", JOB
     )
-    operator.wait_for(
-        "the job to go",
-        lambda: (
-            not custom.list_namespaced_custom_object(
-                resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs"
-            )["items"]
-        ),
-        TIMEOUT_S,
-    )
+
+    # Other modules' jobs may share the namespace: only this one must go (with its plans).
+    def gone() -> bool:
+        jobs = custom.list_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs"
+        )["items"]
+        return not [j for j in jobs if j["metadata"]["name"] == JOB] and not node_plans()
+
+    operator.wait_for("the job and its node plans to go", gone, TIMEOUT_S)
