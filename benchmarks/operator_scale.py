@@ -261,6 +261,19 @@ class Cluster:
         stored = self.plans.get((namespace, resources.label_value(job)), {})
         return [json.loads(stored[name].text()) for name in sorted(stored)]
 
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        return [
+            json.loads(plan.text())
+            for (ns, _), by_name in sorted(self.plans.items())
+            if ns == namespace
+            for _, plan in sorted(by_name.items())
+        ]
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        self.calls += 1
+        return []  # read only when another job's plan is on a job's GPU: never here
+
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         self.calls += 1
         namespace, name = resources.object_key(body)
