@@ -241,16 +241,38 @@ class Cluster:
         data: Mapping[str, str],
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.calls += 1
         self.config_maps[(namespace, name)] = json.dumps(
-            config_map_object(namespace, name, data, owner, annotations)
+            config_map_object(namespace, name, data, owner, annotations, labels)
         )
+
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        return []  # the simulated jobs name no model: never called
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        self.calls += 1
+        return None
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
         self.calls += 1
         stored = self.plans.get((namespace, resources.label_value(job)), {})
         return [json.loads(stored[name].text()) for name in sorted(stored)]
+
+    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        return [
+            json.loads(plan.text())
+            for (ns, _), by_name in sorted(self.plans.items())
+            if ns == namespace
+            for _, plan in sorted(by_name.items())
+        ]
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        self.calls += 1
+        return []  # read only when another job's plan is on a job's GPU: never here
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         self.calls += 1

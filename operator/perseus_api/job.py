@@ -317,13 +317,16 @@ class Policy(_Spec):
 
     mode: Mode = Field(
         default=Mode.STRAGGLER_AWARE,
-        description="Observe: report the expected savings only. Intrinsic: T_min plans. "
+        description="Observe: report the expected savings only, from a stored profile; no "
+        "clock is changed, ever (see profiling.profileInObserve). Intrinsic: T_min plans. "
         "StragglerAware (default): T_min plans, re-targeted around stragglers.",
     )
     granularity: Granularity = Field(
         default=Granularity.INSTRUCTION,
-        description="Stage: one locked clock per GPU, no code change. Instruction (default): "
-        "the clock switches at every forward/backward; the training loop calls perseus_client.",
+        description="Stage: one locked clock per GPU, no code change, once a profile exists "
+        "(profiling needs the perseus_client hooks: without them, set profiling.profileRef "
+        "or profiling.model). Instruction (default): the clock switches at every "
+        "forward/backward; the training loop calls perseus_client.",
     )
     max_slowdown: float = Field(
         default=0.0,
@@ -349,11 +352,52 @@ class ProfileRef(_Spec):
     key: str = Field(default="profile.csv", min_length=1, max_length=253)
 
 
+MODEL_PATTERN: Final = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+"""A Kubernetes label value (the model names the label of the profiles a job stores)."""
+DEFAULT_TRAINING_PROCESS_TIMEOUT_S: Final = 600
+
+
 class Profiling(_Spec):
-    """How the job is profiled before planning."""
+    """Where the profile the job is planned from comes from, and how it is measured.
+
+    A profile is the time and energy of every forward and backward of each pipeline stage at
+    each SM clock. The job plans from, in this order: ``profileRef``; the profile it stored
+    itself (ConfigMap ``<job>-profile``); with ``model``, the newest profile another job of
+    the same model stored for the same pipeline on the same GPU product (node label
+    ``nvidia.com/gpu.product``). Without one, the node agents measure it: they sweep the SM
+    clocks while the training loop calls the ``perseus_client`` hooks (``step`` and
+    ``instruction`` begin/end), so a training loop without them (``Stage`` granularity
+    with no code change) needs a stored profile. ``Observe`` changes no clock, so it never
+    measures one unless ``profileInObserve`` is set.
+    """
 
     profile_ref: ProfileRef | None = Field(
         default=None, description="Reuse this profile and skip profiling."
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=MODEL_PATTERN,
+        description="Names the model trained (a label value, e.g. gpt3-175b). The profile "
+        "this job measures is labelled with it and its GPU product, and a job of the same "
+        "model on the same GPU product and pipeline plans from it instead of profiling "
+        "(while the job that stored it exists: the ConfigMap is owned by that job).",
+    )
+    profile_in_observe: bool = Field(
+        default=False,
+        description="Observe mode only: measure a profile when none is stored. Profiling "
+        "locks every SM clock in turn; without this, Observe changes no clock, ever, and "
+        "waits for a profile (condition Profiled, reason ProfileRequired).",
+    )
+    training_process_timeout_seconds: int = Field(
+        default=DEFAULT_TRAINING_PROCESS_TIMEOUT_S,
+        ge=1,
+        le=86400,
+        description="While profiling: how long to wait for every training process to begin "
+        "an iteration through perseus_client, and for a running sweep to move (an "
+        "iteration measured or dropped on some GPU). Then the job fails (reason "
+        "NoTrainingProcess, or ProfilingStalled) naming the pods, and resets their GPUs.",
     )
     iterations_per_frequency: int = Field(default=5, ge=1, le=100)
     warmup_iterations: int = Field(
@@ -439,6 +483,8 @@ class Phase(StrEnum):
     FAILED = "Failed"
 
 
+# Reasons the operator gives for Profiled=False include Profiling, ProfileRequired (Observe, no
+# stored profile), NoTrainingProcess and ProfilingStalled (profiling.trainingProcessTimeoutSeconds).
 class ConditionType(StrEnum):
     PROFILED = "Profiled"
     OPTIMIZED = "Optimized"
@@ -489,6 +535,20 @@ class PerseusJobStatus(_Status):
     mode: Mode | None = Field(default=None, description="The policy in effect (with defaults).")
     granularity: Granularity | None = None
     revision: int = Field(default=0, description="Last revision of the node plans written.")
+    profiling_started_at: str | None = Field(
+        default=None,
+        description="When the profiling plans were written (RFC 3339): the training "
+        "processes' wait (profiling.trainingProcessTimeoutSeconds) counts from then.",
+    )
+    profiling_progress: int = Field(
+        default=0,
+        description="While profiling: iterations measured or dropped and clocks done, over "
+        "all GPUs, when last seen (the sweep stands still while it does not change).",
+    )
+    profiling_progress_at: str | None = Field(
+        default=None,
+        description="When profilingProgress last changed (RFC 3339).",
+    )
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)
     frontier: FrontierSummary | None = None

@@ -78,6 +78,7 @@ def config_map_object(
     data: Mapping[str, str],
     owner: Mapping[str, Any],
     annotations: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A ConfigMap owned by ``owner`` (an owner reference), ready to create."""
     return {
@@ -88,6 +89,7 @@ def config_map_object(
             "namespace": namespace,
             "ownerReferences": [dict(owner)],
             "annotations": dict(annotations or {}),
+            "labels": dict(labels or {}),
         },
         "data": dict(data),
     }
@@ -252,6 +254,25 @@ class KubeClient:
             )
         )
 
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """ConfigMaps matching the label ``selector`` (stored profiles of a model)."""
+        return await self._items(
+            lambda: self._core.list_namespaced_config_map(
+                namespace,
+                label_selector=selector,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        """The Node (for its GPU product label); None when it does not exist."""
+        return await self._get(
+            lambda: self._core.read_node(
+                name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
+
     async def put_config_map(
         self,
         namespace: str,
@@ -259,8 +280,9 @@ class KubeClient:
         data: Mapping[str, str],
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
-        body = config_map_object(namespace, name, data, owner, annotations)
+        body = config_map_object(namespace, name, data, owner, annotations, labels)
         existing = await self.get_config_map(namespace, name)
         if existing is None:
             await self._call(

@@ -69,6 +69,20 @@ from perseus_operator.planning import (
     get_node_plans,
     get_profiling_spec,
 )
+from perseus_operator.profile_source import (
+    BLOCKING_POWER_KEY,
+    PIPELINE_KEY,
+    PROFILE_KEY,
+    PROFILE_REQUIRED,
+    StartAction,
+    StoredProfile,
+    decide_start,
+    pipeline_key,
+    profile_labels,
+    profiling_note,
+)
+from perseus_operator.profile_store import GpuProducts, find_profile
+from perseus_operator.profiling_watch import ProfilingState, decide_profiling, profiling_progress
 from perseus_operator.stragglers import RankSample, StragglerDetector, StragglerVerdict
 from perseus_operator.workloads import (
     RankPlacement,
@@ -83,9 +97,6 @@ from perseus_operator.workloads import (
 )
 from perseus_planner import Frontier
 
-PROFILE_KEY: Final = "profile.csv"
-BLOCKING_POWER_KEY: Final = "blockingPowerWatts"
-PIPELINE_KEY: Final = "pipeline"
 STRAGGLER_STATE_ANNOTATION: Final = f"{resources.GROUP}/straggler-state"
 """The straggler detector's memory, so a restarted operator neither forgets nor re-detects."""
 
@@ -101,6 +112,8 @@ class JobIO(Protocol):
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
+
     async def put_config_map(
         self,
         namespace: str,
@@ -108,7 +121,10 @@ class JobIO(Protocol):
         data: Mapping[str, str],
         owner: Mapping[str, Any],
         annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None: ...
+
+    async def get_node(self, name: str) -> dict[str, Any] | None: ...
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]: ...
 
@@ -152,6 +168,7 @@ class JobMemo:
     """The straggler target the current plans were written for (None: T_min for all)."""
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
+    gpu_products: GpuProducts = field(default_factory=GpuProducts)
 
 
 @dataclass
@@ -432,13 +449,22 @@ class _Step:
         self.condition(ConditionType.DEGRADED, False, reason, message)
 
     async def _start(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        profile = await self._stored_profile(spec)
-        if profile is not None:
-            self.status.phase = Phase.OPTIMIZING
-            self.condition(ConditionType.PROFILED, True, "ProfileFound", profile[2])
-            return
-        if spec.profiling.profile_ref is not None:
+        found = await self._stored_profile(spec, ranks)
+        if found is None and spec.profiling.profile_ref is not None:
             return  # _stored_profile failed the job with the reason
+        product = await self._gpu_product(ranks) if spec.profiling.model else None
+        stages = spec.parallelism.pipeline_stages
+        decision = decide_start(spec, found, product=product, stages=stages)
+        if decision.action == StartAction.PLAN:
+            self.status.phase = Phase.OPTIMIZING
+            self.condition(ConditionType.PROFILED, True, "ProfileFound", decision.message)
+            return
+        if decision.action == StartAction.REQUIRE_PROFILE:
+            if self.status.message != decision.message:
+                self.event("Warning", PROFILE_REQUIRED, decision.message)
+            self.status.message = decision.message
+            self.condition(ConditionType.PROFILED, False, PROFILE_REQUIRED, decision.message)
+            return
         if await self._gpus_held_by_an_older_job(ranks):
             return
         self.status.revision += 1
@@ -456,36 +482,59 @@ class _Step:
         await self._write_node_plans(node_plans)
         clocks = len(get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz)
         self.status.phase = Phase.PROFILING
+        self.status.profiling_started_at = self.status.profiling_progress_at = _rfc3339(self.now_s)
+        self.status.profiling_progress = 0
         self.status.message = f"profiling {clocks} SM clocks on {len(ranks)} GPUs"
+        if decision.message:
+            self.status.message += f". {decision.message}"
         self.condition(ConditionType.PROFILED, False, "Profiling", self.status.message)
 
-    async def _stored_profile(self, spec: PerseusJobSpec) -> tuple[str, float | None, str] | None:
-        """(CSV, blocking power, ConfigMap name) of a profile to plan from, if one exists."""
-        ref = spec.profiling.profile_ref
-        name = ref.config_map_name if ref else profile_config_map_name(self.ref.name)
-        key = ref.key if ref else PROFILE_KEY
-        cm = await self.io.get_config_map(self.ref.namespace, name)
-        if cm is None:
-            if ref is not None:
-                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} does not exist")
-            return None
-        data = cm.get("data") or {}
-        csv_text = data.get(key)
-        if not isinstance(csv_text, str):
-            if ref is not None:
-                self.fail("ProfileNotFound", f"profileRef: ConfigMap {name} has no key {key!r}")
-            return None
-        if ref is None and data.get(PIPELINE_KEY) != _pipeline_key(spec):
-            return None  # profiled for another pipeline: profile again
-        blocking = data.get(BLOCKING_POWER_KEY)
-        try:
-            blocking_w = float(blocking) if blocking else None
-        except ValueError:
-            blocking_w = None
-        return csv_text, blocking_w, name
+    async def _stored_profile(
+        self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
+    ) -> StoredProfile | None:
+        """A profile to plan from, if one fits (:func:`~perseus_operator.profile_store.
+        find_profile`); a ``profileRef`` that cannot be read fails the job."""
+        found = await find_profile(
+            self.io,
+            self.ref.namespace,
+            profile_config_map_name(self.ref.name),
+            spec,
+            [r.node for r in ranks],
+            self.memo.gpu_products,
+        )
+        if found.error:
+            self.fail("ProfileNotFound", found.error)
+        return found.profile
+
+    async def _gpu_product(self, ranks: Sequence[RankPlacement]) -> str | None:
+        return await self.memo.gpu_products.of(self.io, [r.node for r in ranks])
 
     async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        status = self.status
+        if status.profiling_started_at is None:  # profiling began under an older operator
+            status.profiling_started_at = _rfc3339(self.now_s)
+        progress = profiling_progress(plans)
+        if progress != status.profiling_progress or status.profiling_progress_at is None:
+            status.profiling_progress, status.profiling_progress_at = progress, _rfc3339(self.now_s)
+        verdict = decide_profiling(
+            plans,
+            ranks,
+            spec.parallelism.pipeline_stages,
+            started_s=_parse_rfc3339(status.profiling_started_at, self.now_s),
+            progress_at_s=_parse_rfc3339(status.profiling_progress_at, self.now_s),
+            now_s=self.now_s,
+            timeout_s=spec.profiling.training_process_timeout_seconds,
+            note=profiling_note(spec),
+        )
+        if verdict.state in (ProfilingState.NO_TRAINING_PROCESS, ProfilingState.STALLED):
+            await self._release_plans()
+            self.fail(verdict.state.value, verdict.message)
+            self.condition(ConditionType.PROFILED, False, verdict.state.value, verdict.message)
+            return
+        if verdict.state == ProfilingState.WAITING:
+            self.status.message = verdict.message
+            return
         reports = [
             r
             for p in plans
@@ -493,28 +542,31 @@ class _Step:
             if isinstance(r, Mapping)
         ]
         stages = spec.parallelism.pipeline_stages
-        done_stages = {int(r.get("stage", -1)) for r in reports if r.get("done")}
-        if len(done_stages & set(range(stages))) < stages:
-            self.status.message = (
-                f"profiling: {len(done_stages)} of {stages} pipeline stages measured"
-            )
-            return
         try:
             gathered = gather_profile(reports, stages)
         except PlanningError as exc:
             self.fail("ProfilingFailed", str(exc))
             return
-        data = {PROFILE_KEY: gathered.csv_text, PIPELINE_KEY: _pipeline_key(spec)}
+        data = {PROFILE_KEY: gathered.csv_text, PIPELINE_KEY: pipeline_key(spec)}
         if gathered.blocking_power_w is not None:
             data[BLOCKING_POWER_KEY] = f"{gathered.blocking_power_w:.6g}"
         name = profile_config_map_name(self.ref.name)
-        await self.io.put_config_map(self.ref.namespace, name, data, self.ref.owner)
+        product = await self._gpu_product(ranks) if spec.profiling.model else None
+        await self.io.put_config_map(
+            self.ref.namespace,
+            name,
+            data,
+            self.ref.owner,
+            labels=profile_labels(spec, product),
+        )
         self.status.phase = Phase.OPTIMIZING
         message = f"profile of {gathered.gpus} GPUs stored in ConfigMap {name}"
         self.condition(ConditionType.PROFILED, True, "Profiled", message)
         self.event("Normal", "Profiled", message)
 
-    async def _frontier(self, spec: PerseusJobSpec) -> tuple[Frontier, str] | None:
+    async def _frontier(
+        self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
+    ) -> tuple[Frontier, str] | None:
         frontier_status = self.status.frontier
         if (
             self.memo.frontier is not None
@@ -523,12 +575,16 @@ class _Step:
         ):
             # Solved for this spec already: no need to read the profile again every tick.
             return self.memo.frontier, frontier_status.profile_config_map
-        profile = await self._stored_profile(spec)
+        profile = await self._stored_profile(spec, ranks)
         if profile is None:
             if self.status.phase != Phase.FAILED:
                 self.status.phase = Phase.PENDING  # the profile is gone: measure again
             return None
-        csv_text, measured_w, cm_name = profile
+        csv_text, measured_w, cm_name = (
+            profile.csv_text,
+            profile.blocking_power_w,
+            profile.config_map,
+        )
         blocking_w = spec.policy.blocking_power_watts or measured_w
         if blocking_w is None:
             self.fail(
@@ -558,7 +614,7 @@ class _Step:
         return self.memo.frontier, cm_name
 
     async def _optimize(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        solved = await self._frontier(spec)
+        solved = await self._frontier(spec, ranks)
         if solved is None:
             return
         frontier, cm_name = solved
@@ -632,7 +688,7 @@ class _Step:
         self.event("Normal", "PlanWritten", self.status.message)
 
     async def _run(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
-        solved = await self._frontier(spec)
+        solved = await self._frontier(spec, ranks)
         if solved is None:
             return
         frontier, _ = solved
@@ -766,12 +822,19 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _pipeline_key(spec: PerseusJobSpec) -> str:
-    """What a stored profile was measured for: the pipeline's stages (and clocks swept)."""
-    p = spec.parallelism
-    clamp = spec.policy.frequency_mhz
-    span = f"{clamp.min_mhz}-{clamp.max_mhz}" if clamp else "default"
-    return f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
+def _rfc3339(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_rfc3339(stamp: str, default_s: float) -> float:
+    """Unix seconds of an RFC 3339 time (``default_s`` when it cannot be read)."""
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return default_s
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def rank_samples(
@@ -874,15 +937,7 @@ def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
 def _reported_at_s(status: Mapping[str, Any], now_s: float) -> float:
     """When the agent wrote ``status``, in Unix seconds (``now_s`` when it does not say)."""
     stamp = status.get(resources.STATUS_REPORTED_AT)
-    if not isinstance(stamp, str):
-        return now_s
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return now_s
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.timestamp()
+    return _parse_rfc3339(stamp, now_s) if isinstance(stamp, str) else now_s
 
 
 def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:

@@ -123,9 +123,11 @@ OPERATOR_MAY = [
     ("delete", "perseusnodeplans.perseus.energy", "ml"),
     ("list", "pods", "ml"),
     ("get", "configmaps", "ml"),
+    ("list", "configmaps", "ml"),  # stored profiles of a model, by label
     ("create", "configmaps", "ml"),
     ("patch", "configmaps", "ml"),
     ("create", "events", "ml"),
+    ("get", "nodes", None),  # their GPU product label
     ("get", "pytorchjobs.kubeflow.org", "ml"),
     ("get", "jobsets.jobset.x-k8s.io", "ml"),
     ("get", "trainjobs.trainer.kubeflow.org", "ml"),
@@ -156,6 +158,7 @@ OPERATOR_MAY_NOT = [
     ("list", "secrets", "ml"),
     ("delete", "configmaps", "ml"),
     ("patch", "nodes", None),
+    ("list", "nodes", None),
     ("patch", "pytorchjobs.kubeflow.org", "ml"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", None),
     ("create", "serviceaccounts/token", NAMESPACE),

@@ -572,6 +572,9 @@ def test_notes_tell_what_to_do_next() -> None:
     assert "PerseusPolicy" in notes and "PerseusPolicy perseus-default" not in notes
     policy = render({"clusterPolicy": {"enabled": True}}).notes
     assert "PerseusPolicy perseus-default is installed (mode Observe)" in policy
+    assert "Mode Observe changes no clock, so its jobs never profile" in policy
+    assert "Mode Observe" not in scoped  # that policy's mode is StragglerAware
+    assert "fails with NoTrainingProcess" in notes
     assert "kubectl label namespace my-namespace perseus.energy/enabled=true" in policy
     assert "PerseusPolicy ml-teams is installed (mode StragglerAware)" in scoped
     assert "kubectl label namespace my-namespace team=ml" in scoped

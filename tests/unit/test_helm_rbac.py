@@ -59,6 +59,10 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     "read_namespaced_config_map": [
         Call("get", "", "configmaps", False, "KubeClient.get_config_map (profiles)")
     ],
+    "list_namespaced_config_map": [
+        Call("list", "", "configmaps", False, "KubeClient.list_config_maps (shared profiles)")
+    ],
+    "read_node": [Call("get", "", "nodes", True, "KubeClient.get_node (GPU product label)")],
     "create_namespaced_config_map": [
         Call("create", "", "configmaps", False, "KubeClient.put_config_map")
     ],
