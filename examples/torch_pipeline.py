@@ -13,6 +13,11 @@ forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and
 loop timing ``step()`` itself would see. ``--eval`` runs one ``schedule.eval()`` after
 training (the adapter reports nothing for it).
 
+Without GPUs, ``--emulated-gpus STATE_FILE --emulated-profile CSV`` runs each rank's stage
+on emulated GPU ``rank`` of a node agent's emulated backend (``--gpu-backend=emulated``):
+every computation is padded to the profile's time at the clock the agent locked, and the
+emulated GPU counts its energy (``perseus_agent.emulated_torch``).
+
 The tests run this file (``tests/integration/test_torch_adapter.py``).
 """
 
@@ -98,6 +103,19 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     else:
         schedule = SCHEDULES[args.schedule](stages[0], args.microbatches, loss_fn=loss_fn)
 
+    if args.emulated_gpus is not None:
+        from perseus_agent.emulated_torch import emulate_stage
+        from perseus_agent.gpu.emulated import EmulatedBackend
+
+        gpus = EmulatedBackend.from_csv(
+            args.dp * args.pp,
+            args.emulated_profile,
+            blocking_power_w=args.blocking_power,
+            node_name=args.node_name,
+            state_file=Path(args.emulated_gpus),
+        )
+        for stage in stages:
+            emulate_stage(stage, gpus, rank, time_scale=args.time_scale)
     if not args.no_perseus:
         attach(schedule)  # <- the Perseus line
 
@@ -149,7 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", action="store_true", help="one eval() after training")
     parser.add_argument("--no-perseus", action="store_true", help="do not attach (compare)")
     parser.add_argument("--weights-out", default=None, help="write rankN.json weights here")
+    emulation = parser.add_argument_group("emulated GPUs (tests and demos without GPUs)")
+    emulation.add_argument("--emulated-gpus", default=None, help="the agent's GPU state file")
+    emulation.add_argument("--emulated-profile", default=None, help="profile CSV they follow")
+    emulation.add_argument("--blocking-power", type=float, default=83.64, help="watts")
+    emulation.add_argument("--node-name", default="emulated")
+    emulation.add_argument("--time-scale", type=float, default=1.0, help="x profiled times")
     args = parser.parse_args(argv)
+    if (args.emulated_gpus is None) != (args.emulated_profile is None):
+        parser.error("--emulated-gpus and --emulated-profile go together")
     mp.spawn(worker, args=(args, free_port()), nprocs=args.dp * args.pp, join=True)
 
 
