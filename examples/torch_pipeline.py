@@ -16,7 +16,9 @@ training (the adapter reports nothing for it).
 Without GPUs, ``--emulated-gpus STATE_FILE --emulated-profile CSV`` runs each rank's stage
 on emulated GPU ``rank`` of a node agent's emulated backend (``--gpu-backend=emulated``):
 every computation is padded to the profile's time at the clock the agent locked, and the
-emulated GPU counts its energy (``perseus_agent.emulated_torch``).
+emulated GPU counts its energy (``perseus_agent.emulated_torch``). With one
+``--node NAME,SOCKET,STATE_FILE`` per replica instead, replica ``k`` runs on the k-th node:
+its agent's socket, its GPU ``stage``.
 
 The tests run this file (``tests/integration/test_torch_adapter.py``).
 """
@@ -103,21 +105,14 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     else:
         schedule = SCHEDULES[args.schedule](stages[0], args.microbatches, loss_fn=loss_fn)
 
-    if args.emulated_gpus is not None:
-        from perseus_agent.emulated_torch import emulate_stage
-        from perseus_agent.gpu.emulated import EmulatedBackend
-
-        gpus = EmulatedBackend.from_csv(
-            args.dp * args.pp,
-            args.emulated_profile,
-            blocking_power_w=args.blocking_power,
-            node_name=args.node_name,
-            state_file=Path(args.emulated_gpus),
-        )
-        for stage in stages:
-            emulate_stage(stage, gpus, rank, time_scale=args.time_scale)
+    if args.node:  # replica dp_rank runs on node dp_rank: its agent, its GPUs
+        name, socket_path, state = args.node[dp_rank].split(",")
+        os.environ["PERSEUS_AGENT_SOCKET"] = socket_path
+        emulate(args, stages, state, name, args.pp, pp_rank)
+    elif args.emulated_gpus is not None:
+        emulate(args, stages, args.emulated_gpus, args.node_name, args.dp * args.pp, rank)
     if not args.no_perseus:
-        attach(schedule)  # <- the Perseus line
+        attach(schedule, **client_options(args))  # <- the Perseus line (options: optional)
 
     generator = torch.Generator().manual_seed(1000 + dp_rank)
     first = pp_rank == 0
@@ -147,6 +142,37 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
+def emulate(
+    args: argparse.Namespace,
+    stages: list[PipelineStage],
+    state_file: str,
+    node_name: str,
+    num_gpus: int,
+    gpu_index: int,
+) -> None:
+    from perseus_agent.emulated_torch import emulate_stage
+    from perseus_agent.gpu.emulated import EmulatedBackend
+
+    gpus = EmulatedBackend.from_csv(
+        num_gpus,
+        args.emulated_profile,
+        blocking_power_w=args.blocking_power,
+        node_name=node_name,
+        state_file=Path(state_file),
+    )
+    for stage in stages:
+        emulate_stage(stage, gpus, gpu_index, time_scale=args.time_scale)
+
+
+def client_options(args: argparse.Namespace) -> dict[str, float]:
+    options = {}
+    if args.client_timeout_s is not None:
+        options["reply_timeout_s"] = args.client_timeout_s
+    if args.client_retry_s is not None:
+        options["retry_interval_s"] = args.client_retry_s
+    return options
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-times", default=None, help="append step() times here")
     parser.add_argument("--eval", action="store_true", help="one eval() after training")
     parser.add_argument("--no-perseus", action="store_true", help="do not attach (compare)")
+    parser.add_argument("--client-timeout-s", type=float, default=None, help="hook round trip")
+    parser.add_argument("--client-retry-s", type=float, default=None, help="reconnect interval")
     parser.add_argument("--weights-out", default=None, help="write rankN.json weights here")
     emulation = parser.add_argument_group("emulated GPUs (tests and demos without GPUs)")
     emulation.add_argument("--emulated-gpus", default=None, help="the agent's GPU state file")
@@ -173,9 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     emulation.add_argument("--blocking-power", type=float, default=83.64, help="watts")
     emulation.add_argument("--node-name", default="emulated")
     emulation.add_argument("--time-scale", type=float, default=1.0, help="x profiled times")
+    emulation.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="NAME,SOCKET,STATE_FILE of the node running replica k (k-th --node; GPU = stage)",
+    )
     args = parser.parse_args(argv)
-    if (args.emulated_gpus is None) != (args.emulated_profile is None):
-        parser.error("--emulated-gpus and --emulated-profile go together")
+    if (args.emulated_gpus is None and not args.node) != (args.emulated_profile is None):
+        parser.error("--emulated-profile goes with --emulated-gpus or --node")
+    if args.node and len(args.node) != args.dp:
+        parser.error(f"--node: one per replica, {args.dp} in all; got {len(args.node)}")
     mp.spawn(worker, args=(args, free_port()), nprocs=args.dp * args.pp, join=True)
 
 

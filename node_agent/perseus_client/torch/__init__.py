@@ -132,7 +132,7 @@ class _StepState:
         self.client.on_step_end(self.step)
 
 
-def attach(schedule: Any, client: PerseusClient | None = None) -> Attachment:
+def attach(schedule: Any, client: PerseusClient | None = None, **client_options: Any) -> Attachment:
     """Report every training ``step()`` of ``schedule`` and its computations to the agent.
 
     Args:
@@ -142,13 +142,16 @@ def attach(schedule: Any, client: PerseusClient | None = None) -> Attachment:
             (:func:`perseus_client.configure`) with the identity from ``torch.distributed``
             and the stage's device. A given client keeps its identity; on CUDA it gets the
             device's synchronization when it has none.
+        client_options: For the client created here, other :class:`PerseusClient`
+            arguments (``reply_timeout_s``, ``retry_interval_s``, ``pipelined``, ...).
 
     Returns:
         The :class:`Attachment` (identity, schedule name, ``detach()``).
 
     Raises:
         ImportError: torch is not installed.
-        TypeError: ``schedule`` is not a pipelining schedule.
+        TypeError: ``schedule`` is not a pipelining schedule, or ``client_options`` come
+            with a ``client``.
         ValueError: ``schedule`` is already attached.
     """
     import torch
