@@ -88,6 +88,10 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         module = stage_module(index, slow_s)
         if args.dp > 1:
             module = nn.parallel.DistributedDataParallel(module, process_group=dp_groups[pp_rank])
+            if args.ddp_comm_hook:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                module.register_comm_hook(dp_groups[pp_rank], default_hooks.allreduce_hook)
         stages.append(
             PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_groups[dp_rank])
         )
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-times", default=None, help="append step() times here")
     parser.add_argument("--eval", action="store_true", help="one eval() after training")
     parser.add_argument("--no-perseus", action="store_true", help="do not attach (compare)")
+    parser.add_argument(
+        "--ddp-comm-hook", action="store_true", help="DDP with its all-reduce as a comm hook"
+    )
     parser.add_argument("--client-timeout-s", type=float, default=None, help="hook round trip")
     parser.add_argument("--client-retry-s", type=float, default=None, help="reconnect interval")
     parser.add_argument("--weights-out", default=None, help="write rankN.json weights here")

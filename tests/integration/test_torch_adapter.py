@@ -126,6 +126,24 @@ def test_a_straggler_replica_reports_longer_iterations(tmp_path: Path) -> None:
     assert min(timed[0], timed[1]) > reported[0] + extra_s / 2
 
 
+def test_ddp_with_a_communication_hook_keeps_its_sync_and_says_what_that_costs() -> None:
+    """Where moving DDP's sync would bypass the user's communication hook, the adapter leaves
+    it inside the last backward and warns: the last stage still ends before the sync (at its
+    last gradient), the stage before it waits for the straggler's sync, as the warning says."""
+    slow_s, steps = 0.1, 5
+    run = run_recorded(
+        [
+            *("--dp", "2", "--pp", "2", "--microbatches", str(MICROBATCHES), "--steps", str(steps)),
+            *("--slow-replica", "1", "--slow-forward-s", str(slow_s), "--ddp-comm-hook"),
+        ]
+    )
+    assert run.stderr.count("DDP gradient sync stays inside its last backward") == 4
+    reported = {r: statistics.median(iteration_times_s(e)[1:]) for r, e in run.events.items()}
+    extra_s = MICROBATCHES * slow_s
+    assert reported[3] - reported[1] > extra_s / 2, reported  # last stage: seen
+    assert abs(reported[2] - reported[0]) < extra_s / 4, reported  # first stage: coupled
+
+
 def test_moved_ddp_sync_gives_ddps_own_weights(tmp_path: Path) -> None:
     """With the adapter's DDP sync after the step, training ends with the weights DDP's own
     sync inside the last backward gives (and the replicas agree)."""
