@@ -1,0 +1,226 @@
+"""Pipeline-parallel training with torch.distributed.pipelining, attached to Perseus.
+
+Runs ``dp x pp`` processes on this machine (gloo, CPU): ``dp`` data-parallel replicas of a
+``pp``-stage pipeline of a tiny MLP, each stage a ``DistributedDataParallel`` module over
+its replicas. The one Perseus line is ``attach(schedule)``; the node agent's socket is
+``$PERSEUS_AGENT_SOCKET`` (without an agent the hooks are no-ops, after one warning)::
+
+    python examples/torch_pipeline.py --dp 2 --pp 2 --schedule 1f1b --steps 5
+
+``--slow-replica R --slow-forward-s S`` makes replica ``R`` a straggler (each of its
+forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and step, when
+``schedule.step()`` was called and when it returned (JSON lines), which is what a training
+loop timing ``step()`` itself would see. ``--eval`` runs one ``schedule.eval()`` after
+training (the adapter reports nothing for it).
+
+Without GPUs, ``--emulated-gpus STATE_FILE --emulated-profile CSV`` runs each rank's stage
+on emulated GPU ``rank`` of a node agent's emulated backend (``--gpu-backend=emulated``):
+every computation is padded to the profile's time at the clock the agent locked, and the
+emulated GPU counts its energy (``perseus_agent.emulated_torch``). With one
+``--node NAME,SOCKET,STATE_FILE`` per replica instead, replica ``k`` runs on the k-th node:
+its agent's socket, its GPU ``stage``.
+
+The tests run this file (``tests/integration/test_torch_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from perseus_client.torch import attach
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": None}
+WIDTH = 16
+BATCH = 8
+
+
+class SlowForward(nn.Module):
+    """Sleeps before its module's forward: a straggler's slower computation."""
+
+    def __init__(self, module: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.module, self.seconds = module, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        out: torch.Tensor = self.module(x)
+        return out
+
+
+def stage_module(stage_index: int, slow_s: float) -> nn.Module:
+    torch.manual_seed(stage_index)  # replicas of a stage start from the same weights
+    module: nn.Module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    return SlowForward(module, slow_s) if slow_s > 0 else module
+
+
+def worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.dp * args.pp))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.dp * args.pp
+    )
+    dp_rank, pp_rank = divmod(rank, args.pp)
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    pp_groups = [dist.new_group([d * args.pp + p for p in range(args.pp)]) for d in range(args.dp)]
+    dp_groups = [dist.new_group([d * args.pp + p for d in range(args.dp)]) for p in range(args.pp)]
+    virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    num_stages = args.pp * virtual
+    slow_s = args.slow_forward_s if dp_rank == args.slow_replica else 0.0
+    stages = []
+    for v in range(virtual):
+        index = v * args.pp + pp_rank
+        module = stage_module(index, slow_s)
+        if args.dp > 1:
+            module = nn.parallel.DistributedDataParallel(module, process_group=dp_groups[pp_rank])
+            if args.ddp_comm_hook:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                module.register_comm_hook(dp_groups[pp_rank], default_hooks.allreduce_hook)
+        stages.append(
+            PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_groups[dp_rank])
+        )
+    params = [p for s in stages for p in s.submod.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.01)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    schedule: Any
+    if args.schedule == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(
+            stages, n_microbatches=args.microbatches, loss_fn=loss_fn
+        )
+    else:
+        schedule = SCHEDULES[args.schedule](stages[0], args.microbatches, loss_fn=loss_fn)
+
+    if args.node:  # replica dp_rank runs on node dp_rank: its agent, its GPUs
+        name, socket_path, state = args.node[dp_rank].split(",")
+        os.environ["PERSEUS_AGENT_SOCKET"] = socket_path
+        emulate(args, stages, state, name, args.pp, pp_rank)
+    elif args.emulated_gpus is not None:
+        emulate(args, stages, args.emulated_gpus, args.node_name, args.dp * args.pp, rank)
+    if not args.no_perseus:
+        attach(schedule, **client_options(args))  # <- the Perseus line (options: optional)
+
+    generator = torch.Generator().manual_seed(1000 + dp_rank)
+    first = pp_rank == 0
+    last = pp_rank == args.pp - 1
+    for step in range(args.steps):
+        x = torch.randn(BATCH, WIDTH, generator=generator)
+        y = torch.randn(BATCH, WIDTH, generator=generator)
+        optimizer.zero_grad()
+        inputs = (x,) if first else ()
+        begin_ns = time.monotonic_ns()
+        schedule.step(*inputs, target=y if last else None)
+        end_ns = time.monotonic_ns()
+        optimizer.step()
+        if args.step_times is not None:
+            record = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "step": step,
+                      "begin_ns": begin_ns, "end_ns": end_ns}  # fmt: skip
+            with Path(args.step_times).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+    if args.weights_out is not None:
+        weights = {k: v.tolist() for k, v in stages[0].submod.state_dict().items()}
+        Path(args.weights_out, f"rank{rank}.json").write_text(json.dumps(weights))
+    if args.eval:
+        x = torch.randn(BATCH, WIDTH, generator=generator)
+        y = torch.randn(BATCH, WIDTH, generator=generator)
+        schedule.eval(*((x,) if first else ()), target=y if last else None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def emulate(
+    args: argparse.Namespace,
+    stages: list[PipelineStage],
+    state_file: str,
+    node_name: str,
+    num_gpus: int,
+    gpu_index: int,
+) -> None:
+    from perseus_agent.emulated_torch import emulate_stage
+    from perseus_agent.gpu.emulated import EmulatedBackend
+
+    gpus = EmulatedBackend.from_csv(
+        num_gpus,
+        args.emulated_profile,
+        blocking_power_w=args.blocking_power,
+        node_name=node_name,
+        state_file=Path(state_file),
+    )
+    for stage in stages:
+        emulate_stage(stage, gpus, gpu_index, time_scale=args.time_scale)
+
+
+def client_options(args: argparse.Namespace) -> dict[str, float]:
+    options = {}
+    if args.client_timeout_s is not None:
+        options["reply_timeout_s"] = args.client_timeout_s
+    if args.client_retry_s is not None:
+        options["retry_interval_s"] = args.client_retry_s
+    return options
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--slow-replica", type=int, default=-1, help="straggler replica")
+    parser.add_argument("--slow-forward-s", type=float, default=0.0)
+    parser.add_argument("--step-times", default=None, help="append step() times here")
+    parser.add_argument("--eval", action="store_true", help="one eval() after training")
+    parser.add_argument("--no-perseus", action="store_true", help="do not attach (compare)")
+    parser.add_argument(
+        "--ddp-comm-hook", action="store_true", help="DDP with its all-reduce as a comm hook"
+    )
+    parser.add_argument("--client-timeout-s", type=float, default=None, help="hook round trip")
+    parser.add_argument("--client-retry-s", type=float, default=None, help="reconnect interval")
+    parser.add_argument("--weights-out", default=None, help="write rankN.json weights here")
+    emulation = parser.add_argument_group("emulated GPUs (tests and demos without GPUs)")
+    emulation.add_argument("--emulated-gpus", default=None, help="the agent's GPU state file")
+    emulation.add_argument("--emulated-profile", default=None, help="profile CSV they follow")
+    emulation.add_argument("--blocking-power", type=float, default=83.64, help="watts")
+    emulation.add_argument("--node-name", default="emulated")
+    emulation.add_argument("--time-scale", type=float, default=1.0, help="x profiled times")
+    emulation.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="NAME,SOCKET,STATE_FILE of the node running replica k (k-th --node; GPU = stage)",
+    )
+    args = parser.parse_args(argv)
+    if (args.emulated_gpus is None and not args.node) != (args.emulated_profile is None):
+        parser.error("--emulated-profile goes with --emulated-gpus or --node")
+    if args.node and len(args.node) != args.dp:
+        parser.error(f"--node: one per replica, {args.dp} in all; got {len(args.node)}")
+    mp.spawn(worker, args=(args, free_port()), nprocs=args.dp * args.pp, join=True)
+
+
+if __name__ == "__main__":
+    main()

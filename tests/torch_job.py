@@ -1,0 +1,148 @@
+"""Run ``examples/torch_pipeline.py`` (real torch processes) against a recording agent socket.
+
+The socket is the agent's real :class:`LocalServer`; its handler records every request
+with the event's time (the client's ``t_ns``, as the agent uses it) per connection, so a
+test sees each rank's hook stream as the node agent would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perseus_agent.local_server import ClientSession, LocalServer
+from perseus_client.protocol import (
+    HelloRequest,
+    InstructionBeginRequest,
+    InstructionEndRequest,
+    StepBeginRequest,
+    StepEndRequest,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO_ROOT / "examples" / "torch_pipeline.py"
+JOB_TIMEOUT_S = 300
+
+
+def require_torch() -> None:
+    """Skip (saying why) without torch; fail instead where CI requires it."""
+    if importlib.util.find_spec("torch") is not None:
+        return
+    reason = "torch is not installed (pip install -e '.[torch]'; `make test` installs it)"
+    for var in ("PERSEUS_REQUIRE_TORCH", "PERSEUS_REQUIRE_E2E"):
+        if os.environ.get(var) == "1":
+            pytest.fail(f"{reason}, and {var}=1 requires the real-torch tests")
+    pytest.skip(reason)
+
+
+@dataclass(frozen=True)
+class Event:
+    op: str
+    msg: dict[str, Any]
+    t_ns: int
+
+
+@dataclass
+class Recorder:
+    """A LocalServer handler that answers like an unmanaged agent and records everything."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    events: dict[int, list[Event]] = field(default_factory=dict)  # by connection
+
+    def _add(self, session: ClientSession, op: str, msg: Mapping[str, Any], t_ns: int) -> None:
+        with self.lock:
+            self.events.setdefault(session.connection_id, []).append(Event(op, dict(msg), t_ns))
+
+    def hello(self, session: ClientSession, msg: HelloRequest, received_ns: int) -> None:
+        self._add(session, "hello", msg, received_ns)
+
+    def step_begin(self, session: ClientSession, msg: StepBeginRequest, t_ns: int) -> None:
+        self._add(session, "step_begin", msg, t_ns)
+
+    def step_end(self, session: ClientSession, msg: StepEndRequest, t_ns: int) -> None:
+        self._add(session, "step_end", msg, t_ns)
+
+    def instruction_begin(
+        self, session: ClientSession, msg: InstructionBeginRequest, t_ns: int
+    ) -> dict[str, Any]:
+        self._add(session, "instruction_begin", msg, t_ns)
+        return {"sm_clock_mhz": None}
+
+    def instruction_end(
+        self, session: ClientSession, msg: InstructionEndRequest, t_ns: int
+    ) -> None:
+        self._add(session, "instruction_end", msg, t_ns)
+
+    def disconnected(self, session: ClientSession) -> None:
+        pass
+
+    def by_rank(self) -> dict[int, list[Event]]:
+        """Each rank's events (the rank its hello named), hello first."""
+        with self.lock:
+            streams = [list(e) for e in self.events.values()]
+        out: dict[int, list[Event]] = {}
+        for stream in streams:
+            assert stream[0].op == "hello", stream[:3]
+            rank = stream[0].msg["rank"]
+            assert rank not in out, f"rank {rank} connected twice"
+            out[rank] = stream
+        return out
+
+
+@dataclass
+class JobRun:
+    stderr: str
+    events: dict[int, list[Event]]
+
+
+@contextmanager
+def recording_socket() -> Iterator[tuple[Path, Recorder]]:
+    # Short: a pytest tmp_path can exceed the 108-byte AF_UNIX limit.
+    directory = Path(tempfile.mkdtemp(prefix="ptj", dir="/tmp"))
+    recorder = Recorder()
+    try:
+        with LocalServer(directory / "agent.sock", recorder):
+            yield directory / "agent.sock", recorder
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_example(
+    args: list[str], *, socket_path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the example to completion (it stops its own processes); raise on failure."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT / "node_agent"), str(REPO_ROOT / "operator"), env.get("PYTHONPATH", "")]
+    )
+    env.pop("PERSEUS_AGENT_SOCKET", None)
+    if socket_path is not None:
+        env["PERSEUS_AGENT_SOCKET"] = str(socket_path)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, f"example failed:\n{result.stderr[-4000:]}"
+    return result
+
+
+def run_recorded(args: list[str]) -> JobRun:
+    with recording_socket() as (path, recorder):
+        result = run_example(args, socket_path=path)
+    return JobRun(result.stderr, recorder.by_rank())
