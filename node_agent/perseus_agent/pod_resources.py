@@ -271,6 +271,9 @@ class PodResourcesClient:
         try:
             response: bytes = stub(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            # A channel that failed to connect waits out a reconnect backoff: a kubelet that
+            # comes up (or restarts) is reached at the next call through a new channel.
+            self.close()
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             name = getattr(code, "name", "UNKNOWN")
