@@ -159,8 +159,9 @@ class PlanningInput:
 
 
 def choose_unit_time_s(profile: Profile) -> float:
-    """A time unit of about 1/:data:`UNIT_STEPS_PER_COMPUTATION` of the shortest computation, on a 1-2-5 grid: fine enough
-    that quantization costs little, coarse enough that the frontier has few points."""
+    """A time unit of about 1/:data:`UNIT_STEPS_PER_COMPUTATION` of the shortest computation,
+    on a 1-2-5 grid: fine enough that quantization costs little, coarse enough that the frontier
+    has few points."""
     shortest_s = min(float(m.times_s.min()) for m in profile.measurements.values())
     raw = shortest_s / UNIT_STEPS_PER_COMPUTATION
     exponent = math.floor(math.log10(raw))
@@ -267,7 +268,9 @@ def get_node_plans(
             raise PlanningError(f"replica {r.dp_rank} refers to unknown plan {name!r}")
         by_node.setdefault(r.node, []).append(
             GpuAssignment(
-                gpu_index=r.gpu_index,
+                pod_uid=r.pod_uid,
+                container=r.container,
+                local_rank=r.local_rank,
                 plan=name,
                 stage=r.pp_rank,
                 dp_rank=r.dp_rank,

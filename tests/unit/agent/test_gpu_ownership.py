@@ -18,22 +18,22 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from agent_process import PROFILE  # noqa: E402
-from factories import pipeline_plan_fields  # noqa: E402
-from kubelet_pod_resources import KubeletStandIn, StandInPod  # noqa: E402  (needs grpcio)
-from perseus_agent.gpu.emulated import EmulatedBackend  # noqa: E402
-from perseus_agent.gpu_ownership import (  # noqa: E402
+from agent_process import PROFILE
+from factories import pipeline_plan_fields
+from kubelet_pod_resources import KubeletStandIn, StandInPod
+from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_agent.gpu_ownership import (
     KubeletOwnership,
     bind_to_allocations,
     pod_uid_of_pid,
 )
-from perseus_agent.kube import JobPlans  # noqa: E402
-from perseus_agent.local_server import ClientSession, LocalServer, RequestError  # noqa: E402
-from perseus_agent.pod_resources import PodDevices, PodResourcesClient, decode_list_response  # noqa: E402
-from perseus_agent.reset_state import ResetState  # noqa: E402
-from perseus_api.node_plan import NodePlan  # noqa: E402
-from perseus_client import PerseusClient  # noqa: E402
-from perseus_client.protocol import decode_reply, encode_request, hello_request  # noqa: E402
+from perseus_agent.kube import JobPlans
+from perseus_agent.local_server import ClientSession, LocalServer, RequestError
+from perseus_agent.pod_resources import PodDevices, PodResourcesClient, decode_list_response
+from perseus_agent.reset_state import ResetState
+from perseus_api.node_plan import NodePlan
+from perseus_client import PerseusClient
+from perseus_client.protocol import decode_reply, encode_request, hello_request
 
 NODE = "n1"
 UID_A = "0c8f6a52-1d5e-4b8e-9a0b-2f4d6c8e0a11"
@@ -286,7 +286,8 @@ def test_binding_is_pure_over_the_kubelets_answer(backend: EmulatedBackend) -> N
 @pytest.mark.parametrize(
     "cgroup",
     [
-        f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_A.replace('-', '_')}.slice/cri-containerd-abc.scope\n",
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{UID_A.replace('-', '_')}.slice/cri-containerd-abc.scope\n",
         f"12:memory:/kubepods/besteffort/pod{UID_A}/0123abcd\n0::/\n",
     ],
     ids=["systemd", "cgroupfs"],

@@ -12,13 +12,13 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from kubelet_pod_resources import (  # noqa: E402  (needs grpcio and protobuf)
+from kubelet_pod_resources import (
     KubeletStandIn,
     StandInPod,
     message_class,
     pod_message,
 )
-from perseus_agent.pod_resources import (  # noqa: E402
+from perseus_agent.pod_resources import (
     ContainerDevices,
     PodDevices,
     PodResourcesClient,
@@ -128,7 +128,7 @@ def test_get_falls_back_to_list_where_the_kubelet_does_not_serve_it(socket_dir: 
 def test_an_absent_socket_is_an_error_that_names_it(socket_dir: Path) -> None:
     client = PodResourcesClient(str(socket_dir / "missing.sock"), timeout_s=1.0)
     try:
-        with pytest.raises(PodResourcesError, match="missing.sock"):
+        with pytest.raises(PodResourcesError, match=r"missing\.sock"):
             client.list()
     finally:
         client.close()
