@@ -96,6 +96,9 @@ class PeerPod:
 class Ownership(Protocol):
     """How the agent binds plans to GPUs and tells which pod a training process is."""
 
+    verifies_peers: bool
+    """Whether :meth:`peer_pod` says which pod a process is (else what it reports is trusted)."""
+
     def bind(self, plan: NodePlan, devices: Sequence[GpuInfo]) -> Binding: ...
 
     def peer_pod(
@@ -271,6 +274,8 @@ class KubeletOwnership:
             ``hostPID`` for ``SO_PEERCRED`` to give host pids).
     """
 
+    verifies_peers = True
+
     def __init__(self, client: PodResourcesClient, proc_root: Path = Path("/proc")) -> None:
         self.client = client
         self.proc_root = proc_root
@@ -353,15 +358,21 @@ class KubeletOwnership:
             return "", None, "hello"  # a pod no plan on this node manages
         if not claimed:
             return "", None, "hello"
+        overlapping = []
         for ns, name in sorted(pods):
             pod = self._allocation(ns, name)
-            if pod is not None and set(claimed) <= set(pod.device_ids(GPU_RESOURCE)):
+            owned = set(pod.device_ids(GPU_RESOURCE)) if pod is not None else set()
+            if owned and set(claimed) <= owned:
                 return ns, name, "hello"
-        raise RequestError(
-            f"cannot tell which pod owns GPU(s) {', '.join(claimed)}: the process names no pod "
-            "(set POD_NAME and POD_NAMESPACE from the downward API) and no managed pod of "
-            "this node was allocated them"
-        )
+            if owned & set(claimed):
+                overlapping.append(f"{ns}/{name}")
+        if overlapping:
+            raise RequestError(
+                f"cannot tell which pod owns GPU(s) {', '.join(claimed)}: the process names no "
+                "pod (set POD_NAME and POD_NAMESPACE from the downward API) and no managed pod "
+                f"of this node was allocated them all (some are {', '.join(overlapping)}'s)"
+            )
+        return "", None, "hello"  # no managed pod's GPUs: not a process Perseus manages
 
     def _allocation(self, namespace: str, name: str) -> PodDevices | None:
         try:
@@ -384,6 +395,8 @@ class LocalRankIndexOwnership:
     """No kubelet to ask (emulated clusters): process ``local_rank`` runs on GPU index
     ``local_rank``, and what a process reports is trusted. Assignments naming a UUID or index
     keep it."""
+
+    verifies_peers = False
 
     def bind(self, plan: NodePlan, devices: Sequence[GpuInfo]) -> Binding:
         assignments = [

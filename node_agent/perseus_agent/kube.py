@@ -308,28 +308,35 @@ class JobPlans:
             return sorted({key, *self._reconcile()})
 
     def refresh_ownership(self) -> list[ObjectKey]:
-        """Bind every plan again (pods start, restart and end); the plans whose state changed."""
+        """Bind every plan again (pods start, restart and end); the plans whose state changed.
+
+        The kubelet is asked outside the lock: training processes' hooks do not wait for it.
+        """
+        with self._lock:
+            sources = {k: j.source for k, j in self._jobs.items() if j.source is not None}
+        bindings = {k: self._ownership.bind(plan, self.devices) for k, plan in sources.items()}
         with self._lock:
             rebound = []
-            for key, job in self._jobs.items():
-                if job.source is None:
-                    continue
-                before = job.binding
-                self._bind(job, job.source)
-                if before is None or job.binding != before:
-                    job.grant = None
-                    rebound.append(key)
+            for key, binding in bindings.items():
+                job = self._jobs.get(key)
+                if job is None or job.source is not sources[key] or job.binding == binding:
+                    continue  # gone, replaced meanwhile (and bound then), or unchanged
+                self._adopt(job, binding)
+                job.grant = None
+                rebound.append(key)
             if not rebound:
                 return []
             return sorted({*rebound, *self._reconcile()})
 
     def _bind(self, job: _Job, plan: NodePlan) -> None:
-        binding = self._ownership.bind(plan, self.devices)
+        self._adopt(job, self._ownership.bind(plan, self.devices))
+
+    def _adopt(self, job: _Job, binding: Binding) -> None:
         before = {r.message for r in job.binding.denied} if job.binding is not None else set()
         for report in binding.denied:
             if report.message not in before:
                 before.add(report.message)
-                log.error("plan %s: %s", _job_name(plan), report.message)
+                log.error("plan %s: %s", _job_name(binding.plan), report.message)
                 self.metrics.count_error(report.message.split(":", 1)[0])
         job.plan, job.binding = binding.plan, binding
 
@@ -452,7 +459,7 @@ class JobPlans:
         if hello is None:
             return None
         jobs = [(k, j) for k, j in self._jobs.items() if j.grant is not None]
-        if not isinstance(self._ownership, LocalRankIndexOwnership):
+        if self._ownership.verifies_peers:
             peer = self._peers.get(session)
             if peer is None:
                 return None
@@ -503,9 +510,9 @@ class JobPlans:
                 )
 
     def _owned(self, session: ClientSession) -> frozenset[str] | None:
-        peer = self._peers.get(session)
-        if isinstance(self._ownership, LocalRankIndexOwnership):
+        if not self._ownership.verifies_peers:
             return None
+        peer = self._peers.get(session)
         return peer.gpu_uuids if peer is not None else frozenset()
 
     def _applier(self, session: ClientSession) -> PlanApplier | None:

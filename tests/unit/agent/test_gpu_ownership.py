@@ -339,9 +339,11 @@ def test_processes_are_bound_to_their_own_pods_gpus_only(
     # Neither pid nor pod: the managed pod allocated every GPU it claims.
     anonymous = session(6, gpu_uuids=[uuid(0)])
     assert gpus_of(jobs.hello(anonymous, anonymous.hello, 0)) == [0]
-    unowned = session(7, gpu_uuids=[uuid(1)])  # the inference pod's
-    with pytest.raises(RequestError, match="cannot tell which pod"):
-        jobs.hello(unowned, unowned.hello, 0)
+    greedy = session(7, gpu_uuids=[uuid(0), uuid(7), uuid(2)])  # b-0's and one of a-0's
+    with pytest.raises(RequestError, match=r"cannot tell which pod.*ml/a-0, team-b/b-0"):
+        jobs.hello(greedy, greedy.hello, 0)
+    unowned = session(9, gpu_uuids=[uuid(1)])  # the inference pod's: not managed
+    assert jobs.hello(unowned, unowned.hello, 0)["managed"] is False
     # An unmanaged pod (by cgroup) gets no GPU, whatever it claims.
     root_other = proc_root_for(
         tmp_path, 778, "0::/kubepods/pod11111111-2222-3333-4444-555555555555/x\n"
@@ -383,3 +385,16 @@ def test_the_peer_is_told_by_so_peercred_over_the_agent_socket(
         finally:
             perseus.close()
     jobs.clear()
+
+
+def test_a_standalone_agent_refuses_gpus_named_by_process_only(
+    backend: EmulatedBackend, tmp_path: Path
+) -> None:
+    # Without a kubelet nothing says which GPU a pod's local rank is: never guessed.
+    from perseus_agent.applier import PlanApplier
+
+    applier = PlanApplier(backend, ResetState(tmp_path), NODE)
+    report = applier.apply(PLAN_A)
+    assert [g.status for g in report.gpus] == ["Failed", "Failed"]
+    assert "named by its process only" in report.gpus[0].message
+    assert locked(backend) == {}

@@ -266,7 +266,9 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
         assert spec["profiling"]["frequencies_mhz"][0] == 2100
         assert len(spec["assignments"]) == GPUS_PER_POD
     # Ranks 0..3 on node-0: tp-dp-pp order with dp=2: (dp, pp) = (0,0) (1,0) (0,1) (1,1).
-    assert [(a["local_rank"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]] == [
+    assert [
+        (a["local_rank"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]
+    ] == [
         (0, 0, 0),
         (1, 1, 0),
         (2, 0, 1),
