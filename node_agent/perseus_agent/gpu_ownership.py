@@ -79,7 +79,7 @@ class Binding:
     """A ``Failed`` report (``reason: why``) for each refused assignment."""
     pending: bool = False
     """Some assignment may bind later (its pod has no allocation yet, or the kubelet could not
-    be asked): bind again at the next report."""
+    be asked): bind again at the next refresh."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ PLAN_POLL_S: Final = 1.0
 STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the grace period
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
+OWNERSHIP_REFRESH_S: Final = 5.0
+"""Kubernetes mode: how often at most the kubelet is asked again which GPUs the pods own
+(besides at every plan change): how soon a pod that starts after its plan is managed."""
 EVENT_POLL_S: Final = 2.0
 """Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
 latency; plan events are handled at once)."""
@@ -686,6 +689,7 @@ class _Agent:
         source.start()
         interval_s = config.report_interval_s
         next_report = time.monotonic() + interval_s
+        next_ownership = time.monotonic() + OWNERSHIP_REFRESH_S
         try:
             while not self._stop.is_set():
                 health.beat()
@@ -703,7 +707,9 @@ class _Agent:
                         log.exception("error while handling plan object %s/%s", *event.key)
                 if time.monotonic() >= next_report:
                     next_report = time.monotonic() + interval_s
-                    jobs.refresh_ownership()  # pods started, restarted or ended since
+                    if time.monotonic() >= next_ownership:  # pods started, restarted, ended
+                        next_ownership = time.monotonic() + OWNERSHIP_REFRESH_S
+                        jobs.refresh_ownership()
                     for key in jobs.objects():
                         _submit_status(writer, jobs, key)
                     for key, status in invalid.items():
