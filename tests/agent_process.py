@@ -73,8 +73,13 @@ class Agent:
         kubeconfig: Path | None = None,
         node: str = NODE,
         log_level: str = "debug",
+        pod_resources_socket: Path | None = None,
     ) -> None:
+        """In Kubernetes mode the agent asks the kubelet stand-in on ``pod_resources_socket``
+        which GPUs the pods own; without one, ``--gpu-ownership=local-rank-index`` (there is no
+        kubelet: a pod's local rank r runs on GPU index r)."""
         self.num_gpus = num_gpus
+        self.pod_resources_socket = pod_resources_socket
         self.node = node
         self.log_level = log_level
         self.kubeconfig = kubeconfig
@@ -104,7 +109,13 @@ class Agent:
         mode = (
             ["--standalone", f"--plan-file={self.plan_file}"]
             if self.kubeconfig is None
-            else [f"--kubeconfig={self.kubeconfig}", "--report-interval=0.2"]
+            else [
+                f"--kubeconfig={self.kubeconfig}",
+                "--report-interval=0.2",
+                "--gpu-ownership=local-rank-index"
+                if self.pod_resources_socket is None
+                else f"--pod-resources-socket={self.pod_resources_socket}",
+            ]
         )
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(

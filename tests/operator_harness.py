@@ -268,7 +268,8 @@ def profiled(assignment: Mapping[str, Any], profile: Profile) -> dict[str, Any]:
             )
     return {
         "stage": stage,
-        "index": assignment["gpu_index"],
+        "index": assignment["local_rank"],  # as if the kubelet gave each pod GPUs 0..n-1
+        "rank": assignment["rank"],
         "done": True,
         "rows": rows,
         "blocking_power_w": 80.0,

@@ -131,6 +131,9 @@ class GpuProfilingReport(_Report):
     uuid: str
     index: int
     stage: int
+    rank: int | None = Field(
+        default=None, description="Global rank of the training process the plan put here."
+    )
     frequencies_mhz: list[int] = Field(description="The scheduled clocks, in order.")
     applied_mhz: list[int | None] = Field(
         description="The clock each scheduled one was measured at (another one when clamped); "
@@ -234,6 +237,8 @@ class _Session:
     rank: int | None
     gpu_uuids: tuple[str, ...]
     pod: str | None
+    owned_uuids: frozenset[str] | None = None
+    """The GPUs the process's pod owns (kubelet); ``None``: not checked (standalone)."""
     gpus: list[int] = field(default_factory=list)
     step_begin_ns: int | None = None
     step_revision: int | None = None
@@ -431,9 +436,15 @@ class PlanApplier:
     # -- local server handler ------------------------------------------------------------------
 
     def hello(
-        self, session: ClientSession, msg: HelloRequest, received_ns: int = 0
+        self,
+        session: ClientSession,
+        msg: HelloRequest,
+        received_ns: int = 0,
+        *,
+        owned_uuids: frozenset[str] | None = None,
     ) -> dict[str, Any]:
-        """A training process called in: find its GPUs (by UUID, else by rank)."""
+        """A training process called in: find its GPUs (by UUID, else by rank), among
+        ``owned_uuids`` only when given (the GPUs the kubelet allocated to its pod)."""
         rank = msg.get("rank")
         uuids = msg.get("gpu_uuids") or ()
         pod = msg.get("pod")
@@ -442,6 +453,7 @@ class PlanApplier:
                 rank=rank if isinstance(rank, int) else None,
                 gpu_uuids=tuple(u for u in uuids if isinstance(u, str)),
                 pod=pod if isinstance(pod, str) else None,
+                owned_uuids=owned_uuids,
             )
             self._sessions[session] = s
             self._bind(session, s, takeover=True)
@@ -620,8 +632,12 @@ class PlanApplier:
                     gpu.index,
                     a.gpu_index,
                 )
+        elif a.gpu_index is None:
+            return None, (
+                f"GPU {a.gpu_label} is named by its process only; only a Kubernetes-mode agent "
+                "can tell its GPU (from the kubelet): name GPUs by gpu_uuid or gpu_index here"
+            )
         else:
-            assert a.gpu_index is not None
             found = self._by_index.get(a.gpu_index)
             if found is None:
                 return None, (
@@ -811,10 +827,16 @@ class PlanApplier:
         s.gpus = sorted(mine)
 
     def _claimed(self, s: _Session) -> list[int]:
-        """The GPUs of the plan session ``s`` claims: by UUID, else by global rank."""
-        gpus = [i for i, g in self._gpus.items() if g.info.uuid in s.gpu_uuids]
+        """The GPUs of the plan session ``s`` claims: by UUID, else by global rank; never one
+        its pod does not own."""
+        mine = {
+            i: g
+            for i, g in self._gpus.items()
+            if s.owned_uuids is None or g.info.uuid in s.owned_uuids
+        }
+        gpus = [i for i, g in mine.items() if g.info.uuid in s.gpu_uuids]
         if not gpus and s.rank is not None:
-            gpus = [i for i, g in self._gpus.items() if g.assignment.rank == s.rank]
+            gpus = [i for i, g in mine.items() if g.assignment.rank == s.rank]
         return gpus
 
     def _release_unclaimed(self, key: Hashable, s: _Session, claimed: list[int]) -> None:
@@ -1058,6 +1080,7 @@ def _profiling_report(g: _Gpu, p: StageProfiler) -> GpuProfilingReport:
         uuid=g.info.uuid,
         index=g.info.index,
         stage=p.stage,
+        rank=g.assignment.rank,
         frequencies_mhz=list(p.frequencies_mhz),
         applied_mhz=list(p.applied_mhz),
         frequency_index=p.frequency_index,

@@ -25,6 +25,7 @@ imported lazily, so standalone agents do not need it). The objects are PerseusNo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -39,6 +40,8 @@ from perseus_agent.applier import GpuReport, GpuStatus, NodeReport, PlanApplier
 from perseus_agent.errors import AgentError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.gpu_ownership import Binding, LocalRankIndexOwnership, Ownership, PeerPod
+from perseus_agent.local_server import RequestError
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
 from perseus_api.node_plan import GpuAssignment, NodePlan
@@ -227,7 +230,11 @@ def restrict_plan(plan: NodePlan, devices: Sequence[GpuInfo], keep: frozenset[in
 @dataclass
 class _Job:
     plan: NodePlan
+    """As bound to this node's GPUs (:mod:`perseus_agent.gpu_ownership`)."""
     applier: PlanApplier
+    source: NodePlan | None = None
+    """As the operator wrote it."""
+    binding: Binding | None = None
     grant: GpuGrant | None = None
     """What was last applied (``None``: apply at the next reconciliation)."""
     error: str | None = None
@@ -242,10 +249,17 @@ class JobPlans:
     older plan winning; after every change the GPUs a plan loses are released before any plan
     locks the GPUs it gains.
 
+    Every plan is first bound to the node's GPUs by ``ownership`` (default: process local
+    rank = GPU index, trusted; the agent passes
+    :class:`~perseus_agent.gpu_ownership.KubeletOwnership`): the assignments it refuses are
+    reported ``Failed`` with the reason, and bound again at every :meth:`refresh_ownership`.
+
     Also the local server's handler: each training process is routed to the applier of its
-    job — the plan holding one of its GPUs (by UUID), else the plan of the job its hello names,
-    else the only plan assigning its rank — and routed again whenever the plans change. A
-    process no plan matches gets unmanaged replies (no clock).
+    job — with kubelet ownership, the plan of its pod (told by ``ownership.peer_pod``; a
+    process claiming GPUs its pod was not allocated is refused), and it drives only GPUs its
+    pod owns; otherwise the plan holding one of its GPUs (by UUID), else the plan of the job
+    its hello names, else the only plan assigning its rank — and routed again whenever the
+    plans change. A process no plan matches gets unmanaged replies (no clock).
 
     Thread-safe: plans change on the agent loop, training processes call in on server threads.
 
@@ -259,6 +273,7 @@ class JobPlans:
         reset_state: ResetState,
         node_name: str,
         metrics: AgentMetrics | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self._backend = backend
         self._reset_state = reset_state
@@ -266,9 +281,11 @@ class JobPlans:
         self.metrics = metrics if metrics is not None else AgentMetrics(node_name)
         self.devices: list[GpuInfo] = backend.devices()
         self._uuids = {g.index: g.uuid for g in self.devices}
+        self._ownership: Ownership = ownership or LocalRankIndexOwnership()
         self._lock = threading.RLock()
         self._jobs: dict[ObjectKey, _Job] = {}  # oldest first
         self._routes: dict[ClientSession, ObjectKey | None] = {}
+        self._peers: dict[ClientSession, PeerPod | None] = {}
 
     # -- plans -------------------------------------------------------------------------------------
 
@@ -286,8 +303,42 @@ class JobPlans:
                     self._backend, self._reset_state, self.node_name, self.metrics
                 )
                 job = self._jobs[key] = _Job(plan, applier)
-            job.plan, job.grant = plan, None
+            job.source, job.grant = plan, None
+            self._bind(job, plan)
             return sorted({key, *self._reconcile()})
+
+    def refresh_ownership(self) -> list[ObjectKey]:
+        """Bind every plan again (pods start, restart and end); the plans whose state changed.
+
+        The kubelet is asked outside the lock: training processes' hooks do not wait for it.
+        """
+        with self._lock:
+            sources = {k: j.source for k, j in self._jobs.items() if j.source is not None}
+        bindings = {k: self._ownership.bind(plan, self.devices) for k, plan in sources.items()}
+        with self._lock:
+            rebound = []
+            for key, binding in bindings.items():
+                job = self._jobs.get(key)
+                if job is None or job.source is not sources[key] or job.binding == binding:
+                    continue  # gone, replaced meanwhile (and bound then), or unchanged
+                self._adopt(job, binding)
+                job.grant = None
+                rebound.append(key)
+            if not rebound:
+                return []
+            return sorted({*rebound, *self._reconcile()})
+
+    def _bind(self, job: _Job, plan: NodePlan) -> None:
+        self._adopt(job, self._ownership.bind(plan, self.devices))
+
+    def _adopt(self, job: _Job, binding: Binding) -> None:
+        before = {r.message for r in job.binding.denied} if job.binding is not None else set()
+        for report in binding.denied:
+            if report.message not in before:
+                before.add(report.message)
+                log.error("plan %s: %s", _job_name(binding.plan), report.message)
+                self.metrics.count_error(report.message.split(":", 1)[0])
+        job.plan, job.binding = binding.plan, binding
 
     def remove(self, key: ObjectKey) -> list[ObjectKey]:
         """A plan object is gone: reset its GPUs. Returns the plans whose state changed."""
@@ -316,7 +367,10 @@ class JobPlans:
             if job is None or job.error is not None:
                 return None
             report = job.applier.report()
-            denied = job.grant.denied if job.grant is not None else ()
+            denied = (
+                *(job.binding.denied if job.binding is not None else ()),
+                *(job.grant.denied if job.grant is not None else ()),
+            )
         if report is None or not denied:
             return report
         return report.model_copy(update={"gpus": [*report.gpus, *denied]})
@@ -384,11 +438,39 @@ class JobPlans:
 
     # -- training processes (the local server's handler) -------------------------------------------
 
-    def _route(self, hello: HelloRequest | None) -> ObjectKey | None:
+    def _identify(self, session: ClientSession) -> PeerPod | None:
+        """The pod of ``session``'s process (raises RequestError to refuse it)."""
+        plans = [j.plan for j in self._jobs.values()]
+        peer = self._ownership.peer_pod(session, plans, self.devices)
+        self._peers[session] = peer
+        if peer is not None:
+            log.info(
+                "training process (pid %s) is in pod %s/%s (by %s), which owns GPU(s) %s",
+                session.peer_pid,
+                peer.namespace,
+                peer.name,
+                peer.how,
+                ", ".join(sorted(peer.gpu_uuids)) or "none",
+            )
+        return peer
+
+    def _route(self, session: ClientSession) -> ObjectKey | None:
+        hello = session.hello
         if hello is None:
             return None
-        uuids = set(hello.get("gpu_uuids") or ())
         jobs = [(k, j) for k, j in self._jobs.items() if j.grant is not None]
+        if self._ownership.verifies_peers:
+            peer = self._peers.get(session)
+            if peer is None:
+                return None
+            for key, job in jobs:
+                assert job.grant is not None
+                if job.plan.namespace == peer.namespace and any(
+                    a.pod == peer.name for a in job.grant.plan.assignments
+                ):
+                    return key
+            return None
+        uuids = set(hello.get("gpu_uuids") or ())
         for key, job in jobs:
             assert job.grant is not None
             if any(self._uuids.get(i) in uuids for i in job.grant.gpu_indices):
@@ -411,14 +493,27 @@ class JobPlans:
     def _reroute(self) -> None:
         now_ns = time.monotonic_ns()
         for session, old in list(self._routes.items()):
-            new = self._route(session.hello)
+            if self._peers.get(session) is None and session.hello is not None:
+                # A plan may have arrived for the pod of a process that called in first; a
+                # refused one is logged and stays unmanaged.
+                with contextlib.suppress(RequestError):
+                    self._identify(session)
+            new = self._route(session)
             if new == old:
                 continue
             self._routes[session] = new
             if old is not None and old in self._jobs:
                 self._jobs[old].applier.disconnected(session)
             if new is not None and session.hello is not None:
-                self._jobs[new].applier.hello(session, session.hello, now_ns)
+                self._jobs[new].applier.hello(
+                    session, session.hello, now_ns, owned_uuids=self._owned(session)
+                )
+
+    def _owned(self, session: ClientSession) -> frozenset[str] | None:
+        if not self._ownership.verifies_peers:
+            return None
+        peer = self._peers.get(session)
+        return peer.gpu_uuids if peer is not None else frozenset()
 
     def _applier(self, session: ClientSession) -> PlanApplier | None:
         with self._lock:
@@ -430,11 +525,13 @@ class JobPlans:
         self, session: ClientSession, msg: HelloRequest, received_ns: int = 0
     ) -> dict[str, Any]:
         with self._lock:
-            key = self._route(msg)
+            self._identify(session)
+            key = self._route(session)
             self._routes[session] = key
             applier = self._jobs[key].applier if key is not None else None
+            owned = self._owned(session)
         if applier is not None:
-            return applier.hello(session, msg, received_ns)
+            return applier.hello(session, msg, received_ns, owned_uuids=owned)
         log.info(
             "training process rank %s (pid %s) called in; no plan on this node matches it",
             msg.get("rank"),
@@ -475,9 +572,16 @@ class JobPlans:
     def disconnected(self, session: ClientSession) -> None:
         with self._lock:
             key = self._routes.pop(session, None)
+            self._peers.pop(session, None)
             job = self._jobs.get(key) if key is not None else None
         if job is not None:
             job.applier.disconnected(session)
+
+
+def _gpu_name(g: GpuReport) -> str:
+    if g.index is not None:
+        return str(g.index)
+    return g.uuid if g.uuid is not None else f"of rank {g.rank}"
 
 
 def _job_name(plan: NodePlan) -> str:
@@ -499,9 +603,7 @@ def report_status(report: NodeReport, denied: Sequence[GpuReport] = ()) -> dict[
         counts[g.status] = counts.get(g.status, 0) + 1
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no GPUs assigned"
     if failed:
-        details = "; ".join(
-            f"GPU {g.index if g.index is not None else g.uuid}: {g.message}" for g in failed
-        )
+        details = "; ".join(f"GPU {_gpu_name(g)}: {g.message}" for g in failed)
         condition = _condition(False, resources.REASON_FAILED, f"{summary}: {details}")
     else:
         condition = _condition(True, resources.REASON_APPLIED, summary)

@@ -16,11 +16,17 @@ Kubernetes mode (the default): the plans are the PerseusNodePlans of this node
 (:mod:`perseus_api.resources`), read and reported through the API by
 :mod:`perseus_agent.kube` with the pod's service account (or ``--kubeconfig``). Each plan
 object gets its own applier (several jobs share a node, on distinct GPUs: the older plan keeps
-a GPU two plans claim); its status is written after every change and every
-:data:`REPORT_INTERVAL_S` seconds (``--report-interval``) when it changed, e.g. new iteration
-times; deleting the
-object resets its GPUs. An API that cannot be reached is retried (with backoff) while the
-agent keeps running; only a configuration that cannot be loaded at all is fatal (status 1).
+a GPU two plans claim). A plan's GPUs are those the kubelet allocated to the job's pods
+(``--gpu-ownership=kubelet``, the default: the PodResources API on
+``--pod-resources-socket``; :mod:`perseus_agent.gpu_ownership`); when the kubelet cannot be
+asked (socket absent), no GPU is touched and every assignment is reported ``Failed``
+(``pod_resources_unavailable``) until it can. ``--gpu-ownership=local-rank-index`` (or
+``$PERSEUS_GPU_OWNERSHIP``) is for clusters without a kubelet, the emulated test clusters:
+process local rank r of a pod runs on GPU index r, trusted. Each plan's status is written after
+every change and every :data:`REPORT_INTERVAL_S` seconds (``--report-interval``) when it
+changed, e.g. new iteration times; deleting the object resets its GPUs. An API that cannot be
+reached is retried (with backoff) while the agent keeps running; only a configuration that
+cannot be loaded at all is fatal (status 1).
 
 ``--standalone --plan-file PLAN.json`` runs without Kubernetes: the file holds one NodePlan
 (JSON); it is checked every second and re-applied when it changes, and its removal clears the
@@ -55,6 +61,7 @@ if TYPE_CHECKING:
     from perseus_agent.applier import PlanApplier
     from perseus_agent.exporter import Health
     from perseus_agent.gpu.base import GpuBackend
+    from perseus_agent.gpu_ownership import Ownership
     from perseus_agent.kube import JobPlans, ReportWriter
     from perseus_agent.local_server import ClientHandler
     from perseus_api.node_plan import NodePlan
@@ -62,6 +69,8 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 PROG: Final = "perseus-node-agent"
+DEFAULT_POD_RESOURCES: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
+"""As :data:`perseus_agent.pod_resources.DEFAULT_SOCKET` (not imported: it needs grpcio)."""
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
 EXIT_USAGE: Final = 2
@@ -70,11 +79,15 @@ DEFAULT_PROFILE_PACKAGE: Final = "perseus_planner"
 DEFAULT_PROFILE_FILE: Final = "gpt3-175b+a100_sxm_bf16.csv"
 DEFAULT_BLOCKING_POWER_W: Final = 83.64
 DEFAULT_EMULATED_GPUS: Final = 8
+GPU_OWNERSHIP_MODES: Final = ("kubelet", "local-rank-index")
 SOCKET_NAME: Final = "agent.sock"
 PLAN_POLL_S: Final = 1.0
 STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the grace period
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
+OWNERSHIP_REFRESH_S: Final = 5.0
+"""Kubernetes mode: how often at most the kubelet is asked again which GPUs the pods own
+(besides at every plan change): how soon a pod that starts after its plan is managed."""
 EVENT_POLL_S: Final = 2.0
 """Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
 latency; plan events are handled at once)."""
@@ -195,6 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
         f"besides after every change of plan (default: {REPORT_INTERVAL_S:g})",
     )
     agent.add_argument(
+        "--gpu-ownership",
+        choices=GPU_OWNERSHIP_MODES,
+        default=os.environ.get("PERSEUS_GPU_OWNERSHIP") or "kubelet",
+        help="Kubernetes mode: kubelet: manage only the GPUs the kubelet allocated to the job's "
+        "pods (PodResources API); local-rank-index: no kubelet (emulated clusters), a pod's "
+        "local rank r runs on GPU index r (default: $PERSEUS_GPU_OWNERSHIP, else kubelet)",
+    )
+    agent.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        default=Path(os.environ.get("PERSEUS_POD_RESOURCES_SOCKET") or DEFAULT_POD_RESOURCES),
+        metavar="PATH",
+        help="Kubernetes mode: the kubelet's PodResources socket "
+        f"(default: $PERSEUS_POD_RESOURCES_SOCKET, else {DEFAULT_POD_RESOURCES})",
+    )
+    agent.add_argument(
         "--standalone",
         action="store_true",
         help="no Kubernetes API: apply the NodePlan in --plan-file",
@@ -237,6 +266,8 @@ class _Config:
     standalone: bool
     plan_file: Path | None  # standalone mode
     kubeconfig: str | None  # Kubernetes mode; None: in-cluster
+    gpu_ownership: str  # Kubernetes mode: "kubelet" or "local-rank-index"
+    pod_resources_socket: Path  # Kubernetes mode, kubelet ownership
     report_interval_s: float  # Kubernetes mode
     log_level: str
 
@@ -353,6 +384,8 @@ def _check_args(args: argparse.Namespace) -> _Config:
         standalone=args.standalone,
         plan_file=args.plan_file,
         kubeconfig=args.kubeconfig,
+        gpu_ownership=args.gpu_ownership,
+        pod_resources_socket=args.pod_resources_socket,
         report_interval_s=args.report_interval,
         log_level=args.log_level,
     )
@@ -547,7 +580,9 @@ class _Agent:
                     from perseus_agent.kube import JobPlans, ReportWriter, custom_objects_api
 
                     metrics = AgentMetrics(config.node_name)
-                    plans = jobs = JobPlans(backend, reset_state, config.node_name, metrics)
+                    plans = jobs = JobPlans(
+                        backend, reset_state, config.node_name, metrics, _ownership(config)
+                    )
                     devices, managed = jobs.devices, jobs.managed_gpus
                     # Lives until the shutdown has reset the clocks, to report that.
                     writer = ReportWriter(custom_objects_api(api_client), on_gone=self._gone)
@@ -654,6 +689,7 @@ class _Agent:
         source.start()
         interval_s = config.report_interval_s
         next_report = time.monotonic() + interval_s
+        next_ownership = time.monotonic() + OWNERSHIP_REFRESH_S
         try:
             while not self._stop.is_set():
                 health.beat()
@@ -671,6 +707,9 @@ class _Agent:
                         log.exception("error while handling plan object %s/%s", *event.key)
                 if time.monotonic() >= next_report:
                     next_report = time.monotonic() + interval_s
+                    if time.monotonic() >= next_ownership:  # pods started, restarted, ended
+                        next_ownership = time.monotonic() + OWNERSHIP_REFRESH_S
+                        jobs.refresh_ownership()
                     for key in jobs.objects():
                         _submit_status(writer, jobs, key)
                     for key, status in invalid.items():
@@ -801,6 +840,28 @@ class _PlanEvent:
     plan: NodePlan | None = None
     message: str = ""
     revision: int | None = None
+
+
+def _ownership(config: _Config) -> Ownership:
+    from perseus_agent.gpu_ownership import KubeletOwnership, LocalRankIndexOwnership
+
+    if config.gpu_ownership == "local-rank-index":
+        log.warning(
+            "--gpu-ownership=local-rank-index: a pod's local rank r is taken to run on GPU "
+            "index r, without asking the kubelet; only for clusters without one"
+        )
+        return LocalRankIndexOwnership()
+    from perseus_agent.pod_resources import PodResourcesClient
+
+    socket = config.pod_resources_socket
+    if not socket.exists():
+        log.error(
+            "the kubelet's PodResources socket %s does not exist: no GPU will be managed until "
+            "it does (mount /var/lib/kubelet/pod-resources, or pass "
+            "--gpu-ownership=local-rank-index on a cluster without a kubelet)",
+            socket,
+        )
+    return KubeletOwnership(PodResourcesClient(str(socket)))
 
 
 def _submit_status(writer: ReportWriter, jobs: JobPlans, key: tuple[str, str]) -> None:

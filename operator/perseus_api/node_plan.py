@@ -1,9 +1,13 @@
 """What one node agent applies: the plans of one job for the GPUs of one node.
 
 The operator writes one ``NodePlan`` per (job, node); a standalone agent reads
-the same document from a file. Each GPU is matched by UUID (or by index when
-the UUID is not known, e.g. a hand-written file for a bare-metal node) and
-follows one pipeline plan at one stage. Several plans can coexist because a
+the same document from a file. The operator names each GPU by the process that runs on it:
+``pod`` (with ``pod_uid``), ``container`` and ``local_rank``, never by a node GPU index it
+would have to guess. The agent asks the kubelet which GPUs it allocated to that container
+(PodResources API, :mod:`perseus_agent.gpu_ownership`) and takes the ``local_rank``-th of
+them in the node's GPU order, the order CUDA enumerates them in inside the container. A
+hand-written file for a bare-metal node (standalone agent) names GPUs by UUID or index.
+Each GPU follows one pipeline plan at one stage. Several plans can coexist because a
 straggler's own replica keeps running at ``T_min`` while the others slow down.
 
 With ``profiling`` set the agent measures instead of applying: every assigned GPU runs the
@@ -35,16 +39,38 @@ class GpuAssignment(_Model):
         default=None, ge=0, description="Global rank of the training process on this GPU."
     )
     pod: str | None = None
+    pod_uid: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The pod's metadata.uid: how the agent recognises the pod's processes "
+        "(their cgroup) on its socket.",
+    )
+    container: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The container of the pod that holds the GPU; null: any of the pod's.",
+    )
+    local_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="Local rank of the process in its pod: it runs on the local_rank-th GPU "
+        "the kubelet allocated to the container, in the node's GPU order.",
+    )
 
     @model_validator(mode="after")
     def _identified(self) -> GpuAssignment:
-        if self.gpu_uuid is None and self.gpu_index is None:
-            raise ValueError("an assignment needs gpu_uuid or gpu_index")
+        by_process = self.pod is not None and self.local_rank is not None
+        if self.gpu_uuid is None and self.gpu_index is None and not by_process:
+            raise ValueError("an assignment needs gpu_uuid, gpu_index, or pod and local_rank")
         return self
 
     @property
     def gpu_label(self) -> str:
-        return self.gpu_uuid if self.gpu_uuid is not None else f"index {self.gpu_index}"
+        if self.gpu_uuid is not None:
+            return self.gpu_uuid
+        if self.gpu_index is not None:
+            return f"index {self.gpu_index}"
+        return f"pod {self.pod} local rank {self.local_rank}"
 
 
 class ProfilingSpec(_Model):
@@ -115,7 +141,8 @@ class NodePlan(_Model):
                     f"GPU {a.gpu_label} is at stage {a.stage} but plan {a.plan!r} has "
                     f"{stages} stages"
                 )
-            for key in (f"uuid:{a.gpu_uuid}", f"index:{a.gpu_index}"):
+            process = None if a.local_rank is None else f"{a.pod}/{a.container}#{a.local_rank}"
+            for key in (f"uuid:{a.gpu_uuid}", f"index:{a.gpu_index}", f"process:{process}"):
                 if not key.endswith(":None"):
                     if key in seen:
                         raise ValueError(f"GPU {a.gpu_label} is assigned twice")

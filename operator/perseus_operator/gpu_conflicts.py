@@ -27,8 +27,10 @@ __all__ = [
 
 CONFLICT_REASON: Final = "GpuConflict"
 
-Gpu = tuple[str, int]
-"""``(node, gpu_index)``."""
+Gpu = tuple[str, str]
+"""``(node, key)``: the key names the GPU by the process on it (``pod#local_rank``, as
+:attr:`perseus_operator.workloads.RankPlacement.gpu_key`); the kubelet, not the operator,
+knows its index."""
 
 _MAX_LISTED_GPUS: Final = 4
 _UNKNOWN_AGE: Final = datetime.max.replace(tzinfo=UTC)
@@ -61,7 +63,7 @@ class GpuConflict:
 
     @property
     def message(self) -> str:
-        listed = ", ".join(f"{node}/gpu{index}" for node, index in self.shared[:_MAX_LISTED_GPUS])
+        listed = ", ".join(f"{node}/{key}" for node, key in self.shared[:_MAX_LISTED_GPUS])
         if len(self.shared) > _MAX_LISTED_GPUS:
             listed += f" and {len(self.shared) - _MAX_LISTED_GPUS} more"
         h = self.holder
@@ -123,7 +125,7 @@ def planned_gpus(node_plans: Iterable[Mapping[str, Any]]) -> frozenset[Gpu]:
         node = str(spec.get("node") or "")
         for assignment in spec.get("assignments") or ():
             try:
-                gpus.add((node, int(assignment["gpu_index"])))
+                gpus.add((node, f"{assignment['pod']}#{int(assignment['local_rank'])}"))
             except (KeyError, TypeError, ValueError):
                 continue
     return frozenset(gpus)

@@ -415,7 +415,7 @@ class _Step:
         """Whether another, older job's node plans hold some of this job's GPUs; if so this
         job withdraws its own node plans and waits (condition ``GpuConflict``)."""
         ns = self.ref.namespace
-        mine = frozenset((r.node, r.gpu_index) for r in ranks)
+        mine = frozenset((r.node, r.gpu_key) for r in ranks)
         others = [
             p
             for p in await self.io.list_namespace_node_plans(ns)

@@ -268,7 +268,9 @@ def get_node_plans(
             raise PlanningError(f"replica {r.dp_rank} refers to unknown plan {name!r}")
         by_node.setdefault(r.node, []).append(
             GpuAssignment(
-                gpu_index=r.gpu_index,
+                pod_uid=r.pod_uid,
+                container=r.container,
+                local_rank=r.local_rank,
                 plan=name,
                 stage=r.pp_rank,
                 dp_rank=r.dp_rank,

@@ -36,13 +36,14 @@ class SilentPod:
 
     pod: str
     node: str
-    gpus: tuple[int, ...]
+    ranks: tuple[int, ...]
+    """The global ranks of its processes (node plans name GPUs by process, not by index)."""
     agent_reported: bool
     """Whether the node's agent reported the profiling plan at all."""
 
     def describe(self) -> str:
-        gpus = ", ".join(str(g) for g in self.gpus)
-        where = f"GPU{'s' if len(self.gpus) > 1 else ''} {gpus} on node {self.node}"
+        ranks = ", ".join(str(r) for r in self.ranks)
+        where = f"rank{'s' if len(self.ranks) > 1 else ''} {ranks} on node {self.node}"
         if not self.agent_reported:
             return f"{self.pod} ({where}: no report from the node agent)"
         return f"{self.pod} ({where})"
@@ -88,7 +89,7 @@ def silent_pods(
 ) -> tuple[SilentPod, ...]:
     """The pods whose every GPU has not seen its training process yet (a pod with one GPU
     measuring has called in: its other processes may still be starting)."""
-    reports: dict[tuple[str, int], Mapping[str, Any]] = {}
+    reports: dict[tuple[str, int], Mapping[str, Any]] = {}  # by (node, global rank)
     reported_nodes = set()
     for plan in plans:
         node = str((plan.get("spec") or {}).get("node") or "")
@@ -96,14 +97,14 @@ def silent_pods(
         if entries:
             reported_nodes.add(node)
         for r in entries:
-            if isinstance(r, Mapping) and isinstance(r.get("index"), int):
-                reports[(node, r["index"])] = r
+            if isinstance(r, Mapping) and isinstance(r.get("rank"), int):
+                reports[(node, r["rank"])] = r
     by_pod: dict[tuple[str, str], list[int]] = {}
     active: set[tuple[str, str]] = set()
     for r in ranks:
         key = (r.pod, r.node)
-        by_pod.setdefault(key, []).append(r.gpu_index)
-        report = reports.get((r.node, r.gpu_index))
+        by_pod.setdefault(key, []).append(r.rank)
+        report = reports.get((r.node, r.rank))
         if report is not None and called_in(report):
             active.add(key)
     return tuple(
@@ -207,9 +208,9 @@ def unfinished_pods(
     for plan in plans:
         node = str((plan.get("spec") or {}).get("node") or "")
         for r in (plan.get("status") or {}).get("profiling") or []:
-            if isinstance(r, Mapping) and r.get("done") and isinstance(r.get("index"), int):
-                done.add((node, r["index"]))
-    return sorted({r.pod for r in ranks if (r.node, r.gpu_index) not in done})
+            if isinstance(r, Mapping) and r.get("done") and isinstance(r.get("rank"), int):
+                done.add((node, r["rank"]))
+    return sorted({r.pod for r in ranks if (r.node, r.rank) not in done})
 
 
 def _stage(report: Mapping[str, Any]) -> int:

@@ -4,7 +4,10 @@ Pure functions over pods as the Kubernetes API returns them (plain dicts), so th
 convention below is tested without a cluster. The rank convention is the one of
 :class:`perseus_api.job.RankMapping`: a pod with node rank ``n`` runs ``gpusPerPod``
 processes, process ``local`` has global rank ``n * gpusPerPod + local`` and runs on the
-node's GPU ``local``. Only the node rank differs between workload kinds:
+``local``-th GPU the kubelet allocated to the pod's GPU container: which GPU of the node that
+is, only the node's agent knows (from the kubelet's PodResources API), so a placement names
+the pod, its UID, the container and the local rank, never a node GPU index. Several pods may
+share a node. Only the node rank differs between workload kinds:
 
 * PyTorchJob (Kubeflow training operator v1): the Master is node rank 0 and Worker ``i`` is
   ``i + 1`` (``i`` when the job has no Master), as the operator's own ``RANK`` and
@@ -74,8 +77,15 @@ class RankPlacement:
     tp_rank: int
     pod: str
     node: str
-    gpu_index: int
     local_rank: int
+    container: str | None = None
+    """The pod's container holding the GPUs (``None``: any of them)."""
+    pod_uid: str | None = None
+
+    @property
+    def gpu_key(self) -> str:
+        """Names this process's GPU among the node's, for telling jobs' claims apart."""
+        return f"{self.pod}#{self.local_rank}"
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,31 @@ def _training_container(pod: Pod) -> Mapping[str, Any] | None:
     named = [c for c in containers if c.get("name") == PYTORCH_CONTAINER]
     candidates = named or containers
     return candidates[0] if candidates else None
+
+
+def _gpu_container(pod: Pod) -> str | None:
+    """The container whose ``nvidia.com/gpu`` the kubelet allocates: the only one requesting
+    GPUs, else the training container; ``None`` when that cannot be told (the agent then
+    takes the GPUs of all the pod's containers)."""
+    requesting = [
+        c
+        for c in _containers(pod)
+        if any(
+            _get(c, "resources", section, GPU_RESOURCE) not in (None, 0, "0")
+            for section in ("limits", "requests")
+        )
+    ]
+    if len(requesting) == 1:
+        return _container_name(requesting[0])
+    if requesting:
+        return None
+    training = _training_container(pod)
+    return None if training is None else _container_name(training)
+
+
+def _uid(pod: Pod) -> str | None:
+    uid = _get(pod, "metadata", "uid")
+    return uid if isinstance(uid, str) and uid else None
 
 
 def _env_entry(container: Mapping[str, Any], variable: str) -> Mapping[str, Any] | None:
@@ -451,7 +486,6 @@ def resolve_ranks(
             waiting=f"{len(unscheduled)} of {expected} pods are not scheduled yet: "
             f"{_listed(unscheduled)}"
         )
-    _check_one_pod_per_node(ranked)
     return Resolution(ranks=_placements(ranked, per_pod, parallelism, mapping.order))
 
 
@@ -564,21 +598,6 @@ def _node_ranks(
     return {rank: holders[0] for rank, holders in sorted(by_rank.items())}
 
 
-def _check_one_pod_per_node(ranked: Mapping[int, Pod]) -> None:
-    # Process ``local`` is placed on GPU index ``local`` of its node, which holds only if
-    # the pod owns the node's GPUs from index 0.
-    pods_on: dict[str, list[str]] = defaultdict(list)
-    for pod in ranked.values():
-        pods_on[str(_node(pod))].append(_name(pod))
-    for node, names in sorted(pods_on.items()):
-        if len(names) > 1:
-            raise WorkloadError(
-                f"pods {_listed(names)} run on the same node {node}; Perseus maps each "
-                "process to the GPU index of its local rank, so run one training pod per node "
-                "(pod anti-affinity, or request all of the node's GPUs)"
-            )
-
-
 def _coordinates(rank: int, parallelism: Parallelism, order: RankOrder) -> tuple[int, int, int]:
     """(dp, pp, tp) of a global rank."""
     tp, rest = rank % parallelism.tensor_parallel, rank // parallelism.tensor_parallel
@@ -603,8 +622,9 @@ def _placements(
                     tp_rank=tp,
                     pod=_name(pod),
                     node=str(_node(pod)),
-                    gpu_index=local,
                     local_rank=local,
+                    container=_gpu_container(pod),
+                    pod_uid=_uid(pod),
                 )
             )
     return tuple(placements)

@@ -4,7 +4,9 @@ Set-up (see ``conftest.py`` for the control plane and the chart):
 
 - two Nodes with four emulated GPUs each, following the bundled GPT-3 / A100 profile (its
   first four stages); on each a ``perseus-node-agent`` process in Kubernetes mode, acting as
-  the chart's agent service account with a token bound to an agent pod on that node;
+  the chart's agent service account with a token bound to an agent pod on that node, asking
+  a kubelet stand-in on the node (the PodResources v1 gRPC API on a Unix socket) which GPUs
+  the training pod was given;
 - a PyTorchJob (a stand-in object: no training operator runs here) and its Master and Worker
   pods, one per node, bound to the nodes and marked Running as a kubelet would;
 - the training itself: ``python -m perseus_agent.emulated_job``, all 2 x 4 ranks of a
@@ -57,6 +59,11 @@ from perseus_operator.workloads import (
     PYTORCH_REPLICA_TYPE,
 )
 from prometheus_server import PROMETHEUS
+
+try:  # the agents ask a kubelet stand-in which GPUs each pod owns (needs grpcio, protobuf)
+    from kubelet_pod_resources import KubeletStandIn, StandInPod
+except ImportError:  # pragma: no cover - the test extra installs both
+    KubeletStandIn = None  # type: ignore[assignment,misc]
 
 pytestmark = pytest.mark.e2e
 
@@ -416,12 +423,21 @@ def scenario(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     cluster.plane.apply(
         [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}]
     )
+    if KubeletStandIn is None:
+        require("grpcio and protobuf are not installed (pip install perseus-k8s[test,agent])")
     agents = []
-    for node in NODES:
+    for replica_type, node in zip(("master", "worker"), NODES, strict=True):
         cluster.node(node, GPUS)
         (workdir / node).mkdir()
         # Unix socket paths are limited to 108 bytes, which pytest's tmp paths can exceed.
         socket_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="perseus-")))
+        # Each node's kubelet gave the training pod all its GPUs, listed in another order
+        # than the node's: the agents must map local ranks by the node's GPU order.
+        kubelet = stack.enter_context(KubeletStandIn(socket_dir / "kubelet.sock"))
+        gpus = [f"GPU-emu-{node}-{i}" for i in reversed(range(GPUS))]
+        kubelet.set_pods(
+            [StandInPod(NAMESPACE, f"{JOB}-{replica_type}-0", {PYTORCH_CONTAINER: gpus})]
+        )
         agents.append(
             Agent(
                 workdir / node,
@@ -430,6 +446,7 @@ def scenario(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 kubeconfig=cluster.agent_kubeconfig(node),
                 node=node,
                 log_level="info",
+                pod_resources_socket=kubelet.socket_path,
             )
         )
     operator = OperatorProcess(cluster.operator_kubeconfig)

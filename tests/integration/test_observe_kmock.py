@@ -93,7 +93,8 @@ def test_observe_writes_no_node_plan_and_stage_without_hooks_ends(
         message = job("stage")["status"]["message"]
         assert failed and "no training process called the node agent within 3 s" in message
         for index in range(2):
-            assert f"stage-{index} (GPUs 0, 1, 2, 3 on node stage-node-{index}" in message
+            ranks = ", ".join(str(4 * index + r) for r in range(4))
+            assert f"stage-{index} (ranks {ranks} on node stage-node-{index}" in message
         assert condition("stage", "Profiled")["reason"] == "NoTrainingProcess"
         operator.wait_for("the profiling plans to go", lambda: not server.objects(PLANS))
 

@@ -40,7 +40,7 @@ def test_valid_node_plan() -> None:
 @pytest.mark.parametrize(
     ("assignments", "message"),
     [
-        ([{"plan": "tmin", "stage": 0}], "needs gpu_uuid or gpu_index"),
+        ([{"plan": "tmin", "stage": 0}], "needs gpu_uuid, gpu_index, or pod and local_rank"),
         ([{"gpu_index": 0, "plan": "slow", "stage": 0}], "unknown plan 'slow' \\(tmin\\)"),
         ([{"gpu_index": 0, "plan": "tmin", "stage": 2}], "stage 2 but plan 'tmin' has 2 stages"),
         (

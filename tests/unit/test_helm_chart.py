@@ -794,3 +794,29 @@ def test_dockerignore_keeps_the_build_context_small() -> None:
         "scripts/image-constraints.txt",
     }
     assert {x[1:] for x in lines if x.startswith("!")} == copied
+
+
+def test_agents_read_gpu_ownership_from_the_kubelet() -> None:
+    rendered = render()
+    pod = rendered.one("DaemonSet")["spec"]["template"]["spec"]
+    container = agent_container(rendered)
+    assert "--gpu-ownership=kubelet" in container["args"]
+    assert "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock" in container["args"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "pod-resources")
+    assert mount == {
+        "name": "pod-resources",
+        "mountPath": "/var/lib/kubelet/pod-resources",
+        "readOnly": True,
+    }
+    volume = next(v for v in pod["volumes"] if v["name"] == "pod-resources")
+    assert volume["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+    assert not pod.get("hostPID")  # only on request: it widens what the agent sees
+
+    verified = render({"agent": {"gpuOwnership": {"hostPID": True}}})
+    assert verified.one("DaemonSet")["spec"]["template"]["spec"]["hostPID"] is True
+
+    # Emulated GPUs are no device plugin's: no kubelet to ask.
+    emulated = agent_container(render({"agent": {"backend": "emulated"}}))
+    assert "--gpu-ownership=local-rank-index" in emulated["args"]
+    assert all(m["name"] != "pod-resources" for m in emulated["volumeMounts"])
+    assert not any(a.startswith("--pod-resources-socket") for a in emulated["args"])

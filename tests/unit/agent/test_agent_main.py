@@ -249,9 +249,33 @@ def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--plan-file",
         "--kubeconfig",
         "--report-interval",
+        "--gpu-ownership",
+        "--pod-resources-socket",
         "--log-level",
     ):
         assert flag in out
+
+
+def test_gpu_ownership_is_the_kubelets_unless_said_otherwise(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from perseus_agent.gpu_ownership import KubeletOwnership, LocalRankIndexOwnership
+    from perseus_agent.main import _check_args, _ownership, build_parser
+
+    monkeypatch.delenv("PERSEUS_GPU_OWNERSHIP", raising=False)
+    monkeypatch.delenv("PERSEUS_POD_RESOURCES_SOCKET", raising=False)
+    config = _check_args(build_parser().parse_args(["--node-name=n1"]))
+    assert config.gpu_ownership == "kubelet"
+    assert str(config.pod_resources_socket) == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    missing = tmp_path / "kubelet.sock"
+    args = ["--node-name=n1", f"--pod-resources-socket={missing}"]
+    ownership = _ownership(_check_args(build_parser().parse_args(args)))
+    assert isinstance(ownership, KubeletOwnership)
+    assert f"PodResources socket {missing} does not exist" in caplog.text  # said at start-up
+    monkeypatch.setenv("PERSEUS_GPU_OWNERSHIP", "local-rank-index")
+    config = _check_args(build_parser().parse_args(["--node-name=n1"]))
+    assert isinstance(_ownership(config), LocalRankIndexOwnership)
+    assert main(["--node-name=n1", "--gpu-ownership=index"]) == 2
 
 
 def test_bad_emulated_profile_exits_2(tmp_path: Path, plan_file: Path) -> None:

@@ -579,6 +579,57 @@ def test_agent_applies_reports_and_resets_plans_from_the_api(
             agent.kill_if_running()
 
 
+def test_the_agent_locks_only_the_gpus_the_kubelet_gave_the_pod(
+    api_server: KmockServer, tmp_path: Path, socket_dir: Path
+) -> None:
+    pytest.importorskip("grpc")
+    pytest.importorskip("google.protobuf")
+    from kubelet_pod_resources import KubeletStandIn, StandInPod
+
+    kubelet_sock = socket_dir / "kubelet.sock"
+    plan = node_plan().model_dump(mode="json")
+    for local, a in enumerate(plan["assignments"]):  # the operator's form: by process
+        del a["gpu_index"]
+        a.update(pod="gpt3-0", pod_uid="u-0", container="pytorch", local_rank=local)
+    with (
+        KubeletStandIn(kubelet_sock) as kubelet,
+        closing_api(custom_objects(api_server, tmp_path)) as api,
+    ):
+        kubelet.set_pods(
+            [
+                StandInPod("ml", "gpt3-0", {"pytorch": [f"GPU-emu-{NODE}-5", f"GPU-emu-{NODE}-2"]}),
+                StandInPod("other", "x", {"main": [f"GPU-emu-{NODE}-0"]}),
+            ]
+        )
+        kubeconfig = tmp_path / f"kubeconfig-{api_server.port}"
+        agent = Agent(
+            tmp_path,
+            socket_dir / "run",
+            num_gpus=8,
+            kubeconfig=kubeconfig,
+            pod_resources_socket=kubelet_sock,
+        )
+        try:
+            agent.start()
+            body = resources.node_plan_object(NodePlan.model_validate(plan))
+            create(api, body)
+            expected = [None, None, 1200, None, None, 1005, None, None]
+            wait_for(lambda: agent.clocks() == expected, "the pod's GPUs locked", agent)
+            wait_for(
+                lambda: _status_of(api_server, "gpt3-n1").get("observedRevision") == 1,
+                "a report",
+                agent,
+            )
+            status = _status_of(api_server, "gpt3-n1")
+            assert [(g["index"], g["status"]) for g in status["gpus"]] == [
+                (2, "Applied"),
+                (5, "Applied"),
+            ]
+            assert kubelet.calls["List"] >= 1
+        finally:
+            agent.kill_if_running()
+
+
 def _status_of(server: KmockServer, name: str) -> dict[str, Any]:
     obj = server.objects(RESOURCE).get(("ml", name)) or {}
     status: dict[str, Any] = obj.get("status") or {}

@@ -17,11 +17,20 @@ NS = "ml"
 
 
 def claim(job: str, created: str, *gpus: tuple[str, int]) -> GpuClaim:
-    return GpuClaim(NS, job, created, frozenset(gpus))
+    """A claim of the GPUs of processes ``(node, local rank)`` of pod ``p``."""
+    return GpuClaim(NS, job, created, frozenset(_keys(*gpus)))
 
 
-def node_plan(job: str, node: str, *gpu_indices: int) -> dict[str, Any]:
-    assignments = [{"gpu_index": i, "plan": "p", "stage": 0, "rank": i} for i in gpu_indices]
+def _keys(*gpus: tuple[str, int]) -> set[tuple[str, str]]:
+    return {(node, f"p#{local}") for node, local in gpus}
+
+
+def node_plan(job: str, node: str, *local_ranks: int) -> dict[str, Any]:
+    """The operator's form: GPUs named by pod and local rank, never by a node GPU index."""
+    assignments = [
+        {"pod": "p", "container": "c", "local_rank": i, "plan": "p", "stage": 0, "rank": i}
+        for i in local_ranks
+    ]
     return {"spec": {"job": job, "namespace": NS, "node": node, "assignments": assignments}}
 
 
@@ -39,9 +48,9 @@ def test_the_older_job_keeps_shared_gpus_and_the_newer_is_told_which_job_holds_t
     conflict = decide_gpu_conflict(new, [old])
     assert conflict is not None
     assert conflict.holder == old
-    assert conflict.shared == (("n1", 1),)
+    assert conflict.shared == (("n1", "p#1"),)
     assert conflict.message.startswith(
-        "GPUs n1/gpu1 are planned by the older PerseusJob ml/old, created 2026-12-01T10:00:00Z"
+        "GPUs n1/p#1 are planned by the older PerseusJob ml/old, created 2026-12-01T10:00:00Z"
     )
 
 
@@ -76,7 +85,7 @@ def test_many_shared_gpus_are_listed_briefly() -> None:
         claim("me", "2026-12-01T12:00:00Z", *gpus), [claim("o", "2026-12-01T11:00:00Z", *gpus)]
     )
     assert conflict is not None
-    assert "n/gpu0, n/gpu1, n/gpu2, n/gpu3 and 4 more" in conflict.message
+    assert "n/p#0, n/p#1, n/p#2, n/p#3 and 4 more" in conflict.message
 
 
 def test_claims_come_from_the_node_plans_of_jobs_that_still_exist() -> None:
@@ -90,4 +99,9 @@ def test_claims_come_from_the_node_plans_of_jobs_that_still_exist() -> None:
     jobs = [job("a", "2026-12-01T10:00:00Z"), job("released", None)]
     claims = claims_of_node_plans(plans, jobs)
     assert claims == [claim("a", "2026-12-01T10:00:00Z", ("n1", 0), ("n1", 1), ("n2", 0))]
-    assert planned_gpus(plans) == {("n1", 0), ("n1", 1), ("n2", 0), ("n1", 2)}
+    assert planned_gpus(plans) == _keys(("n1", 0), ("n1", 1), ("n2", 0), ("n1", 2))
+    # A plan of an older operator, by node GPU index, claims nothing it can tell.
+    legacy = {
+        "spec": {"job": "a", "namespace": NS, "node": "n5", "assignments": [{"gpu_index": 0}]}
+    }
+    assert planned_gpus([legacy]) == frozenset()

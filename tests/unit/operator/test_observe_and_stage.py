@@ -211,9 +211,10 @@ def silent_gpu(assignment: dict[str, Any], frequencies_mhz: list[int]) -> dict[s
     """An agent's report of a profiled GPU whose training process never began an iteration
     (the fields the agent's GpuProfilingReport has then)."""
     return {
-        "uuid": f"GPU-{assignment['gpu_index']}",
-        "index": assignment["gpu_index"],
+        "uuid": f"GPU-{assignment['local_rank']}",
+        "index": assignment["local_rank"],
         "stage": assignment["stage"],
+        "rank": assignment["rank"],
         "frequencies_mhz": frequencies_mhz,
         "applied_mhz": [None] * len(frequencies_mhz),
         "frequency_index": 0,
@@ -258,7 +259,7 @@ def test_stage_without_client_hooks_ends_with_no_training_process_naming_the_pod
     assert job.status["phase"] == "Failed"
     message = job.status["message"]
     assert "within 30 s (profiling.trainingProcessTimeoutSeconds) on pods gpt3-1 " in message
-    assert "gpt3-1 (GPUs 0, 1, 2, 3 on node node-1)" in message and "gpt3-0" not in message
+    assert "gpt3-1 (ranks 4, 5, 6, 7 on node node-1)" in message and "gpt3-0" not in message
     assert "spec.profiling.profileRef" in message
     profiled = job.condition("Profiled")
     assert (profiled["status"], profiled["reason"]) == ("False", "NoTrainingProcess")
@@ -297,7 +298,7 @@ def test_a_node_whose_agent_never_reports_is_named_after_the_default_wait(
     job.step(1600.0)
     assert job.status["phase"] == "Failed"
     assert (
-        "gpt3-0 (GPUs 0, 1, 2, 3 on node node-0: no report from the node agent)"
+        "gpt3-0 (ranks 0, 1, 2, 3 on node node-0: no report from the node agent)"
         in (job.status["message"])
     )
 

@@ -292,7 +292,9 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
         assert spec["profiling"]["frequencies_mhz"][0] == 2100
         assert len(spec["assignments"]) == GPUS_PER_POD
     # Ranks 0..3 on node-0: tp-dp-pp order with dp=2: (dp, pp) = (0,0) (1,0) (0,1) (1,1).
-    assert [(a["gpu_index"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]] == [
+    assert [
+        (a["local_rank"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]
+    ] == [
         (0, 0, 0),
         (1, 1, 0),
         (2, 0, 1),
@@ -732,7 +734,7 @@ def test_rank_samples_compare_ranks_at_the_pace_of_the_fastest_plan() -> None:
 
     ranks = [
         RankPlacement(rank=r, dp_rank=r, pp_rank=0, tp_rank=0, pod=f"p{r}", node=f"node-{r}",
-                      gpu_index=0, local_rank=0)
+                      local_rank=0)
         for r in (0, 1)
     ]  # fmt: skip
     plans = [
@@ -977,7 +979,7 @@ def test_the_newer_of_two_jobs_on_the_same_pods_writes_no_node_plans(
     degraded = newer.condition("Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "GpuConflict")
     assert f"older PerseusJob {NS}/{JOB}, created 2026-12-01T10:00:00Z" in degraded["message"]
-    assert "node-0/gpu0" in degraded["message"] and "and 4 more" in degraded["message"]
+    assert "node-0/gpt3-0#0" in degraded["message"] and "and 4 more" in degraded["message"]
     assert newer.status["message"] == degraded["message"]
     assert _plans_of(cluster, "gpt3-copy") == []
     assert ("GpuConflict", degraded["message"]) in newer.events

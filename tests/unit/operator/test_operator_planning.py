@@ -195,8 +195,9 @@ def placements(dp: int, pp: int, gpus_per_node: int) -> list[RankPlacement]:
                 tp_rank=0,
                 pod=f"worker-{rank // gpus_per_node}",
                 node=f"node-{rank // gpus_per_node}",
-                gpu_index=rank % gpus_per_node,
                 local_rank=rank % gpus_per_node,
+                container="pytorch",
+                pod_uid=f"uid-{rank // gpus_per_node}",
             )
         )
     return out
@@ -224,11 +225,15 @@ def test_node_plans_give_each_gpu_its_replicas_plan_and_stage(request_: Planning
         assert (plan.node, plan.namespace, plan.job, plan.revision) == (node, "ml", "gpt3", 7)
         for a in plan.assignments:
             rank = ranks[a.rank or 0]
-            assert (a.gpu_index, a.stage, a.dp_rank, a.pod) == (
-                rank.gpu_index,
+            # The GPU is named by its process; the node's agent asks the kubelet which it is.
+            assert (a.gpu_index, a.gpu_uuid) == (None, None)
+            assert (a.pod, a.pod_uid, a.container, a.local_rank, a.stage, a.dp_rank) == (
+                rank.pod,
+                rank.pod_uid,
+                "pytorch",
+                rank.local_rank,
                 rank.pp_rank,
                 rank.dp_rank,
-                rank.pod,
             )
             assert a.plan == (RETARGETED_PLAN if a.dp_rank == 0 else TMIN_PLAN)
         assert set(plan.plans) == {a.plan for a in plan.assignments}

@@ -60,6 +60,7 @@ def _pod(
     return {
         "metadata": {
             "name": name,
+            "uid": f"uid-{name}",
             "labels": labels or {},
             "annotations": annotations or {},
         },
@@ -181,12 +182,15 @@ def test_pytorch_job_master_and_workers() -> None:
     assert [p.rank for p in resolution.ranks] == list(range(32))
     # tp-dp-pp: data parallel varies fastest (tp is 1), so a node holds two stages.
     rank_9 = resolution.ranks[9]
-    assert (rank_9.pod, rank_9.node, rank_9.gpu_index, rank_9.local_rank) == (
+    # Its GPU is named by the process (pod, container, local rank): which GPU of the node
+    # that is, only the kubelet knows.
+    assert (rank_9.pod, rank_9.node, rank_9.container, rank_9.local_rank) == (
         "gpt3-worker-0",
         "node-gpt3-worker-0",
-        1,
+        "pytorch",
         1,
     )
+    assert not hasattr(rank_9, "gpu_index")
     assert (rank_9.dp_rank, rank_9.pp_rank, rank_9.tp_rank) == (1, 2, 0)
     nodes = nodes_of(resolution)
     assert list(nodes) == [
@@ -196,7 +200,23 @@ def test_pytorch_job_master_and_workers() -> None:
         "node-gpt3-worker-2",
     ]
     assert {p.pp_rank for p in nodes["node-gpt3-worker-2"]} == {6, 7}
-    assert [p.gpu_index for p in nodes["node-gpt3-master-0"]] == list(range(8))
+    assert [p.local_rank for p in nodes["node-gpt3-master-0"]] == list(range(8))
+
+
+def test_pods_of_one_workload_may_share_a_node() -> None:
+    # Two 4-GPU pods on one 8-GPU node: each process is named by its pod and local rank (the
+    # node's agent maps them to the GPUs the kubelet gave each pod), so nothing clashes.
+    pods = [_pod(f"p{i}", labels={"rank": str(i)}, gpus=4, node="n1") for i in range(2)]
+    sidecar = {"name": "logger", "resources": {}}
+    pods[1]["spec"]["containers"].insert(0, sidecar)  # the GPU container is not the first
+    resolution = resolve_ranks(pods, PODS, Parallelism(pipeline_stages=8, microbatches=8), BY_LABEL)
+    assert resolution.waiting is None
+    assert [(p.pod, p.pod_uid, p.container, p.local_rank) for p in resolution.ranks] == [
+        *(("p0", "uid-p0", "trainer", local) for local in range(4)),
+        *(("p1", "uid-p1", "trainer", local) for local in range(4)),
+    ]
+    assert len({p.gpu_key for p in resolution.ranks}) == 8
+    assert list(nodes_of(resolution)) == ["n1"]
 
 
 def test_pytorch_job_ranks_from_labels_or_env_alone() -> None:
@@ -475,13 +495,6 @@ ERRORS: list[tuple[str, list[Pod], Workload, RankMapping, str]] = [
         JOBSET,
         DEFAULT,
         "replicated jobs a, b all request nvidia.com/gpu",
-    ),
-    (
-        "two pods on one node",
-        [_pod(f"p{i}", labels={"rank": str(i)}, node="n1" if i < 2 else "") for i in range(4)],
-        PODS,
-        BY_LABEL,
-        "pods p0, p1 run on the same node n1",
     ),
 ]
 
