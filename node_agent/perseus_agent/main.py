@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="nvml: the node's NVIDIA GPUs; emulated: profile-driven GPUs (default: nvml)",
     )
     gpus.add_argument(
+        "--foreign-clocks",
+        choices=("leave", "override"),
+        default="leave",
+        help="clocks another owner set before the agent started (an administrator's "
+        "nvidia-smi -lgc or -ac): leave them and skip those GPUs, or override them and put "
+        "them back when a plan ends (default: leave)",
+    )
+    gpus.add_argument(
         "--emulated-gpus",
         type=int,
         metavar="N",
@@ -225,6 +233,7 @@ class _GpuConfig:
     emulated_state_file: Path | None
     node_name: str  # names the emulated GPUs (their UUIDs); may be empty with nvml
     state_dir: Path
+    foreign_clocks: str = "leave"
 
 
 @dataclass(frozen=True)
@@ -391,6 +400,7 @@ def _check_gpu_args(args: argparse.Namespace, node_name: str) -> _GpuConfig:
         emulated_state_file=args.emulated_state_file,
         node_name=node_name,
         state_dir=args.state_dir,
+        foreign_clocks=args.foreign_clocks,
     )
 
 
@@ -516,11 +526,14 @@ class _Agent:
         api_client: Any,
     ) -> int:
         from perseus_agent.applier import PlanApplier
+        from perseus_agent.clock_owners import ClockOwnerGuard, ForeignClockPolicy
         from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, MetricsServer
         from perseus_agent.reset_state import ResetState
 
         config = self.config
         backend = _open_backend(config.gpu)
+        # Everything but the recovery of the agent's own leftover locks goes through the guard.
+        guard = ClockOwnerGuard(backend, ForeignClockPolicy(config.gpu.foreign_clocks))
         servers: list[_Server] = []
         health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
         applier: PlanApplier | None = None
@@ -536,8 +549,9 @@ class _Agent:
                 ) from None
             try:
                 reset_state.recover(backend)
+                guard.survey(backend.devices())
                 if initial_plan is not None:
-                    plans = applier = PlanApplier(backend, reset_state, config.node_name)
+                    plans = applier = PlanApplier(guard, reset_state, config.node_name)
                     metrics, devices, managed = (
                         applier.metrics,
                         applier.devices,
@@ -547,7 +561,7 @@ class _Agent:
                     from perseus_agent.kube import JobPlans, ReportWriter, custom_objects_api
 
                     metrics = AgentMetrics(config.node_name)
-                    plans = jobs = JobPlans(backend, reset_state, config.node_name, metrics)
+                    plans = jobs = JobPlans(guard, reset_state, config.node_name, metrics)
                     devices, managed = jobs.devices, jobs.managed_gpus
                     # Lives until the shutdown has reset the clocks, to report that.
                     writer = ReportWriter(custom_objects_api(api_client), on_gone=self._gone)
@@ -557,7 +571,9 @@ class _Agent:
                     f"cannot reset the clocks left by a previous run: {exc}"
                 ) from None
 
-            metrics.registry.register(GpuCollector(backend, devices, metrics, managed))
+            metrics.registry.register(
+                GpuCollector(guard, devices, metrics, managed, foreign=guard.foreign)
+            )
             try:
                 exporter = MetricsServer(
                     metrics.registry, health, config.metrics_address, config.metrics_port

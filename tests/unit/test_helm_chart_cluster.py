@@ -113,3 +113,13 @@ def test_notes_tell_bottlerocket_users_how_the_agent_sees_the_gpus() -> None:
     assert "agent.privileged=true" in notes
     assert "Bottlerocket" not in render({"agent": {"backend": "emulated"}}).notes
     assert "priorityClassName system-node-critical" in notes
+
+
+def test_clocks_of_other_owners_are_left_alone_unless_the_values_say_so() -> None:
+    from perseus_agent.main import build_parser
+
+    for values, expected in (({}, "leave"), ({"agent": {"foreignClocks": "override"}}, "override")):
+        args = build_parser().parse_args([*_agent(values)["args"], "--node-name=n1"])
+        assert args.foreign_clocks == expected
+    with pytest.raises(helm_python.HelmValuesError):
+        validate_values({"agent": {"foreignClocks": "reset"}})
