@@ -7,7 +7,8 @@ GPU readings (energy, power, clock) are taken *at scrape time* by :class:`GpuCol
 energy counter is the GPU's own cumulative counter and not a sum of samples. A GPU whose reading
 fails is left out of that scrape and the failure is counted in
 ``perseus_agent_apply_errors_total{reason="read_<reason>"}``; a scrape never fails because of
-one GPU.
+one GPU. While the agent has released the GPUs for a driver upgrade, no GPU series is exported
+(``perseus_agent_driver_upgrade_released`` is 1) and nothing is counted.
 
 Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``namespace``, ``job``,
 ``pod``, ``dp_rank`` and ``pp_rank`` while the GPU follows a plan.
@@ -43,7 +44,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from perseus_agent.clock_owners import ForeignClocks
-from perseus_agent.errors import GpuError, GpuNotSupportedError
+from perseus_agent.errors import GpuError, GpuNotSupportedError, GpuReleasedError
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
 
 __all__ = [
@@ -238,6 +239,8 @@ class GpuCollector(Collector):
                 energy_j = self._backend.energy_j(gpu.index)
                 power_w = self._backend.power_w(gpu.index)
                 clock_mhz = self._backend.sm_clock_mhz(gpu.index)
+            except GpuReleasedError:
+                continue  # a driver upgrade: perseus_agent_driver_upgrade_released says so
             except GpuError as exc:
                 log.warning("cannot read GPU %d (%s): %s", gpu.index, gpu.uuid, exc)
                 self._metrics.count_error(f"read_{exc.reason}")

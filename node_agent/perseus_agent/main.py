@@ -53,8 +53,11 @@ from perseus_agent.errors import AgentError, GpuError, PlanError
 
 if TYPE_CHECKING:
     from perseus_agent.applier import PlanApplier
+    from perseus_agent.clock_owners import ClockOwnerGuard
+    from perseus_agent.driver_release import DriverUpgradeGate
     from perseus_agent.exporter import Health
     from perseus_agent.gpu.base import GpuBackend
+    from perseus_agent.gpu.releasable import ReleasableBackend
     from perseus_agent.kube import JobPlans, ReportWriter
     from perseus_agent.local_server import ClientHandler
     from perseus_api.node_plan import NodePlan
@@ -75,6 +78,8 @@ PLAN_POLL_S: Final = 1.0
 STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the grace period
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
+NODE_POLL_S: Final = 5.0
+"""Kubernetes mode: how often the node's labels are read (a GPU driver upgrade), at most."""
 EVENT_POLL_S: Final = 2.0
 """Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
 latency; plan events are handled at once)."""
@@ -478,6 +483,9 @@ class _Agent:
         self._stop = threading.Event()
         self._plan_signature: tuple[int, int, int] | None = None
         self._events: queue.Queue[_PlanEvent] | None = None  # Kubernetes mode's plan events
+        self._gpus: ReleasableBackend | None = None
+        self._guard: ClockOwnerGuard | None = None
+        self._gate: DriverUpgradeGate | None = None  # Kubernetes mode
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self._stop.is_set():
@@ -528,12 +536,17 @@ class _Agent:
         from perseus_agent.applier import PlanApplier
         from perseus_agent.clock_owners import ClockOwnerGuard, ForeignClockPolicy
         from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, MetricsServer
+        from perseus_agent.gpu.releasable import ReleasableBackend
         from perseus_agent.reset_state import ResetState
 
         config = self.config
-        backend = _open_backend(config.gpu)
+        backend = self._gpus = ReleasableBackend(
+            _open_backend(config.gpu), lambda: _open_backend(config.gpu)
+        )
         # Everything but the recovery of the agent's own leftover locks goes through the guard.
-        guard = ClockOwnerGuard(backend, ForeignClockPolicy(config.gpu.foreign_clocks))
+        guard = self._guard = ClockOwnerGuard(
+            backend, ForeignClockPolicy(config.gpu.foreign_clocks)
+        )
         servers: list[_Server] = []
         health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
         applier: PlanApplier | None = None
@@ -642,12 +655,32 @@ class _Agent:
         self, jobs: JobPlans, api_client: Any, writer: ReportWriter, health: Health
     ) -> None:
         """Apply and report this node's PerseusNodePlans until SIGTERM/SIGINT."""
-        from perseus_agent.kube import NodePlanSource, custom_objects_api
+        from perseus_agent.driver_release import DriverUpgradeGate
+        from perseus_agent.driver_upgrade import UPGRADE_STATE_LABEL
+        from perseus_agent.kube import (
+            NodeLabelSource,
+            NodePlanSource,
+            core_v1_api,
+            custom_objects_api,
+        )
 
         config = self.config
         api = custom_objects_api(api_client)
         events: queue.Queue[_PlanEvent] = queue.Queue()
         self._events = events
+        assert self._gpus is not None and self._guard is not None
+        gate = self._gate = DriverUpgradeGate(jobs, self._gpus, self._guard, jobs.metrics)
+
+        def on_upgrade_state(state: str | None) -> None:
+            events.put(_PlanEvent("driver", ("", ""), message=state or ""))
+
+        node = NodeLabelSource(
+            core_v1_api(api_client),
+            config.node_name,
+            UPGRADE_STATE_LABEL,
+            on_upgrade_state,
+            interval_s=min(config.report_interval_s, NODE_POLL_S),
+        )
 
         def on_plan(namespace: str, name: str, plan: NodePlan) -> None:
             events.put(_PlanEvent("plan", (namespace, name), plan=plan))
@@ -668,6 +701,7 @@ class _Agent:
             source.selector,
         )
         source.start()
+        node.start()
         interval_s = config.report_interval_s
         next_report = time.monotonic() + interval_s
         try:
@@ -691,7 +725,10 @@ class _Agent:
                         _submit_status(writer, jobs, key)
                     for key, status in invalid.items():
                         writer.submit(*key, status)
+                    for key in gate.retry():  # a driver upgrade over, NVML not back yet
+                        _submit_status(writer, jobs, key)
         finally:
+            node.stop()
             source.stop()
 
     def _on_plan_event(
@@ -704,6 +741,9 @@ class _Agent:
         from perseus_agent.kube import invalid_status
 
         key = event.key
+        gate = self._gate
+        if gate is not None and _held_by_driver_upgrade(event, gate, jobs, writer):
+            return
         invalid.pop(key, None)
         if event.kind == "plan":
             assert event.plan is not None
@@ -817,6 +857,32 @@ class _PlanEvent:
     plan: NodePlan | None = None
     message: str = ""
     revision: int | None = None
+
+
+def _held_by_driver_upgrade(
+    event: _PlanEvent, gate: DriverUpgradeGate, jobs: JobPlans, writer: ReportWriter
+) -> bool:
+    """A node upgrade-state event, or a plan event while the GPUs are released: handled here
+    (``True``); otherwise (``False``) the plans take it."""
+    if event.kind == "driver":
+        changed = gate.on_state(event.message or None)
+        for key in changed:
+            status = gate.status(key) if gate.released else jobs.status(key)
+            if status is not None:
+                writer.submit(*key, status)
+        return True
+    if not gate.released:
+        return False
+    gate.hold(event.key, event.plan if event.kind == "plan" else None)
+    if event.kind == "plan":
+        status = gate.status(event.key)
+        if status is not None:
+            writer.submit(*event.key, status)
+        return True
+    if event.kind == "delete":
+        writer.forget(*event.key)
+        return True
+    return False  # invalid: reported as usual
 
 
 def _submit_status(writer: ReportWriter, jobs: JobPlans, key: tuple[str, str]) -> None:
