@@ -5,6 +5,7 @@ the NVML side through the real bindings is in ``test_clock_owners_nvml.py``."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from perseus_agent.errors import GpuForeignClocksError
 from perseus_agent.exporter import AgentMetrics, GpuCollector
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS
 from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_agent.local_server import ClientSession
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import load_profile
@@ -34,7 +36,7 @@ USER_DEFINED = CLOCK_EVENT_REASONS["user_defined_clocks"]
 POWER_CAP = CLOCK_EVENT_REASONS["sw_power_cap"]
 
 
-def _plan(stage_mhz: int = 900) -> NodePlan:
+def _plan(stage_mhz: int = 900, granularity: str = "Stage") -> NodePlan:
     fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
     for stage in fields["stages"]:
         stage["frequency_mhz"] = stage_mhz
@@ -44,7 +46,7 @@ def _plan(stage_mhz: int = 900) -> NodePlan:
             "namespace": "ml",
             "job": "gpt3",
             "revision": 1,
-            "granularity": "Stage",
+            "granularity": granularity,
             "plans": {"tmin": fields},
             "assignments": [
                 {"gpu_index": 0, "plan": "tmin", "stage": 0},
@@ -204,3 +206,22 @@ def test_injected_reasons_are_shared_through_the_state_file_and_checked(tmp_path
     assert not agent.clock_event_reasons(0) & CLOCK_EVENT_REASONS["hw_slowdown"]
     with pytest.raises(ValueError, match="bit mask"):
         harness.set_clock_event_reasons(0, 0x10000)
+
+
+def test_instruction_granularity_retries_each_iteration_but_logs_a_few_lines(
+    gpus: EmulatedBackend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpus.lock_sm_clock(1, ADMIN_MHZ)
+    _, applier = _agent(gpus, tmp_path, ForeignClockPolicy.LEAVE)
+    applier.apply(_plan(granularity="Instruction"))
+    session = ClientSession(1, None, None, None, 0)
+    hello = {"op": "hello", "version": 1, "rank": 1, "gpu_uuids": [f"GPU-emu-{NODE}-1"]}
+    assert applier.hello(session, hello, 0)["managed"] is True  # type: ignore[arg-type]
+    iterations = 50
+    with caplog.at_level(logging.ERROR, logger="perseus_agent.applier"):
+        for _ in range(iterations):
+            applier.step_begin(session, {"op": "step_begin", "step": 1}, 0)
+    assert applier.metrics.error_count("foreign_clocks") >= iterations  # every one counted
+    errors = [r for r in caplog.records if "foreign" in r.getMessage()]
+    assert 1 <= len(errors) <= 11  # the first ten, then a summary per minute
+    assert gpus.locked_sm_clock_mhz(1) == ADMIN_MHZ
