@@ -22,7 +22,7 @@ from perseus_agent.clock_owners import ClockOwnerGuard
 from perseus_agent.driver_upgrade import UPGRADE_STATE_LABEL, releases_gpus
 from perseus_agent.exporter import AgentMetrics
 from perseus_agent.gpu.releasable import ReleasableBackend
-from perseus_agent.kube import JobPlans, ObjectKey, invalid_status
+from perseus_agent.kube import JobPlans, ObjectKey, ReportWriter, invalid_status
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 
@@ -71,6 +71,37 @@ class DriverUpgradeGate:
         if releases_gpus(state) and not self._released:
             return self._release()
         return self.retry()
+
+    def handle(
+        self,
+        kind: str,
+        key: ObjectKey,
+        plan: NodePlan | None,
+        message: str,
+        writer: ReportWriter,
+    ) -> bool:
+        """An event of the agent loop: ``driver`` (the node's upgrade state is ``message``, empty
+        for none), or a ``plan``/``delete``/``invalid`` event of plan ``key``. Returns whether
+        it was handled here (the upgrade state; plan events while released) and writes the
+        statuses that changed; ``False``: the plans take it as usual."""
+        if kind == "driver":
+            for changed in self.on_state(message or None):
+                status = self.status(changed) if self._released else self._jobs.status(changed)
+                if status is not None:
+                    writer.submit(*changed, status)
+            return True
+        if not self._released:
+            return False
+        self.hold(key, plan if kind == "plan" else None)
+        if kind == "plan":
+            status = self.status(key)
+            if status is not None:
+                writer.submit(*key, status)
+            return True
+        if kind == "delete":
+            writer.forget(*key)
+            return True
+        return False  # an invalid spec: reported as usual
 
     def retry(self) -> list[ObjectKey]:
         """Take the GPUs back if the upgrade is over and they are still released."""

@@ -742,7 +742,7 @@ class _Agent:
 
         key = event.key
         gate = self._gate
-        if gate is not None and _held_by_driver_upgrade(event, gate, jobs, writer):
+        if gate is not None and gate.handle(event.kind, key, event.plan, event.message, writer):
             return
         invalid.pop(key, None)
         if event.kind == "plan":
@@ -857,32 +857,6 @@ class _PlanEvent:
     plan: NodePlan | None = None
     message: str = ""
     revision: int | None = None
-
-
-def _held_by_driver_upgrade(
-    event: _PlanEvent, gate: DriverUpgradeGate, jobs: JobPlans, writer: ReportWriter
-) -> bool:
-    """A node upgrade-state event, or a plan event while the GPUs are released: handled here
-    (``True``); otherwise (``False``) the plans take it."""
-    if event.kind == "driver":
-        changed = gate.on_state(event.message or None)
-        for key in changed:
-            status = gate.status(key) if gate.released else jobs.status(key)
-            if status is not None:
-                writer.submit(*key, status)
-        return True
-    if not gate.released:
-        return False
-    gate.hold(event.key, event.plan if event.kind == "plan" else None)
-    if event.kind == "plan":
-        status = gate.status(event.key)
-        if status is not None:
-            writer.submit(*event.key, status)
-        return True
-    if event.kind == "delete":
-        writer.forget(*event.key)
-        return True
-    return False  # invalid: reported as usual
 
 
 def _submit_status(writer: ReportWriter, jobs: JobPlans, key: tuple[str, str]) -> None:

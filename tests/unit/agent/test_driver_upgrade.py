@@ -282,3 +282,73 @@ def test_the_agent_lets_go_of_nvml_during_a_driver_upgrade_and_takes_the_gpus_ba
                 proc.kill()
                 proc.wait(timeout=TIMEOUT_S)
             client.close()
+
+
+# -- the gate in process: plans that come and go while released, a driver not back yet ------------
+
+
+class _Writer:
+    """What the gate writes (the ReportWriter's two methods it uses)."""
+
+    def __init__(self) -> None:
+        self.statuses: dict[tuple[str, str], dict[str, Any]] = {}
+        self.forgotten: list[tuple[str, str]] = []
+
+    def submit(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.statuses[(namespace, name)] = status
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.forgotten.append((namespace, name))
+
+
+def test_the_gate_holds_plan_changes_and_retries_a_driver_that_is_not_back(
+    tmp_path: Path,
+) -> None:
+    from fakes import FakeBackend
+
+    from perseus_agent.clock_owners import ClockOwnerGuard
+    from perseus_agent.driver_release import DriverUpgradeGate
+    from perseus_agent.errors import GpuLibraryNotFoundError
+    from perseus_agent.gpu.releasable import ReleasableBackend
+    from perseus_agent.kube import JobPlans
+    from perseus_agent.reset_state import ResetState
+
+    hardware = FakeBackend(num_gpus=2)
+    opens: list[str] = []
+
+    def reopen() -> FakeBackend:
+        if not opens:
+            opens.append("failed")
+            raise GpuLibraryNotFoundError("NVML cannot be used: driver not loaded")
+        opens.append("ok")
+        return hardware
+
+    gpus = ReleasableBackend(hardware, reopen)
+    guard = ClockOwnerGuard(gpus)
+    plan = _plan(1, 1200).model_copy(update={"node": "n1"})
+    jobs = JobPlans(guard, ResetState(tmp_path), "n1")
+    gate = DriverUpgradeGate(jobs, gpus, guard, jobs.metrics)
+    writer = _Writer()
+    a, b = ("ml", "a"), ("ml", "b")
+    jobs.set_plan(a, plan)
+    assert hardware.locked() == {0: 1200, 1: 1200}
+
+    assert gate.handle("driver", ("", ""), None, "pod-deletion-required", writer)
+    assert gate.released and gpus.released and hardware.locked() == {}
+    assert writer.statuses[a]["conditions"][0]["reason"] == "DriverUpgrade"
+    # Meanwhile: plan a is deleted, plan b arrives (on other GPUs: none to lock now).
+    assert gate.handle("delete", a, None, "", writer) and writer.forgotten == [a]
+    assert gate.handle("plan", b, _plan(3, 900).model_copy(update={"node": "n1"}), "", writer)
+    assert writer.statuses[b]["observedRevision"] == 3
+    assert not gate.handle("invalid", a, None, "bad spec", writer)  # reported as usual
+    calls = len(hardware.calls)
+
+    # Done, but the new driver is not loaded yet: still released, and nothing touched.
+    assert gate.handle("driver", ("", ""), None, "upgrade-done", writer)
+    assert gate.released and opens == ["failed"] and len(hardware.calls) == calls
+    # The agent loop retries: now the library opens, and the plans of now are applied.
+    assert gate.retry() == [b]
+    assert not gate.released and opens == ["failed", "ok"]
+    assert jobs.objects() == [b] and hardware.locked() == {0: 900, 1: 900}
+    assert gate.handle("driver", ("", ""), None, "", writer)  # nothing more to do
+    assert jobs.objects() == [b]
