@@ -79,7 +79,7 @@ STOP_REPORT_TIMEOUT_S: Final = 3.0  # writing "stopped" statuses must fit the gr
 REPORT_INTERVAL_S: Final = 10.0
 """Kubernetes mode: default of how often the status of every plan is written (if it changed)."""
 NODE_POLL_S: Final = 5.0
-"""Kubernetes mode: how often the node's labels are read (a GPU driver upgrade), at most."""
+"""Kubernetes mode: default of how often the node is read (its GPU driver upgrade state)."""
 EVENT_POLL_S: Final = 2.0
 """Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
 latency; plan events are handled at once)."""
@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"besides after every change of plan (default: {REPORT_INTERVAL_S:g})",
     )
     agent.add_argument(
+        "--node-poll-interval",
+        type=float,
+        default=NODE_POLL_S,
+        metavar="SECONDS",
+        help="Kubernetes mode: how often the node is read for the GPU Operator's driver upgrade "
+        f"state, when the agent lets go of NVML (default: {NODE_POLL_S:g})",
+    )
+    agent.add_argument(
         "--standalone",
         action="store_true",
         help="no Kubernetes API: apply the NodePlan in --plan-file",
@@ -252,6 +260,7 @@ class _Config:
     plan_file: Path | None  # standalone mode
     kubeconfig: str | None  # Kubernetes mode; None: in-cluster
     report_interval_s: float  # Kubernetes mode
+    node_poll_interval_s: float  # Kubernetes mode
     log_level: str
 
     @property
@@ -358,6 +367,10 @@ def _check_args(args: argparse.Namespace) -> _Config:
         raise _UsageError(
             f"--report-interval must be a positive number, got {args.report_interval}"
         )
+    if not (math.isfinite(args.node_poll_interval) and args.node_poll_interval > 0):
+        raise _UsageError(
+            f"--node-poll-interval must be a positive number, got {args.node_poll_interval}"
+        )
     return _Config(
         gpu=_check_gpu_args(args, node_name),
         node_name=node_name,
@@ -368,6 +381,7 @@ def _check_args(args: argparse.Namespace) -> _Config:
         plan_file=args.plan_file,
         kubeconfig=args.kubeconfig,
         report_interval_s=args.report_interval,
+        node_poll_interval_s=args.node_poll_interval,
         log_level=args.log_level,
     )
 
@@ -679,7 +693,7 @@ class _Agent:
             config.node_name,
             UPGRADE_STATE_LABEL,
             on_upgrade_state,
-            interval_s=min(config.report_interval_s, NODE_POLL_S),
+            interval_s=config.node_poll_interval_s,
         )
 
         def on_plan(namespace: str, name: str, plan: NodePlan) -> None:

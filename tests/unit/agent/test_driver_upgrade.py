@@ -201,6 +201,7 @@ def test_the_agent_lets_go_of_nvml_during_a_driver_upgrade_and_takes_the_gpus_ba
                     "--gpu-backend=nvml", f"--node-name={NODE}", "--metrics-port=0",
                     "--metrics-address=127.0.0.1", f"--socket-dir={socket_dir / 'run'}",
                     f"--state-dir={tmp_path / 'state'}", "--report-interval=0.2",
+                    "--node-poll-interval=0.2",
                 ],
                 env=fake.env(gpus=2, state=nvml),
                 stdout=out,
