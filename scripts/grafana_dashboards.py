@@ -444,7 +444,7 @@ NODE_PANELS: list[Panel | Row] = [
             ),
             Target(
                 f"max by (node, gpu, kind) (perseus_gpu_foreign_clocks{{{GPUS}}})",
-                "{{node}} GPU {{gpu}}: clocks set by another owner ({{kind}})",
+                "{{node}} GPU {{gpu}}: clocks set by another owner {{kind}}",
             ),
         ],
         24,

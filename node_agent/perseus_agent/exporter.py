@@ -17,7 +17,8 @@ Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``names
 reason (label ``reason``, :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`), 1 while that
 reason holds the clock down: a Perseus lock (``user_defined_clocks`` with a target clock) can
 then be told from a power cap or a thermal slowdown. ``perseus_gpu_foreign_clocks{kind}`` is 1
-for a GPU whose clocks another owner set (:mod:`perseus_agent.clock_owners`).
+for a GPU whose clocks another owner set (:mod:`perseus_agent.clock_owners`), 0 (no ``kind``)
+for the others.
 
 Cardinality. Every label value comes from the node plan (what the operator assigned), never from
 what a training process claims in its hello: whoever can reach the socket could otherwise grow
@@ -224,7 +225,7 @@ class GpuCollector(Collector):
         )
         foreign_metric = Metric(
             "perseus_gpu_foreign_clocks",
-            "1 for a GPU whose clocks another owner set (locked or application clocks).",
+            "1 for a GPU whose clocks another owner set (kind: locked or applications), else 0.",
             "gauge",
         )
         try:
@@ -273,9 +274,12 @@ class GpuCollector(Collector):
                     reasons.add_sample(
                         reasons.name, {**labels, "reason": reason}, 1.0 if bits & bit else 0.0
                     )
+            # Every GPU, 0 without (so that a query over it has data, as for ``up``).
             other = foreign.get(gpu.index)
             if other is not None:
                 foreign_metric.add_sample(foreign_metric.name, {**labels, "kind": other.kind}, 1.0)
+            else:
+                foreign_metric.add_sample(foreign_metric.name, labels, 0.0)
         return [energy, power, clock, target, changes, reasons, foreign_metric]
 
     def _event_reasons(self, gpu: GpuInfo) -> int | None:
