@@ -435,6 +435,31 @@ NODE_PANELS: list[Panel | Row] = [
         min_value=0,
     ),
     Panel(
+        "timeseries",
+        "Clock event reasons: who holds the clock",
+        [
+            Target(
+                f"max by (node, gpu, reason) (perseus_gpu_clock_event_reasons{{{GPUS}}}) > 0",
+                "{{node}} GPU {{gpu}}: {{reason}}",
+            ),
+            Target(
+                f"max by (node, gpu, kind) (perseus_gpu_foreign_clocks{{{GPUS}}})",
+                "{{node}} GPU {{gpu}}: clocks set by another owner {{kind}}",
+            ),
+        ],
+        24,
+        unit="short",
+        description="NVML's clock event (throttle) reasons while they hold: "
+        "user_defined_clocks is a locked clock, Perseus's where the GPU has a target clock "
+        "above, an administrator's (nvidia-smi -lgc/-ac, left alone by Perseus unless "
+        "agent.foreignClocks=override) where 'clocks set by another owner' shows; "
+        "sw_power_cap, hw_slowdown and the thermal reasons mean power or heat hold the "
+        "clock down, not Perseus.",
+        bars=True,
+        decimals=0,
+        min_value=0,
+    ),
+    Panel(
         "bargauge",
         "Energy over the time range",
         [

@@ -299,6 +299,9 @@ class PlanApplier:
         # A client controls how often these happen: the counter counts each, the log samples.
         self._mismatch_log = RateLimitedLog(log)
         self._session_log = RateLimitedLog(log, burst=_SESSION_LOG_BURST)
+        # Instruction granularity retries a failed GPU every iteration (a GPU whose clocks
+        # another owner holds fails every time).
+        self._fail_log = RateLimitedLog(log)
 
     # -- plans ---------------------------------------------------------------------------------
 
@@ -758,7 +761,14 @@ class PlanApplier:
             self._set_clock(g, instructions[g.position].frequency_mhz)
 
     def _fail(self, g: _Gpu, reason: str, message: str, target_mhz: int | None) -> None:
-        log.error("GPU %d (%s): %s", g.info.index, g.info.uuid, message)
+        self._fail_log.log(
+            logging.ERROR,
+            (reason, g.info.index),
+            "GPU %d (%s): %s",
+            g.info.index,
+            g.info.uuid,
+            message,
+        )
         self.metrics.count_error(reason)
         _stop_sampling(g)
         g.status = GpuStatus.FAILED

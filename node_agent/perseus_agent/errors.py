@@ -64,3 +64,16 @@ class GpuNotFoundError(GpuError):
     """No GPU with that index or UUID."""
 
     reason = "not_found"
+
+
+class GpuForeignClocksError(GpuError):
+    """Another owner (an administrator's ``nvidia-smi -lgc``/``-ac``) set this GPU's clocks, and
+    the agent is configured to leave them alone."""
+
+    reason = "foreign_clocks"
+
+
+class GpuReleasedError(GpuError):
+    """The agent let go of the GPU library (a driver upgrade is in progress on the node)."""
+
+    reason = "driver_upgrade"

@@ -7,10 +7,18 @@ GPU readings (energy, power, clock) are taken *at scrape time* by :class:`GpuCol
 energy counter is the GPU's own cumulative counter and not a sum of samples. A GPU whose reading
 fails is left out of that scrape and the failure is counted in
 ``perseus_agent_apply_errors_total{reason="read_<reason>"}``; a scrape never fails because of
-one GPU.
+one GPU. While the agent has released the GPUs for a driver upgrade, no GPU series is exported
+(``perseus_agent_driver_upgrade_released`` is 1) and nothing is counted.
 
 Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``namespace``, ``job``,
 ``pod``, ``dp_rank`` and ``pp_rank`` while the GPU follows a plan.
+
+``perseus_gpu_clock_event_reasons`` has one series per GPU and NVML clock event ("throttle")
+reason (label ``reason``, :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`), 1 while that
+reason holds the clock down: a Perseus lock (``user_defined_clocks`` with a target clock) can
+then be told from a power cap or a thermal slowdown. ``perseus_gpu_foreign_clocks{kind}`` is 1
+for a GPU whose clocks another owner set (:mod:`perseus_agent.clock_owners`), 0 (no ``kind``)
+for the others.
 
 Cardinality. Every label value comes from the node plan (what the operator assigned), never from
 what a training process claims in its hello: whoever can reach the socket could otherwise grow
@@ -36,8 +44,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from perseus_agent.errors import GpuError
-from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.clock_owners import ForeignClocks
+from perseus_agent.errors import GpuError, GpuNotSupportedError, GpuReleasedError
+from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
 
 __all__ = [
     "ITERATION_BUCKETS_S",
@@ -74,6 +83,7 @@ KNOWN_ERROR_REASONS: Final = (
     "invalid_argument",
     "not_found",
     "gpu_error",
+    "foreign_clocks",
 )
 """Reasons exported at zero from the start, so alerts see the series before the first error."""
 
@@ -169,6 +179,7 @@ class GpuCollector(Collector):
         devices: The GPUs to export (listed once by the caller).
         metrics: Where failed readings are counted, and the clock change counts.
         managed: Returns the GPUs under a plan, by index (called once per scrape).
+        foreign: Returns the clocks other owners set, by GPU index (once per scrape).
     """
 
     def __init__(
@@ -177,11 +188,14 @@ class GpuCollector(Collector):
         devices: Sequence[GpuInfo],
         metrics: AgentMetrics,
         managed: Callable[[], Mapping[int, ManagedGpu]],
+        foreign: Callable[[], Mapping[int, ForeignClocks]] | None = None,
     ) -> None:
         self._backend = backend
         self._devices = list(devices)
         self._metrics = metrics
         self._managed = managed
+        self._foreign = foreign or dict
+        self._no_reasons: set[int] = set()  # GPUs that cannot tell: not asked again
 
     def describe(self) -> Iterable[Metric]:
         return []  # no GPU reads at registration time
@@ -204,17 +218,30 @@ class GpuCollector(Collector):
             "SM clock changes made by this agent.",
             "counter",
         )
+        reasons = Metric(
+            "perseus_gpu_clock_event_reasons",
+            "1 while this NVML clock event (throttle) reason holds the GPU's clock, else 0.",
+            "gauge",
+        )
+        foreign_metric = Metric(
+            "perseus_gpu_foreign_clocks",
+            "1 for a GPU whose clocks another owner set (kind: locked or applications), else 0.",
+            "gauge",
+        )
         try:
             managed = self._managed()
+            foreign = self._foreign()
         except Exception:  # a scrape must never fail
             log.exception("cannot read the managed GPUs; exporting the GPUs as unmanaged")
-            managed = {}
+            managed, foreign = {}, {}
         node = self._metrics.node
         for gpu in self._devices:
             try:
                 energy_j = self._backend.energy_j(gpu.index)
                 power_w = self._backend.power_w(gpu.index)
                 clock_mhz = self._backend.sm_clock_mhz(gpu.index)
+            except GpuReleasedError:
+                continue  # a driver upgrade: perseus_agent_driver_upgrade_released says so
             except GpuError as exc:
                 log.warning("cannot read GPU %d (%s): %s", gpu.index, gpu.uuid, exc)
                 self._metrics.count_error(f"read_{exc.reason}")
@@ -241,7 +268,31 @@ class GpuCollector(Collector):
                 labels,
                 self._metrics.clock_changes(gpu.index),
             )
-        return [energy, power, clock, target, changes]
+            bits = self._event_reasons(gpu)
+            if bits is not None:
+                for reason, bit in CLOCK_EVENT_REASONS.items():
+                    reasons.add_sample(
+                        reasons.name, {**labels, "reason": reason}, 1.0 if bits & bit else 0.0
+                    )
+            # Every GPU, 0 without (so that a query over it has data, as for ``up``).
+            other = foreign.get(gpu.index)
+            if other is not None:
+                foreign_metric.add_sample(foreign_metric.name, {**labels, "kind": other.kind}, 1.0)
+            else:
+                foreign_metric.add_sample(foreign_metric.name, labels, 0.0)
+        return [energy, power, clock, target, changes, reasons, foreign_metric]
+
+    def _event_reasons(self, gpu: GpuInfo) -> int | None:
+        if gpu.index in self._no_reasons:
+            return None
+        try:
+            return self._backend.clock_event_reasons(gpu.index)
+        except GpuNotSupportedError:
+            self._no_reasons.add(gpu.index)
+            log.info("GPU %d reports no clock event reasons; not exported", gpu.index)
+        except GpuError as exc:
+            self._metrics.count_error(f"read_{exc.reason}")
+        return None
 
 
 @dataclass

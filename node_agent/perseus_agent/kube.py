@@ -16,6 +16,9 @@ imported lazily, so standalone agents do not need it). The objects are PerseusNo
   thread: latest report wins, unchanged reports are not re-sent, conflicts, throttling, server
   errors and connection errors are retried a bounded number of times, and nothing raises into
   the agent loop. Needs RBAC: ``patch`` on ``perseusnodeplans/status``.
+- :class:`NodeLabelSource` reads this node's object every few seconds for one label, the GPU
+  Operator's driver upgrade state (:mod:`perseus_agent.driver_upgrade`), and calls back when
+  it changes. Needs RBAC: ``get`` on ``nodes``.
 - :func:`arbitrate_gpus` (pure): one job per GPU. When plans of several jobs claim the same
   GPU, the *older* plan keeps it — older meaning delivered first by the source, which delivers
   the objects of its first listing in ``creationTimestamp`` order, so a restarted agent picks
@@ -61,9 +64,11 @@ __all__ = [
     "GpuGrant",
     "JobPlans",
     "KubeConfigError",
+    "NodeLabelSource",
     "NodePlanSource",
     "ReportWriter",
     "arbitrate_gpus",
+    "core_v1_api",
     "invalid_status",
     "load_api_client",
     "report_status",
@@ -293,6 +298,11 @@ class JobPlans:
         """The plan objects, oldest first."""
         with self._lock:
             return list(self._jobs)
+
+    def plans(self) -> dict[ObjectKey, NodePlan]:
+        """The plan of every object, oldest first (to apply them again after a release)."""
+        with self._lock:
+            return {key: job.plan for key, job in self._jobs.items()}
 
     def set_plan(self, key: ObjectKey, plan: NodePlan) -> list[ObjectKey]:
         """A plan object is new or changed: apply it. Returns the plans whose state changed."""
@@ -1163,3 +1173,90 @@ class ReportWriter:
                     self._written[key] = document
             return True
         return False  # pragma: no cover - the loop always returns
+
+
+# -- this node's labels in (the GPU Operator's driver upgrade state) -------------------------------
+
+NODE_POLL_S: Final = 5.0
+"""How often :class:`NodeLabelSource` reads the node (a driver upgrade's states last minutes)."""
+
+
+_NODE_RBAC_HINT: Final = " (the agent's service account needs get on nodes)"
+
+
+def core_v1_api(api_client: Any) -> Any:
+    """A ``kubernetes.client.CoreV1Api`` on ``api_client``."""
+    from kubernetes import client
+
+    return client.CoreV1Api(api_client)
+
+
+class NodeLabelSource:
+    """One label of this node, read every ``interval_s`` from a background thread:
+    ``on_value(value)`` with its value (``None``: no such label, or no such node) at the first
+    successful read and whenever it changes. Errors are logged and retried; callbacks that
+    raise are logged. Needs RBAC: ``get`` on ``nodes``.
+
+    Polling rather than watching: one small GET per interval, nothing to resume, and the
+    upgrade states it follows last minutes.
+    """
+
+    def __init__(
+        self,
+        api: Any,
+        node_name: str,
+        label: str,
+        on_value: Callable[[str | None], None],
+        *,
+        interval_s: float = NODE_POLL_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._api = api
+        self.node_name = node_name
+        self.label = label
+        self._on_value = on_value
+        self._interval_s = interval_s
+        self._request_timeout_s = request_timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="perseus-node", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def run(self) -> None:
+        seen: tuple[str | None] | None = None  # nothing read yet
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                node = self._api.read_node(self.node_name, _request_timeout=self._request_timeout_s)
+                labels = getattr(getattr(node, "metadata", None), "labels", None) or {}
+                value = labels.get(self.label)
+            except Exception as exc:
+                if _http_status(exc) == 404:
+                    value = None
+                else:
+                    failures += 1
+                    (log.error if failures == 1 else log.debug)(
+                        "cannot read node %s (for its label %s): %s%s; retrying every %.0f s",
+                        self.node_name,
+                        self.label,
+                        _describe(exc),
+                        _NODE_RBAC_HINT if _http_status(exc) == 403 else "",
+                        self._interval_s,
+                    )
+                    self._stop.wait(self._interval_s)
+                    continue
+            failures = 0
+            if seen is None or seen[0] != value:
+                seen = (value,)
+                try:
+                    self._on_value(value)
+                except Exception:
+                    log.exception("error while handling label %s=%s", self.label, value)
+            self._stop.wait(self._interval_s)

@@ -59,8 +59,11 @@ from perseus_agent.errors import AgentError, GpuError, PlanError
 
 if TYPE_CHECKING:
     from perseus_agent.applier import PlanApplier
+    from perseus_agent.clock_owners import ClockOwnerGuard
+    from perseus_agent.driver_release import DriverUpgradeGate
     from perseus_agent.exporter import Health
     from perseus_agent.gpu.base import GpuBackend
+    from perseus_agent.gpu.releasable import ReleasableBackend
     from perseus_agent.gpu_ownership import Ownership
     from perseus_agent.kube import JobPlans, ReportWriter
     from perseus_agent.local_server import ClientHandler
@@ -88,6 +91,8 @@ REPORT_INTERVAL_S: Final = 10.0
 OWNERSHIP_REFRESH_S: Final = 5.0
 """Kubernetes mode: how often at most the kubelet is asked again which GPUs the pods own
 (besides at every plan change): how soon a pod that starts after its plan is managed."""
+NODE_POLL_S: Final = 5.0
+"""Kubernetes mode: default of how often the node is read (its GPU driver upgrade state)."""
 EVENT_POLL_S: Final = 2.0
 """Kubernetes mode: how often the loop checks for a stop request between events (CPU vs. stop
 latency; plan events are handled at once)."""
@@ -129,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("nvml", "emulated"),
         default="nvml",
         help="nvml: the node's NVIDIA GPUs; emulated: profile-driven GPUs (default: nvml)",
+    )
+    gpus.add_argument(
+        "--foreign-clocks",
+        choices=("leave", "override"),
+        default="leave",
+        help="clocks another owner set before the agent started (an administrator's "
+        "nvidia-smi -lgc or -ac): leave them and skip those GPUs, or override them and put "
+        "them back when a plan ends (default: leave)",
     )
     gpus.add_argument(
         "--emulated-gpus",
@@ -224,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: $PERSEUS_POD_RESOURCES_SOCKET, else {DEFAULT_POD_RESOURCES})",
     )
     agent.add_argument(
+        "--node-poll-interval",
+        type=float,
+        default=NODE_POLL_S,
+        metavar="SECONDS",
+        help="Kubernetes mode: how often the node is read for the GPU Operator's driver upgrade "
+        f"state, when the agent lets go of NVML (default: {NODE_POLL_S:g})",
+    )
+    agent.add_argument(
         "--standalone",
         action="store_true",
         help="no Kubernetes API: apply the NodePlan in --plan-file",
@@ -254,6 +275,7 @@ class _GpuConfig:
     emulated_state_file: Path | None
     node_name: str  # names the emulated GPUs (their UUIDs); may be empty with nvml
     state_dir: Path
+    foreign_clocks: str = "leave"
 
 
 @dataclass(frozen=True)
@@ -269,6 +291,7 @@ class _Config:
     gpu_ownership: str  # Kubernetes mode: "kubelet" or "local-rank-index"
     pod_resources_socket: Path  # Kubernetes mode, kubelet ownership
     report_interval_s: float  # Kubernetes mode
+    node_poll_interval_s: float  # Kubernetes mode
     log_level: str
 
     @property
@@ -375,6 +398,10 @@ def _check_args(args: argparse.Namespace) -> _Config:
         raise _UsageError(
             f"--report-interval must be a positive number, got {args.report_interval}"
         )
+    if not (math.isfinite(args.node_poll_interval) and args.node_poll_interval > 0):
+        raise _UsageError(
+            f"--node-poll-interval must be a positive number, got {args.node_poll_interval}"
+        )
     return _Config(
         gpu=_check_gpu_args(args, node_name),
         node_name=node_name,
@@ -387,6 +414,7 @@ def _check_args(args: argparse.Namespace) -> _Config:
         gpu_ownership=args.gpu_ownership,
         pod_resources_socket=args.pod_resources_socket,
         report_interval_s=args.report_interval,
+        node_poll_interval_s=args.node_poll_interval,
         log_level=args.log_level,
     )
 
@@ -424,6 +452,7 @@ def _check_gpu_args(args: argparse.Namespace, node_name: str) -> _GpuConfig:
         emulated_state_file=args.emulated_state_file,
         node_name=node_name,
         state_dir=args.state_dir,
+        foreign_clocks=args.foreign_clocks,
     )
 
 
@@ -501,6 +530,9 @@ class _Agent:
         self._stop = threading.Event()
         self._plan_signature: tuple[int, int, int] | None = None
         self._events: queue.Queue[_PlanEvent] | None = None  # Kubernetes mode's plan events
+        self._gpus: ReleasableBackend | None = None
+        self._guard: ClockOwnerGuard | None = None
+        self._gate: DriverUpgradeGate | None = None  # Kubernetes mode
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self._stop.is_set():
@@ -549,11 +581,19 @@ class _Agent:
         api_client: Any,
     ) -> int:
         from perseus_agent.applier import PlanApplier
+        from perseus_agent.clock_owners import ClockOwnerGuard, ForeignClockPolicy
         from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, MetricsServer
+        from perseus_agent.gpu.releasable import ReleasableBackend
         from perseus_agent.reset_state import ResetState
 
         config = self.config
-        backend = _open_backend(config.gpu)
+        backend = self._gpus = ReleasableBackend(
+            _open_backend(config.gpu), lambda: _open_backend(config.gpu)
+        )
+        # Everything but the recovery of the agent's own leftover locks goes through the guard.
+        guard = self._guard = ClockOwnerGuard(
+            backend, ForeignClockPolicy(config.gpu.foreign_clocks)
+        )
         servers: list[_Server] = []
         health = Health(max_age_s=max(30.0, 10 * PLAN_POLL_S))
         applier: PlanApplier | None = None
@@ -569,8 +609,9 @@ class _Agent:
                 ) from None
             try:
                 reset_state.recover(backend)
+                guard.survey(backend.devices())
                 if initial_plan is not None:
-                    plans = applier = PlanApplier(backend, reset_state, config.node_name)
+                    plans = applier = PlanApplier(guard, reset_state, config.node_name)
                     metrics, devices, managed = (
                         applier.metrics,
                         applier.devices,
@@ -581,7 +622,7 @@ class _Agent:
 
                     metrics = AgentMetrics(config.node_name)
                     plans = jobs = JobPlans(
-                        backend, reset_state, config.node_name, metrics, _ownership(config)
+                        guard, reset_state, config.node_name, metrics, _ownership(config)
                     )
                     devices, managed = jobs.devices, jobs.managed_gpus
                     # Lives until the shutdown has reset the clocks, to report that.
@@ -592,7 +633,9 @@ class _Agent:
                     f"cannot reset the clocks left by a previous run: {exc}"
                 ) from None
 
-            metrics.registry.register(GpuCollector(backend, devices, metrics, managed))
+            metrics.registry.register(
+                GpuCollector(guard, devices, metrics, managed, foreign=guard.foreign)
+            )
             try:
                 exporter = MetricsServer(
                     metrics.registry, health, config.metrics_address, config.metrics_port
@@ -661,12 +704,32 @@ class _Agent:
         self, jobs: JobPlans, api_client: Any, writer: ReportWriter, health: Health
     ) -> None:
         """Apply and report this node's PerseusNodePlans until SIGTERM/SIGINT."""
-        from perseus_agent.kube import NodePlanSource, custom_objects_api
+        from perseus_agent.driver_release import DriverUpgradeGate
+        from perseus_agent.driver_upgrade import UPGRADE_STATE_LABEL
+        from perseus_agent.kube import (
+            NodeLabelSource,
+            NodePlanSource,
+            core_v1_api,
+            custom_objects_api,
+        )
 
         config = self.config
         api = custom_objects_api(api_client)
         events: queue.Queue[_PlanEvent] = queue.Queue()
         self._events = events
+        assert self._gpus is not None and self._guard is not None
+        gate = self._gate = DriverUpgradeGate(jobs, self._gpus, self._guard, jobs.metrics)
+
+        def on_upgrade_state(state: str | None) -> None:
+            events.put(_PlanEvent("driver", ("", ""), message=state or ""))
+
+        node = NodeLabelSource(
+            core_v1_api(api_client),
+            config.node_name,
+            UPGRADE_STATE_LABEL,
+            on_upgrade_state,
+            interval_s=config.node_poll_interval_s,
+        )
 
         def on_plan(namespace: str, name: str, plan: NodePlan) -> None:
             events.put(_PlanEvent("plan", (namespace, name), plan=plan))
@@ -687,6 +750,7 @@ class _Agent:
             source.selector,
         )
         source.start()
+        node.start()
         interval_s = config.report_interval_s
         next_report = time.monotonic() + interval_s
         next_ownership = time.monotonic() + OWNERSHIP_REFRESH_S
@@ -714,7 +778,10 @@ class _Agent:
                         _submit_status(writer, jobs, key)
                     for key, status in invalid.items():
                         writer.submit(*key, status)
+                    for key in gate.retry():  # a driver upgrade over, NVML not back yet
+                        _submit_status(writer, jobs, key)
         finally:
+            node.stop()
             source.stop()
 
     def _on_plan_event(
@@ -727,6 +794,9 @@ class _Agent:
         from perseus_agent.kube import invalid_status
 
         key = event.key
+        gate = self._gate
+        if gate is not None and gate.handle(event.kind, key, event.plan, event.message, writer):
+            return
         invalid.pop(key, None)
         if event.kind == "plan":
             assert event.plan is not None

@@ -32,7 +32,8 @@ patch; a field that no longer applies is written as null, which removes it):
   while the agent lives, so a stale one means a dead or cut-off agent.
 - ``conditions``: a list with one condition of type :data:`CONDITION_APPLIED`, with
   ``status`` ``"True"``/``"False"``, ``reason`` (:data:`REASON_APPLIED`, :data:`REASON_FAILED`,
-  :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED`), ``message`` and
+  :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED`, :data:`REASON_DRIVER_UPGRADE`),
+  ``message`` and
   ``lastTransitionTime`` (RFC 3339).
 - The fields of the agent's ``NodeReport`` (``perseus_agent.applier``; absent when nothing
   is applied, e.g. the spec is invalid), among them ``node``, ``job``, ``namespace``,
@@ -72,6 +73,7 @@ __all__ = [
     "NODE_PLAN_SINGULAR",
     "REASON_AGENT_STOPPED",
     "REASON_APPLIED",
+    "REASON_DRIVER_UPGRADE",
     "REASON_FAILED",
     "REASON_INVALID_SPEC",
     "STATUS_OBSERVED_REVISION",
@@ -111,6 +113,9 @@ REASON_INVALID_SPEC: Final = "InvalidSpec"
 """The spec is not a valid NodePlan for this node; nothing is applied."""
 REASON_AGENT_STOPPED: Final = "AgentStopped"
 """The node agent stopped and reset the plan's clocks; it applies the plan again on restart."""
+REASON_DRIVER_UPGRADE: Final = "DriverUpgrade"
+"""The node's GPU driver is being upgraded: the agent reset the plan's clocks and released NVML;
+it applies the plan again when the upgrade is done."""
 
 assert f"{GROUP}/{VERSION}" == API_VERSION
 

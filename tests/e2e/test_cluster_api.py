@@ -169,8 +169,10 @@ AGENT_MAY = [
     ("list", "perseusnodeplans.perseus.energy", None),  # across namespaces, by node label
     ("watch", "perseusnodeplans.perseus.energy", None),
     ("patch", "perseusnodeplans.perseus.energy/status", "ml"),
+    ("get", "nodes", None),  # its node's GPU driver upgrade label
 ]
 AGENT_MAY_NOT = [
+    ("list", "nodes", None),
     ("create", "perseusnodeplans.perseus.energy", "ml"),
     ("patch", "perseusnodeplans.perseus.energy", "ml"),  # the plan itself is the operator's
     ("delete", "perseusnodeplans.perseus.energy", "ml"),

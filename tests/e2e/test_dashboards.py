@@ -261,6 +261,22 @@ def start_rank(agent: Agent, gpu: int, bubble_s: float, log: Path) -> subprocess
         )
 
 
+def admin_lock_and_power_cap(agent: Agent) -> None:
+    """Before the agent starts: an administrator's lock on GPU 2 (it follows no plan) and a
+    power cap on GPU 0, so the clock event reasons panel has another owner's clock to show."""
+    from perseus_agent.gpu.base import CLOCK_EVENT_REASONS
+    from perseus_agent.gpu.emulated import EmulatedBackend
+
+    gpus = EmulatedBackend.from_csv(
+        NUM_GPUS, PROFILE, blocking_power_w=83.64, node_name=NODE, state_file=agent.gpu_state
+    )
+    try:
+        gpus.lock_sm_clock(2, 1110)
+        gpus.set_clock_event_reasons(0, CLOCK_EVENT_REASONS["sw_power_cap"])
+    finally:
+        gpus.close()
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
     socket_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="pdash-"))
@@ -270,6 +286,7 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
     stack_context = ExitStack()
     try:
         write_atomically(agent.plan_file, json.dumps(node_plan()))
+        admin_lock_and_power_cap(agent)
         agent.start()
         uuids = sorted(set(re.findall(r'uuid="([^"]+)"', agent.get("/metrics"))))
         assert len(uuids) == NUM_GPUS
@@ -357,6 +374,22 @@ def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
         for s in prom.values(substitute(slowdown.expr, variables["perseus-job"]), True, with_s)
     }
     assert ratios["0"] == pytest.approx(1.0) and ratios["1"] > 1.05, ratios
+    # A Perseus lock is told from a power cap and from an administrator's lock.
+    title = "Clock event reasons: who holds the clock"
+    reasons = {
+        (s["metric"]["gpu"], s["metric"].get("reason") or s["metric"].get("kind"))
+        for q in queries
+        if q.panel == title
+        for s in prom.values(substitute(q.expr, variables["perseus-node"]), q.instant, with_s)
+        if any(_finite(v) and float(v) > 0 for _, v in s["values"])
+    }
+    assert {
+        ("0", "sw_power_cap"),
+        ("0", "user_defined_clocks"),
+        ("2", "user_defined_clocks"),
+        ("2", "locked"),
+    } <= reasons, reasons
+    assert ("1", "sw_power_cap") not in reasons and ("0", "locked") not in reasons
 
 
 def test_a_query_that_returns_nothing_is_caught(stack: dict[str, Any]) -> None:

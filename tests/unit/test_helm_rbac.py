@@ -133,6 +133,8 @@ AGENT_CLIENT_CALLS: dict[str, list[Call]] = {
     "patch_namespaced_custom_object_status": [
         Call("patch", GROUP, f"{resources.NODE_PLAN_PLURAL}/status", False, "ReportWriter.write")
     ],
+    # NodeLabelSource.run: its own node's GPU driver upgrade label.
+    "read_node": [Call("get", "", "nodes", True, "NodeLabelSource.run")],
 }
 
 OPERATOR_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator"
@@ -275,7 +277,8 @@ def test_agent_rbac_is_exactly_its_calls() -> None:
         ("get", "", "secrets"),
         ("list", "", "secrets"),
         ("list", "", "pods"),
-        ("get", "", "nodes"),
+        ("list", "", "nodes"),  # get only: its own node's upgrade label
+        ("patch", "", "nodes"),
         ("get", "", "configmaps"),
         ("create", GROUP, resources.NODE_PLAN_PLURAL),
         ("patch", GROUP, resources.NODE_PLAN_PLURAL),  # the spec is the operator's

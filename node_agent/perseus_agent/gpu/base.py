@@ -10,6 +10,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Final
+
+from perseus_agent.errors import GpuNotSupportedError
+
+CLOCK_EVENT_REASONS: Final[dict[str, int]] = {
+    "gpu_idle": 0x1,
+    # NVML's ApplicationsClocksSetting, also named UserDefinedClocks: application clocks
+    # (nvidia-smi -ac) or locked clocks (nvidia-smi -lgc, Perseus's own locks) hold the clock.
+    "user_defined_clocks": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+"""Clock event ("throttle") reasons by metric label, with their ``nvmlClocksEventReason*`` bit
+(nvml.h; part of the library's ABI)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,28 @@ class GpuBackend(ABC):
     @abstractmethod
     def reset_memory_clock(self, index: int) -> bool:
         """Undo any memory clock lock; ``False`` if none was set by this backend."""
+
+    def clock_event_reasons(self, index: int) -> int:
+        """Why the SM clock is what it is now: a bit mask of :data:`CLOCK_EVENT_REASONS`.
+
+        Raises:
+            GpuNotSupportedError: the backend or GPU cannot tell.
+        """
+        raise GpuNotSupportedError(
+            f"GPU {index}: this backend reports no clock event reasons", gpu_index=index
+        )
+
+    def application_sm_clocks_mhz(self, index: int) -> tuple[int, int]:
+        """The SM application clock in effect and the GPU's default one, ``(target, default)``.
+
+        They differ when someone set application clocks (``nvidia-smi -ac``).
+
+        Raises:
+            GpuNotSupportedError: the backend or GPU has no application clocks.
+        """
+        raise GpuNotSupportedError(
+            f"GPU {index}: this backend has no application clocks", gpu_index=index
+        )
 
     def force_reset_clocks(self, index: int) -> None:
         """Reset SM and memory clock locks whoever set them.

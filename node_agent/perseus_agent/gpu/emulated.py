@@ -46,7 +46,7 @@ from perseus_agent.errors import (
     GpuInvalidArgumentError,
     GpuNotFoundError,
 )
-from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
 from perseus_agent.gpu.emulated_state import Activity, GpuState, SharedGpuStates, Transaction
 from perseus_api.profile import INSTRUCTIONS, Profile, load_profile
 
@@ -285,7 +285,47 @@ class EmulatedBackend(GpuBackend):
             txn.dirty = True
             return True
 
+    def clock_event_reasons(self, index: int) -> int:
+        """Idle when no computation runs, user-defined clocks while locked, and what a test
+        injected with :meth:`set_clock_event_reasons`."""
+        with self._transaction(write=False) as txn:
+            gpu = self._gpu(txn, index)
+            reasons = gpu.event_reasons
+            if gpu.activity is None:
+                reasons |= CLOCK_EVENT_REASONS["gpu_idle"]
+            if gpu.locked_sm_clock_mhz is not None:
+                reasons |= CLOCK_EVENT_REASONS["user_defined_clocks"]
+            return reasons
+
+    def application_sm_clocks_mhz(self, index: int) -> tuple[int, int]:
+        """Always the default (the emulation has no application clocks to set)."""
+        with self._transaction(write=False) as txn:
+            self._gpu(txn, index)
+        return self._max_clock_mhz, self._max_clock_mhz
+
     # -- emulation only ---------------------------------------------------------------------
+
+    def set_clock_event_reasons(self, index: int, reasons: int) -> None:
+        """Make the GPU report these clock event reasons (a bit mask of
+        :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`) besides idle and user-defined
+        clocks, e.g. a power cap; 0 clears them. Shared through the state file. They change
+        no clock: the emulation's time and power follow the SM clock only.
+
+        Raises:
+            GpuNotFoundError: no GPU ``index``.
+            ValueError: ``reasons`` has bits NVML does not define.
+        """
+        known = sum(CLOCK_EVENT_REASONS.values())
+        if isinstance(reasons, bool) or not isinstance(reasons, int) or reasons & ~known:
+            raise ValueError(
+                f"reasons must be a bit mask of CLOCK_EVENT_REASONS (0..{known:#x}), "
+                f"got {reasons!r}"
+            )
+        with self._transaction(write=True) as txn:
+            gpu = self._gpu(txn, index, check_fault=False)
+            gpu.event_reasons = reasons
+            txn.dirty = True
+
     # These are the workload's and the test's view of the GPU; injected faults do not apply.
 
     def set_activity(self, index: int, stage: int | None, instruction: str | None) -> bool:

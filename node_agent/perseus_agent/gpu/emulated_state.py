@@ -15,7 +15,7 @@ Layout (little-endian)::
     per GPU: uuid 64s, locked SM clock i32, locked memory clock i32 (-1: not locked),
              energy f64 (J), busy f64 (s), last change f64 (s), slowdown f64,
              activity stage i32, instruction i32 (-1: idle), fault type 48s, reason 48s,
-             message 256s (empty type: no fault)
+             message 256s (empty type: no fault), injected clock event reasons u64
 
 The generation is odd while a writer is changing records and even otherwise: a reader finds
 it odd only when a writer died in the middle of a write (the file is then refused, never read
@@ -46,11 +46,11 @@ __all__ = ["Activity", "GpuState", "SharedGpuStates", "Transaction"]
 Activity = tuple[int, str]
 
 _MAGIC = b"PERSEMU\x00"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<8sIIQ")
 _GENERATION_OFFSET = 16
 _GENERATION = struct.Struct("<Q")
-_RECORD = struct.Struct("<64sii4dii48s48s256s")
+_RECORD = struct.Struct("<64sii4dii48s48s256sQ")
 _NONE = -1
 _TEXT_LIMITS = {"uuid": 64, "type": 48, "reason": 48, "message": 256}
 
@@ -74,6 +74,8 @@ class GpuState:
     activity: Activity | None = None
     fault: GpuError | None = None
     slowdown: float = 1.0
+    event_reasons: int = 0
+    """Clock event reasons injected by a test (power cap, slowdown, ...), a bit mask."""
 
 
 @dataclass
@@ -287,12 +289,12 @@ class SharedGpuStates:
             _text(type(fault).__name__ if fault else "", "type"),
             _text(fault.reason if fault else "", "reason"),
             _text(str(fault) if fault else "", "message"),
+            gpu.event_reasons,
         )
 
     def _unpack(self, mm: mmap.mmap, index: int) -> GpuState:
-        (uuid, sm, memory, energy, busy, last, slowdown, stage, instruction, ftype, reason, msg) = (
-            _RECORD.unpack_from(mm, _HEADER.size + index * _RECORD.size)
-        )
+        (uuid, sm, memory, energy, busy, last, slowdown, stage, instruction, ftype, reason, msg,
+         event_reasons) = _RECORD.unpack_from(mm, _HEADER.size + index * _RECORD.size)  # fmt: skip
         found = uuid.rstrip(b"\0").decode("utf-8", "replace")
         if found != self._uuids[index]:
             raise GpuError(
@@ -318,6 +320,7 @@ class SharedGpuStates:
             activity=None if instruction == _NONE else (stage, self._instructions[instruction]),
             fault=fault,
             slowdown=slowdown,
+            event_reasons=event_reasons,
         )
         try:
             self._validate(index, gpu)

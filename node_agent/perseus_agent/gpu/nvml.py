@@ -61,6 +61,9 @@ NVML_ERROR_GPU_NOT_FOUND = 28
 NVML_ERROR_UNKNOWN = 999
 
 NVML_CLOCK_SM = 1
+# nvmlClockId_t
+NVML_CLOCK_ID_APP_CLOCK_TARGET = 1
+NVML_CLOCK_ID_APP_CLOCK_DEFAULT = 2
 
 _ERROR_CLASSES: dict[int, type[GpuError]] = {
     NVML_ERROR_NO_PERMISSION: GpuNoPermissionError,
@@ -306,6 +309,26 @@ class NvmlBackend(GpuBackend):
                 else:
                     return int(energy_mj) / 1000.0
             return integral.add_sample(time.monotonic(), self._read_power_w(index))
+
+    def clock_event_reasons(self, index: int) -> int:
+        with self._lock:
+            handle = self._handle(index)
+            try:
+                return int(self._call(index, "nvmlDeviceGetCurrentClocksEventReasons", handle))
+            except GpuNotSupportedError:
+                # Drivers before r535 know the same bit mask by its older name only.
+                return int(self._call(index, "nvmlDeviceGetCurrentClocksThrottleReasons", handle))
+
+    def application_sm_clocks_mhz(self, index: int) -> tuple[int, int]:
+        with self._lock:
+            handle = self._handle(index)
+            target = self._call(
+                index, "nvmlDeviceGetClock", handle, NVML_CLOCK_SM, NVML_CLOCK_ID_APP_CLOCK_TARGET
+            )
+            default = self._call(
+                index, "nvmlDeviceGetClock", handle, NVML_CLOCK_SM, NVML_CLOCK_ID_APP_CLOCK_DEFAULT
+            )
+            return int(target), int(default)
 
     # -- clock control ----------------------------------------------------------------------
 

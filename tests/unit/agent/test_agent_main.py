@@ -98,6 +98,7 @@ def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
         ),
         (["--kubeconfig=kc"], "no node name: pass --node-name or set $NODE_NAME"),
         (["--node-name=n1", "--report-interval=0"], "--report-interval must be a positive"),
+        (["--node-name=n1", "--node-poll-interval=nan"], "--node-poll-interval must be a posit"),
         (["--standalone", "--node-name=n1"], "--standalone needs --plan-file"),
         (["--standalone", "{plan}"], "no node name: pass --node-name or set $NODE_NAME"),
         (["--standalone", "{plan}", "--node-name= "], "no node name"),
@@ -251,6 +252,8 @@ def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--report-interval",
         "--gpu-ownership",
         "--pod-resources-socket",
+        "--node-poll-interval",
+        "--foreign-clocks",
         "--log-level",
     ):
         assert flag in out
