@@ -145,8 +145,13 @@ def install_chart(plane: ControlPlane) -> str:
             "wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}"
         )
     plane.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
-    plane.apply(render().objects)
+    # Hooks are not part of a release: helm runs them at their events (tests/e2e/test_helm_cli.py).
+    plane.apply([o for o in render().objects if not is_hook(o)])
     return NAMESPACE
+
+
+def is_hook(obj: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         *_workload_calls("list", "list_workloads (policies)"),
     ],
     "list_cluster_custom_object": [
-        Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies"),
+        Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies, HookApi.policies"),
         # All namespaces in cluster-wide mode (a ClusterRoleBinding): not a cluster-scoped call.
         Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policy-made, anywhere)"),
     ],
@@ -95,14 +95,34 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     ],
     "delete_namespaced_custom_object": [
         Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan"),
-        Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job (policies)"),
+        Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job, HookApi.delete_job"),
+    ],
+    # The chart's hooks (chart_hooks.py), as the operator's account.
+    "delete_cluster_custom_object": [
+        Call("delete", GROUP, POLICY_PLURAL, True, "HookApi.delete_policy (pre-delete hook)")
+    ],
+    "list_custom_resource_definition": [
+        Call("list", CRD_GROUP, "customresourcedefinitions", True, "HookApi.crds (helm test)")
     ],
     "create_namespaced_event": [
         Call("create", "", "events", False, "KubeClient.create_event (policies, on workloads)")
     ],
 }
 
-# What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects).
+# LeaseApi (leader election, and the helm test's read): one Lease in the release namespace.
+LEASE_CLIENT_CALLS: dict[str, list[str]] = {
+    "read_namespaced_lease": ["get"],
+    "create_namespaced_lease": ["create"],
+    "replace_namespaced_lease": ["update"],
+}
+LEASE_GRANTS = {
+    (NAMESPACE, "coordination.k8s.io", "leases", verb)
+    for verbs in LEASE_CLIENT_CALLS.values()
+    for verb in verbs
+}
+
+# What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects;
+# leader election is our own Lease, above).
 KOPF_CALLS = [
     Call("list", GROUP, JOB_PLURAL, False, "kopf watcher: initial listing of the jobs"),
     Call("watch", GROUP, JOB_PLURAL, False, "kopf watcher"),
@@ -219,7 +239,10 @@ def client_methods_called(path: Path, receivers: set[str]) -> set[str]:
 
 def test_every_client_call_of_the_operator_is_listed() -> None:
     path = REPO_ROOT / "operator" / "perseus_operator" / "kube.py"
-    assert client_methods_called(path, {"_core", "_custom"}) == set(OPERATOR_CLIENT_CALLS)
+    assert client_methods_called(path, {"_core", "_custom", "_extensions"}) == set(
+        OPERATOR_CLIENT_CALLS
+    )
+    assert client_methods_called(path, {"_api"}) == set(LEASE_CLIENT_CALLS)
 
 
 def test_every_client_call_of_the_agent_is_listed() -> None:
@@ -245,14 +268,17 @@ def test_only_the_kube_modules_create_api_clients() -> None:
 
 def test_operator_rbac_is_exactly_its_calls_cluster_wide() -> None:
     rendered = render()
-    assert grants_of(rendered, OPERATOR_SA) == expected_grants(operator_calls(namespaced=False))
+    assert grants_of(rendered, OPERATOR_SA) == (
+        expected_grants(operator_calls(namespaced=False)) | LEASE_GRANTS
+    )
 
 
 def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
     watched = ["ml", "team-b"]
     rendered = render({"operator": {"watchNamespaces": watched}})
     grants = grants_of(rendered, OPERATOR_SA)
-    assert grants == expected_grants(operator_calls(namespaced=True), watched)
+    assert grants == expected_grants(operator_calls(namespaced=True), watched) | LEASE_GRANTS
+    assert not allows(grants, "update", "coordination.k8s.io", "leases", "ml")
     assert allows(grants, "list", "", "pods", "ml")
     assert not allows(grants, "list", "", "pods", "kube-system")
     assert not allows(grants, "create", GROUP, resources.NODE_PLAN_PLURAL, "other")
@@ -308,7 +334,7 @@ def test_the_agent_can_read_plans_everywhere_and_write_only_their_status() -> No
         ("update", GROUP, JOB_PLURAL),
         ("create", GROUP, POLICY_PLURAL),
         ("patch", GROUP, POLICY_PLURAL),
-        ("delete", GROUP, POLICY_PLURAL),
+        # (delete PerseusPolicies: the pre-delete hook does, as the operator's account)
         ("patch", "", "namespaces"),
         ("delete", "", "configmaps"),
         ("create", CRD_GROUP, "customresourcedefinitions"),
