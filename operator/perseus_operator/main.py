@@ -97,16 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perseus_operator.chart_hooks import run_hook
 
         return run_hook(args.hook, config, args.namespace, timeout_s=args.hook_timeout_s)
-    elector = None
-    if config.leader_election_namespace:
-        elector = _elector(config)
-        elector.acquire()
-        elector.keep(_lost)
+    # Imported (a few seconds: the planner) before waiting for the Lease, so that a standby
+    # that takes over starts reconciling at once.
     import kopf
 
     import perseus_operator.handlers  # registers the handlers
 
     perseus_operator.handlers.watch_namespaces(args.namespace)
+    elector = None
+    if config.leader_election_namespace:
+        elector = _elector(config)
+        elector.acquire()
+        elector.keep(_lost)
     try:
         # standalone: kopf's own peering is off; the Lease above decides who runs.
         kopf.run(
