@@ -73,12 +73,19 @@ class ControlPlane:
     of start) always cleans up."""
 
     def __init__(
-        self, workdir: Path, etcd: Path, apiserver: Path, controller_manager: Path
+        self,
+        workdir: Path,
+        etcd: Path,
+        apiserver: Path,
+        controller_manager: Path,
+        *,
+        controllers: Sequence[str] = ("garbagecollector",),
     ) -> None:
         self.workdir = workdir
         self.etcd_bin = etcd
         self.apiserver_bin = apiserver
         self.controller_manager_bin = controller_manager
+        self.controllers = list(controllers)
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
@@ -164,7 +171,7 @@ class ControlPlane:
             [
                 str(self.controller_manager_bin),
                 f"--kubeconfig={self.admin_kubeconfig}",
-                "--controllers=garbagecollector",
+                f"--controllers={','.join(self.controllers)}",
                 "--leader-elect=false",
                 "--secure-port=0",  # no health endpoint needed: nothing to serve
             ],
