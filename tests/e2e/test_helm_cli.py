@@ -202,6 +202,9 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
             assert cleanup.exit_code == 0, cleanup.output
             assert f"deleting PerseusJob {JOB_NAMESPACE}/gpt3" in cleanup.output
             assert job_finalizers(custom) is None  # gone, not stuck
+            # The hook's account and rights went with it.
+            accounts = core.list_namespaced_service_account(NAMESPACE).items
+            assert [a.metadata.name for a in accounts if "uninstall" in a.metadata.name] == []
         finally:
             log = operator.stop()
         # Every call was allowed, but one: stopped after the uninstall (as a pod would be, after

@@ -843,7 +843,10 @@ def test_hook_pods_run_commands_the_operator_accepts(watched: list[str]) -> None
     for pod in rendered.of_kind("Pod"):
         hooks[pod["metadata"]["annotations"]["helm.sh/hook"]] = pod
         spec = pod["spec"]
-        assert spec["serviceAccountName"] == operator_pod["serviceAccountName"]
+        if pod["metadata"]["annotations"]["helm.sh/hook"] == "test":
+            assert spec["serviceAccountName"] == operator_pod["serviceAccountName"]
+        else:  # the uninstall clean-up, with rights of its own (test_helm_rbac.py)
+            assert spec["serviceAccountName"] == "perseus-operator-uninstall"
         assert spec["restartPolicy"] == "Never"
         (container,) = spec["containers"]
         assert container["image"] == operator_pod["containers"][0]["image"]

@@ -75,7 +75,7 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         *_workload_calls("list", "list_workloads (policies)"),
     ],
     "list_cluster_custom_object": [
-        Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies, HookApi.policies"),
+        Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies"),
         # All namespaces in cluster-wide mode (a ClusterRoleBinding): not a cluster-scoped call.
         Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policy-made, anywhere)"),
     ],
@@ -95,12 +95,9 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     ],
     "delete_namespaced_custom_object": [
         Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan"),
-        Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job, HookApi.delete_job"),
+        Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job (policies)"),
     ],
-    # The chart's hooks (chart_hooks.py), as the operator's account.
-    "delete_cluster_custom_object": [
-        Call("delete", GROUP, POLICY_PLURAL, True, "HookApi.delete_policy (pre-delete hook)")
-    ],
+    # helm test (chart_hooks.release_test), as the operator's account.
     "list_custom_resource_definition": [
         Call("list", CRD_GROUP, "customresourcedefinitions", True, "HookApi.crds (helm test)")
     ],
@@ -108,6 +105,24 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         Call("create", "", "events", False, "KubeClient.create_event (policies, on workloads)")
     ],
 }
+
+# The pre-delete hook (chart_hooks.before_uninstall), as an account of its own (a hook too).
+UNINSTALL_HOOK_CLIENT_CALLS: dict[str, list[Call]] = {
+    "list_cluster_custom_object": [
+        Call("list", GROUP, POLICY_PLURAL, True, "HookApi.policies"),
+        Call("list", GROUP, JOB_PLURAL, True, "HookApi.jobs (all namespaces)"),
+    ],
+    "list_namespaced_custom_object": [
+        Call("list", GROUP, JOB_PLURAL, True, "HookApi.jobs (watched namespaces)")
+    ],
+    "delete_cluster_custom_object": [
+        Call("delete", GROUP, POLICY_PLURAL, True, "HookApi.delete_policy")
+    ],
+    "delete_namespaced_custom_object": [
+        Call("delete", GROUP, JOB_PLURAL, True, "HookApi.delete_job")
+    ],
+}
+UNINSTALL_HOOK_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator-uninstall"
 
 # LeaseApi (leader election, and the helm test's read): one Lease in the release namespace.
 LEASE_CLIENT_CALLS: dict[str, list[str]] = {
@@ -241,7 +256,7 @@ def test_every_client_call_of_the_operator_is_listed() -> None:
     path = REPO_ROOT / "operator" / "perseus_operator" / "kube.py"
     assert client_methods_called(path, {"_core", "_custom", "_extensions"}) == set(
         OPERATOR_CLIENT_CALLS
-    )
+    ) | set(UNINSTALL_HOOK_CLIENT_CALLS)
     assert client_methods_called(path, {"_api"}) == set(LEASE_CLIENT_CALLS)
 
 
@@ -334,7 +349,7 @@ def test_the_agent_can_read_plans_everywhere_and_write_only_their_status() -> No
         ("update", GROUP, JOB_PLURAL),
         ("create", GROUP, POLICY_PLURAL),
         ("patch", GROUP, POLICY_PLURAL),
-        # (delete PerseusPolicies: the pre-delete hook does, as the operator's account)
+        ("delete", GROUP, POLICY_PLURAL),
         ("patch", "", "namespaces"),
         ("delete", "", "configmaps"),
         ("create", CRD_GROUP, "customresourcedefinitions"),
@@ -359,7 +374,7 @@ def test_bindings_name_the_service_accounts_the_pods_run_as() -> None:
         f"system:serviceaccount:{NAMESPACE}:{sa['metadata']['name']}"
         for sa in rendered.of_kind("ServiceAccount")
     }
-    assert accounts == {OPERATOR_SA, AGENT_SA}
+    assert accounts == {OPERATOR_SA, AGENT_SA, UNINSTALL_HOOK_SA}  # the last: a hook
 
 
 def test_existing_service_accounts_can_be_used() -> None:
@@ -369,7 +384,9 @@ def test_existing_service_accounts_can_be_used() -> None:
             "agent": {"serviceAccount": {"create": False, "name": "gpu-agent"}},
         }
     )
-    assert rendered.of_kind("ServiceAccount") == []
+    # Only the uninstall hook's own account, which exists while the hook runs.
+    (hook_account,) = rendered.of_kind("ServiceAccount")
+    assert hook_account["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
     agent = f"system:serviceaccount:{NAMESPACE}:gpu-agent"
     assert grants_of(rendered, agent) == expected_grants(agent_calls())
     policy = rendered.one("ValidatingAdmissionPolicy")
@@ -506,3 +523,17 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
         assert allows(grants, verb, group, resource, namespace), (namespace, resource, verb)
     kinds = {(g, r, v, ns is None) for ns, g, r, v in observed}
     assert kinds == {(c.group, c.resource, c.verb, c.cluster) for c in agent_calls()}
+
+
+@pytest.mark.parametrize("watched", [[], ["ml", "team-b"]])
+def test_the_uninstall_hook_may_delete_perseus_objects_only(watched: list[str]) -> None:
+    rendered = render({"operator": {"watchNamespaces": watched}})
+    calls = [c for cs in UNINSTALL_HOOK_CLIENT_CALLS.values() for c in cs]
+    assert grants_of(rendered, UNINSTALL_HOOK_SA) == expected_grants(calls)
+    (pod,) = [p for p in rendered.of_kind("Pod") if p["metadata"]["name"].endswith("uninstall")]
+    assert pod["spec"]["serviceAccountName"] == UNINSTALL_HOOK_SA.rsplit(":", 1)[-1]
+    # Its account and rights exist only while the hook runs.
+    for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+        obj = rendered.one(kind, "-uninstall")
+        assert obj["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+        assert int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0  # before the pod

@@ -1,11 +1,11 @@
 {{/*
 A pod of the chart's Helm hooks: `perseus-operator --hook <hook>` in the operator image, as
-the operator's service account (it exists while the hooks run). Args: dict ctx, hook, timeout.
+the service account `sa`. Args: dict ctx, hook, timeout, sa.
 */}}
 {{- define "perseus.operator.hookPodSpec" -}}
 {{- $ctx := .ctx }}
 {{- $op := $ctx.Values.operator }}
-serviceAccountName: {{ include "perseus.operator.serviceAccountName" $ctx }}
+serviceAccountName: {{ .sa }}
 restartPolicy: Never
 {{- with $ctx.Values.image.pullSecrets }}
 imagePullSecrets:
