@@ -88,7 +88,7 @@ class Revisions:
     def __init__(self, custom: Any) -> None:
         self.custom = custom
         self.seen: list[int] = []
-        self.events: list[tuple[str, str, object]] = []
+        self.events: list[tuple[str, str, object, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -118,7 +118,7 @@ class Revisions:
                     continue  # a version already seen, replayed by a re-established watch
                 version = obj["metadata"]["resourceVersion"]
                 revision = (obj.get("status") or {}).get("revision")
-                self.events.append((event["type"], version, revision))
+                self.events.append((event["type"], version, revision, round(time.time(), 3)))
                 if isinstance(revision, int) and (not self.seen or self.seen[-1] != revision):
                     self.seen.append(revision)
                 if self._stop.is_set():
