@@ -33,8 +33,9 @@ LEASE = "perseus-operator-failover"  # not the chart's: other tests' operators r
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4
 LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S = 4.0, 3.0, 0.5
 TAKEOVER_BOUND_S = LEASE_DURATION_S + RETRY_PERIOD_S
-"""After a SIGKILL: the standby sees the record unchanged for the lease duration, then takes
-it at its next attempt."""
+"""After a SIGKILL: the standby takes the Lease once it has seen the last renewal unchanged
+for the lease duration, at an attempt every retry period; the last renewal was up to a retry
+period before the kill, so the takeover comes lease duration +- retry period after it."""
 READY_BOUND_S = TAKEOVER_BOUND_S + 10.0
 """... and kopf (imported while waiting) starts: its startup handler and first listings took
 ~5.5 s on the 2 shared cores here."""
@@ -259,7 +260,9 @@ def test_the_standby_takes_over_a_killed_leader_without_double_reconcile(
         f"{READY_BOUND_S:g} s), straggler re-targeted by B in {reaction_s:.2f} s; writes "
         f"A {len(by_a)}, B {len(by_b)}; revisions {revisions.seen}"
     )
-    assert LEASE_DURATION_S - 0.5 <= took_over_s <= TAKEOVER_BOUND_S + 1.0, took_over_s
+    slack_s = 1.0  # polling the Lease, and 2 loaded cores
+    low_s = LEASE_DURATION_S - RETRY_PERIOD_S - slack_s
+    assert low_s <= took_over_s <= TAKEOVER_BOUND_S + slack_s, took_over_s
     assert ready_s <= READY_BOUND_S, ready_s
     assert reaction_s <= REACTION_BOUND_S, reaction_s
     # Every revision once, in order, none skipped: nothing lost, nothing planned twice.
