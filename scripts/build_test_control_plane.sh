@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse from cache) a kube-apiserver, a kube-controller-manager (for
-# its garbage collector) and an etcd for end-to-end tests that run a real
-# control plane on 127.0.0.1.
+# its garbage collector), an etcd and the helm CLI for end-to-end tests that
+# run a real control plane on 127.0.0.1 and install the chart with `helm`.
 #
 # All are built from Go modules with the local Go toolchain (no registry
 # ships the binaries). Binaries are cached OUTSIDE the repository, keyed by
@@ -10,6 +10,7 @@
 #   $PERSEUS_K8S_CACHE/kube-apiserver-<K8S_VERSION>/kube-apiserver
 #   $PERSEUS_K8S_CACHE/kube-controller-manager-<K8S_VERSION>/kube-controller-manager
 #   $PERSEUS_K8S_CACHE/etcd-<ETCD_VERSION>/etcd
+#   $PERSEUS_K8S_CACHE/helm-<HELM_VERSION>/helm
 #
 # (default cache: ~/.cache/perseus-k8s). A second run with the same versions
 # only checks that the binaries exist and run, and prints their paths.
@@ -18,13 +19,14 @@
 #   scripts/build_test_control_plane.sh            # build/reuse both, print paths
 #   eval "$(scripts/build_test_control_plane.sh --env)"
 #       # ... and print shell exports PERSEUS_ETCD_BIN=... PERSEUS_KUBE_APISERVER_BIN=...
-#       # PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=...
+#       # PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=... PERSEUS_HELM_BIN=...
 #       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
 #       # and warns "unrecognized environment variable" about ETCD_BIN)
 #
 # Environment:
 #   K8S_VERSION        k8s.io/kubernetes version      (default v1.36.3)
 #   ETCD_VERSION       go.etcd.io/etcd/server/v3 ver. (default v3.6.16)
+#   HELM_VERSION       helm.sh/helm/v3 version        (default v3.22.0)
 #   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
 #   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   BUILD_NICE         nice level for the builds      (default 10)
@@ -36,6 +38,7 @@ set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 CACHE="${PERSEUS_K8S_CACHE:-$HOME/.cache/perseus-k8s}"
 BUILD_NICE="${BUILD_NICE:-10}"
 BUILD_PARALLEL="${BUILD_PARALLEL:-1}"
@@ -44,7 +47,7 @@ PRINT_ENV=0
 for arg in "$@"; do
   case "$arg" in
     --env) PRINT_ENV=1 ;;
-    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -65,10 +68,13 @@ K8S_MINOR="${BASH_REMATCH[1]}"
 STAGING_VERSION="v0.${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"
 [[ "$ETCD_VERSION" =~ ^v3\.[0-9]+\.[0-9]+$ ]] \
   || die "ETCD_VERSION must look like v3.MINOR.PATCH, got '$ETCD_VERSION'"
+[[ "$HELM_VERSION" =~ ^v3\.[0-9]+\.[0-9]+$ ]] \
+  || die "HELM_VERSION must look like v3.MINOR.PATCH, got '$HELM_VERSION'"
 
 APISERVER_BIN="$CACHE/kube-apiserver-$K8S_VERSION/kube-apiserver"
 KCM_BIN="$CACHE/kube-controller-manager-$K8S_VERSION/kube-controller-manager"
 ETCD_BIN="$CACHE/etcd-$ETCD_VERSION/etcd"
+HELM_BIN="$CACHE/helm-$HELM_VERSION/helm"
 LOG_DIR="$CACHE/logs"
 mkdir -p "$CACHE" "$LOG_DIR"
 
@@ -201,6 +207,39 @@ EOF
   cd - >/dev/null
 }
 
+build_helm() {
+  local work="$CACHE/build/helm-$HELM_VERSION"
+  local logfile="$LOG_DIR/helm-$HELM_VERSION.log"
+  : >"$logfile"
+  log "building helm $HELM_VERSION (helm.sh/helm/v3/cmd/helm); log: $logfile"
+  rm -rf "$work"; mkdir -p "$work"
+  cd "$work"
+  # A module of our own that requires helm keeps the same tidy/build/log path
+  # as the other binaries (and the module cache shared with them).
+  cat >go.mod <<EOF
+module perseus.local/helm-build
+
+go 1.26.0
+
+require helm.sh/helm/v3 $HELM_VERSION
+EOF
+  cat >tools.go <<'EOF'
+//go:build tools
+
+package tools
+
+import _ "helm.sh/helm/v3/cmd/helm"
+EOF
+  run_logged "$logfile" "$GO" mod tidy
+  mkdir -p "$(dirname "$HELM_BIN")"
+  # Stamp the tag: without it `helm version` reports the source's default.
+  run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
+    -o "$HELM_BIN.tmp" helm.sh/helm/v3/cmd/helm
+  mv -f "$HELM_BIN.tmp" "$HELM_BIN"
+  cd - >/dev/null
+}
+
 check_bin() {  # check_bin PATH ARGS... : binary exists and runs
   local bin="$1"; shift
   [[ -x "$bin" ]] || return 1
@@ -229,15 +268,27 @@ for name in kube-apiserver kube-controller-manager; do
   fi
 done
 
+t1=$SECONDS
+if check_bin "$HELM_BIN" version --short; then
+  log "helm $HELM_VERSION: cached"
+else
+  build_helm
+  check_bin "$HELM_BIN" version --short || die "built $HELM_BIN but '$HELM_BIN version' fails: $("$HELM_BIN" version 2>&1 || true)"
+  log "helm $HELM_VERSION built in $((SECONDS - t1)) s"
+fi
+
 log "etcd:                    $ETCD_BIN ($("$ETCD_BIN" --version 2>/dev/null | head -n1))"
 log "kube-apiserver:          $APISERVER_BIN ($("$APISERVER_BIN" --version 2>/dev/null | head -n1))"
 log "kube-controller-manager: $KCM_BIN ($("$KCM_BIN" --version 2>/dev/null | head -n1))"
+log "helm:                    $HELM_BIN ($("$HELM_BIN" version --short 2>/dev/null | head -n1))"
 if [[ "$PRINT_ENV" == 1 ]]; then
   printf 'export PERSEUS_ETCD_BIN=%q\n' "$ETCD_BIN"
   printf 'export PERSEUS_KUBE_APISERVER_BIN=%q\n' "$APISERVER_BIN"
   printf 'export PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=%q\n' "$KCM_BIN"
+  printf 'export PERSEUS_HELM_BIN=%q\n' "$HELM_BIN"
 else
   echo "PERSEUS_ETCD_BIN=$ETCD_BIN"
   echo "PERSEUS_KUBE_APISERVER_BIN=$APISERVER_BIN"
   echo "PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=$KCM_BIN"
+  echo "PERSEUS_HELM_BIN=$HELM_BIN"
 fi

@@ -16,6 +16,7 @@ Without the binaries the tests are skipped with the reason, or fail under
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,12 +142,30 @@ def install_chart(plane: ControlPlane) -> str:
     definitions = [*crds(), *(workload_crd(*kind) for kind in WORKLOAD_KINDS)]
     plane.apply(definitions)
     for crd in definitions:
-        plane.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}"
-        )
+        wait_established(plane, crd["metadata"]["name"])
     plane.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
-    plane.apply(render().objects)
+    # Hooks are not part of a release: helm runs them at their events (tests/e2e/test_helm_cli.py).
+    plane.apply([o for o in render().objects if not is_hook(o)])
     return NAMESPACE
+
+
+def wait_established(plane: ControlPlane, crd: str) -> None:
+    """``kubectl wait`` for the CRD's Established condition. Right after the create kubectl
+    may find no conditions list yet and fail at once ("accessor error"): asked again then."""
+    for _ in range(20):
+        done = plane.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd}", check=False
+        )
+        if done.returncode == 0:
+            return
+        if "accessor error" not in done.stderr:
+            break
+        time.sleep(0.25)
+    raise AssertionError(f"CRD {crd} not Established:\n{done.stdout}{done.stderr}")
+
+
+def is_hook(obj: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})
 
 
 @pytest.fixture(scope="session")

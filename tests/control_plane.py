@@ -28,6 +28,20 @@ import yaml
 from operator_harness import free_port
 
 READY_TIMEOUT_S = 60.0
+# Writes only, at Metadata level (no bodies): a small log, enough to say who changed what when.
+AUDIT_POLICY: dict[str, Any] = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {
+            "level": "Metadata",
+            "verbs": ["create", "update", "patch", "delete"],
+            "resources": [{"group": "perseus.energy"}, {"group": "coordination.k8s.io"}],
+        },
+        {"level": "None"},
+    ],
+}
 KUBECTL = shutil.which("kubectl")
 
 
@@ -59,17 +73,25 @@ class ControlPlane:
     of start) always cleans up."""
 
     def __init__(
-        self, workdir: Path, etcd: Path, apiserver: Path, controller_manager: Path
+        self,
+        workdir: Path,
+        etcd: Path,
+        apiserver: Path,
+        controller_manager: Path,
+        *,
+        controllers: Sequence[str] = ("garbagecollector",),
     ) -> None:
         self.workdir = workdir
         self.etcd_bin = etcd
         self.apiserver_bin = apiserver
         self.controller_manager_bin = controller_manager
+        self.controllers = list(controllers)
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
         self.admin_kubeconfig = workdir / "admin.kubeconfig"
         self.ca_file = workdir / "certs" / "apiserver.crt"
+        self.audit_log = workdir / "audit.log"
         self._procs: list[subprocess.Popen[bytes]] = []
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -87,6 +109,7 @@ class ControlPlane:
             capture_output=True,
         )
         (d / "tokens.csv").write_text(f"{self.admin_token},admin,admin-uid,system:masters\n")
+        (d / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         client_port, peer_port = free_port(), free_port()
         self._spawn(
             "etcd",
@@ -121,6 +144,10 @@ class ControlPlane:
                 # No controller manager creates the default service accounts pods would need.
                 "--disable-admission-plugins=ServiceAccount",
                 "--endpoint-reconciler-type=none",
+                # Who wrote what (tests attribute writes to an identity: one leader at a time).
+                f"--audit-policy-file={d / 'audit-policy.yaml'}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
             ],
         )
         self._write_kubeconfig(self.admin_kubeconfig, "admin", self.admin_token)
@@ -144,7 +171,7 @@ class ControlPlane:
             [
                 str(self.controller_manager_bin),
                 f"--kubeconfig={self.admin_kubeconfig}",
-                "--controllers=garbagecollector",
+                f"--controllers={','.join(self.controllers)}",
                 "--leader-elect=false",
                 "--secure-port=0",  # no health endpoint needed: nothing to serve
             ],
@@ -167,6 +194,15 @@ class ControlPlane:
                 proc.kill()
                 proc.wait(timeout=5)
         self._procs.clear()
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """The writes to Perseus objects and Leases so far (:data:`AUDIT_POLICY`), oldest first:
+        each with ``user.username``, ``verb``, ``objectRef``, ``responseStatus.code`` and
+        ``stageTimestamp``."""
+        if not self.audit_log.exists():
+            return []
+        lines = self.audit_log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
 
     def log(self, name: str = "kube-apiserver") -> str:
         path = self.workdir / f"{name}.log"

@@ -96,6 +96,7 @@ class OperatorProcess:
         reconcile_interval_s: float = 0.5,
         metrics_port: int = 0,
         policy_interval_s: float = 15.0,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
@@ -107,6 +108,7 @@ class OperatorProcess:
             "PERSEUS_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
             "PERSEUS_OPERATOR_RELEASE_TIMEOUT_S": "20",
             "PERSEUS_OPERATOR_POLICY_INTERVAL_S": str(policy_interval_s),
+            **(extra_env or {}),
         }
         env.pop("KUBECONFIG", None)
         liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"

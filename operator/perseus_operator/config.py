@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from perseus_api.errors import validation_summary
 from perseus_api.job import Policy
+from perseus_operator.leader_election import Timings
 
 PREFIX: Final = "PERSEUS_OPERATOR_"
 
@@ -42,6 +43,18 @@ class OperatorConfig:
     """Path of a kubeconfig; empty: the pod's service account (in-cluster)."""
     default_policy: str = ""
     """JSON of a ``spec.policy``: the values of the fields a PerseusJob leaves unset."""
+    leader_election_namespace: str = ""
+    """Namespace of the leader election Lease; empty: no leader election (run one replica)."""
+    leader_election_lease: str = "perseus-operator"
+    """Name of the Lease."""
+    leader_election_identity: str = ""
+    """This replica's holder identity; empty: ``<hostname>_<pid>`` (the pod's name in a pod)."""
+    lease_duration_s: float = 15.0
+    """A standby takes the Lease over after seeing it unrenewed for this long."""
+    renew_deadline_s: float = 10.0
+    """The leader exits if it could not renew the Lease for this long."""
+    retry_period_s: float = 2.0
+    """Between two renewals (and two attempts of a standby)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -81,6 +94,15 @@ class OperatorConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"{PREFIX}METRICS_PORT must be 0..65535, got {self.metrics_port}")
         self.default_policy_fields()
+        try:
+            self.leader_election_timings().check()
+        except ValueError as exc:
+            raise ConfigError(
+                f"{PREFIX}RETRY_PERIOD_S, {PREFIX}RENEW_DEADLINE_S, {PREFIX}LEASE_DURATION_S: {exc}"
+            ) from None
+
+    def leader_election_timings(self) -> Timings:
+        return Timings(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
 
     def default_policy_fields(self) -> dict[str, Any]:
         """The default policy's fields as set (camelCase), validated.

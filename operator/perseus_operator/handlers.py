@@ -64,6 +64,9 @@ def watch_namespaces(names: list[str]) -> None:
 class _Job:
     memo: JobMemo = field(default_factory=JobMemo)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    written: dict[str, Any] | None = None
+    """The status this process last decided for the job (uid ``written_uid``)."""
+    written_uid: str = ""
 
 
 @dataclass
@@ -206,15 +209,19 @@ async def policy_changed(memo: kopf.Memo, **_: Any) -> None:
 
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
     state = _state(memo)
-    raw = _raw(body)
-    key = (raw["metadata"]["namespace"], raw["metadata"]["name"])
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
     job = state.jobs.setdefault(key, _Job())
     async with job.lock:  # a timer tick and a spec change never reconcile at once
+        raw = _raw(body)
+        current = with_written_status(raw, job.written, job.written_uid)
         # Bounded, so that nothing (a hung connection) can stop this job's progress for good.
         async with asyncio.timeout(CONFIG.planner_timeout_s + RECONCILE_SLACK_S):
             outcome = await reconcile(
-                raw, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY
+                current, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY
             )
+        job.written = outcome.status.model_dump(mode="json", by_alias=True)
+        job.written_uid = str(raw["metadata"].get("uid") or "")
+    # Against what the API showed: a status patch kopf could not apply is written again.
     _patch(raw, patch, outcome)
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
@@ -226,6 +233,22 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> Non
         replicas=_replicas(raw),
         new_stragglers=outcome.new_stragglers,
     )
+
+
+def with_written_status(
+    raw: dict[str, Any], written: Mapping[str, Any] | None, written_uid: str
+) -> dict[str, Any]:
+    """The job with the status this process last decided for it, when it has one.
+
+    Only the operator writes a PerseusJob's status, but kopf applies a handler's patch after
+    the handler returns, and a handler waiting for the job's lock holds the body of when it
+    was called: reconciling from that body went back a phase and wrote an old plan revision
+    over a newer one (a revision then reused for another plan). A replica that has just
+    taken over has nothing written yet and starts from the stored status.
+    """
+    if written is None or written_uid != str(raw["metadata"].get("uid") or ""):
+        return raw
+    return {**raw, "status": {**(raw.get("status") or {}), **written}}
 
 
 def _patch(raw: Mapping[str, Any], patch: kopf.Patch, outcome: Outcome) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 from perseus_api import resources
 from perseus_api.errors import ApiError
 from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
 from perseus_api.policy import POLICY_PLURAL
+from perseus_operator.leader_election import LeaseRecord
 
 T = TypeVar("T")
 
@@ -398,3 +400,201 @@ def _api_message(exc: Any) -> str:
     except (TypeError, ValueError, AttributeError):
         message = exc.reason
     return f"HTTP {exc.status}: {message}"
+
+
+class LeaseApi:
+    """One ``coordination.k8s.io/v1`` Lease, for leader election
+    (:class:`perseus_operator.leader_election.LeaseStore`). Blocking: it runs in the elector's
+    own thread, apart from the event loop, so a busy loop never delays a renewal."""
+
+    def __init__(self, api_client: Any, namespace: str, name: str) -> None:
+        from kubernetes import client
+
+        self._api = client.CoordinationV1Api(api_client)
+        self.namespace = namespace
+        self.name = name
+
+    def get(self) -> LeaseRecord | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            response = self._api.read_namespaced_lease(
+                self.name, self.namespace, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise KubeError(_api_message(exc), exc.status) from None
+        return lease_record(_json(response))
+
+    def create(self, record: LeaseRecord) -> bool:
+        return self._write(
+            lambda body: self._api.create_namespaced_lease(
+                self.namespace, body, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
+            ),
+            record,
+        )
+
+    def update(self, record: LeaseRecord) -> bool:
+        return self._write(
+            lambda body: self._api.replace_namespaced_lease(
+                self.name,
+                self.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=LEASE_TIMEOUT_S,
+            ),
+            record,
+        )
+
+    def _write(self, call: Callable[[dict[str, Any]], Any], record: LeaseRecord) -> bool:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            call(lease_object(self.namespace, self.name, record))
+        except ApiException as exc:
+            if exc.status == 409:  # changed (or created) by another replica since read
+                return False
+            raise KubeError(_api_message(exc), exc.status) from None
+        return True
+
+
+LEASE_TIMEOUT_S: Final = 5.0
+"""A Lease call must fail well within the renew deadline, to be retried."""
+
+
+def lease_object(namespace: str, name: str, record: LeaseRecord) -> dict[str, Any]:
+    """The Lease for ``record``; its resource version makes a replace conditional."""
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if record.resource_version:
+        metadata["resourceVersion"] = record.resource_version
+    spec: dict[str, Any] = {
+        "holderIdentity": record.holder,
+        "leaseDurationSeconds": record.lease_duration_s,
+        "leaseTransitions": record.transitions,
+    }
+    for key, stamp in (("acquireTime", record.acquire_time), ("renewTime", record.renew_time)):
+        if stamp is not None:
+            spec[key] = stamp.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": metadata,
+        "spec": spec,
+    }
+
+
+def lease_record(lease: Mapping[str, Any]) -> LeaseRecord:
+    """The record of a Lease as the API returns it."""
+    spec = lease.get("spec") or {}
+    metadata = lease.get("metadata") or {}
+    return LeaseRecord(
+        holder=str(spec.get("holderIdentity") or ""),
+        lease_duration_s=int(spec.get("leaseDurationSeconds") or 1),
+        acquire_time=_micro_time(spec.get("acquireTime")),
+        renew_time=_micro_time(spec.get("renewTime")),
+        transitions=int(spec.get("leaseTransitions") or 0),
+        resource_version=str(metadata.get("resourceVersion") or ""),
+    )
+
+
+def _micro_time(value: object) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+class HookApi:
+    """What the chart's Helm hooks read and delete (:mod:`perseus_operator.chart_hooks`).
+    Blocking: a hook is a short command, not the operator's event loop."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client
+
+        self._custom = client.CustomObjectsApi(api_client)
+        self._extensions = client.ApiextensionsV1Api(api_client)
+
+    def crds(self) -> list[dict[str, Any]]:
+        return self._items(
+            lambda: self._extensions.list_custom_resource_definition(
+                _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
+
+    def policies(self) -> list[dict[str, Any]]:
+        return self._items(
+            lambda: self._custom.list_cluster_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                POLICY_PLURAL,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    def delete_policy(self, name: str) -> None:
+        self._ignore_404(
+            lambda: self._custom.delete_cluster_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                POLICY_PLURAL,
+                name,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    def jobs(self, namespace: str | None) -> list[dict[str, Any]]:
+        """PerseusJobs of ``namespace`` (None: of every namespace)."""
+        args = (resources.GROUP, resources.VERSION)
+        if namespace is None:
+            return self._items(
+                lambda: self._custom.list_cluster_custom_object(
+                    *args, JOB_PLURAL, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
+        return self._items(
+            lambda: self._custom.list_namespaced_custom_object(
+                *args,
+                namespace,
+                JOB_PLURAL,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        self._ignore_404(
+            lambda: self._custom.delete_namespaced_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                JOB_PLURAL,
+                name,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
+        items = _json(self._sync(call)).get("items") or []
+        return [i for i in items if isinstance(i, dict)]
+
+    def _ignore_404(self, call: Callable[[], Any]) -> None:
+        try:
+            self._sync(call)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    @staticmethod
+    def _sync(call: Callable[[], T]) -> T:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return call()
+        except ApiException as exc:
+            raise KubeError(_api_message(exc), exc.status) from None
+        except OSError as exc:
+            raise KubeError(f"Kubernetes API unreachable: {exc}") from None

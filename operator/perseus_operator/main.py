@@ -2,17 +2,27 @@
 
 Settings are ``PERSEUS_OPERATOR_*`` environment variables (see
 :class:`perseus_operator.config.OperatorConfig`); the command line chooses what to watch and
-the liveness endpoint.
+the liveness endpoint. With ``PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE`` set, the process
+waits for the leader Lease before it starts kopf, and exits the moment it loses it
+(:mod:`perseus_operator.leader_election`). ``--hook`` runs one of the chart's Helm hooks
+instead (:mod:`perseus_operator.chart_hooks`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
+import uuid
 from collections.abc import Sequence
 
 from perseus_operator.config import ConfigError, OperatorConfig
+from perseus_operator.leader_election import Elector
+
+log = logging.getLogger("perseus_operator")
+LOST_LEASE_EXIT_CODE = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +47,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--hook",
+        choices=["before-uninstall", "test"],
+        help="run a Helm hook of the chart and exit: before-uninstall deletes every "
+        "PerseusPolicy and PerseusJob and waits until the running operator has reset their "
+        "GPUs; test checks the release (CRDs served, operator leading and renewing)",
+    )
+    parser.add_argument(
+        "--hook-timeout-s", type=float, default=300.0, help="limit of --hook (default: %(default)s)"
+    )
     return parser
+
+
+def _elector(config: OperatorConfig) -> Elector:
+    from perseus_operator.kube import LeaseApi, load_api_client
+
+    kubeconfig = config.kubeconfig or os.environ.get("KUBECONFIG", "")
+    store = LeaseApi(
+        load_api_client(kubeconfig), config.leader_election_namespace, config.leader_election_lease
+    )
+    identity = config.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    return Elector(store, identity, config.leader_election_timings())
+
+
+def _lost(reason: str) -> None:
+    # Crash-only, as client-go's controllers: a leader that lost its Lease must not make one
+    # more API call, and a graceful kopf shutdown would (handlers finishing, finalizers).
+    # Kubernetes restarts the container, which then waits as a standby.
+    log.critical("lost the leader Lease (%s): exiting", reason)
+    logging.shutdown()
+    os._exit(LOST_LEASE_EXIT_CODE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,21 +89,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         # kopf logs every handler run per object at INFO: a line per job per timer tick.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     try:
-        OperatorConfig.from_env()  # fail fast, before connecting anywhere
+        config = OperatorConfig.from_env()  # fail fast, before connecting anywhere
     except ConfigError as exc:
         print(f"perseus-operator: error: {exc}", file=sys.stderr)
         return 2
+    if args.hook:
+        from perseus_operator.chart_hooks import run_hook
+
+        return run_hook(args.hook, config, args.namespace, timeout_s=args.hook_timeout_s)
+    # Imported (a few seconds: the planner) before waiting for the Lease, so that a standby
+    # that takes over starts reconciling at once.
     import kopf
 
     import perseus_operator.handlers  # registers the handlers
 
     perseus_operator.handlers.watch_namespaces(args.namespace)
-    kopf.run(
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
-    )
+    elector = None
+    if config.leader_election_namespace:
+        elector = _elector(config)
+        elector.acquire()
+        elector.keep(_lost)
+    try:
+        # standalone: kopf's own peering is off; the Lease above decides who runs.
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness or None,
+        )
+    finally:
+        if elector is not None and elector.release():
+            log.info("released the leader Lease")
     return 0
 
 

@@ -216,7 +216,7 @@ def test_every_object_is_labelled_and_namespaced_correctly() -> None:
         assert len(meta["name"]) <= 63
         if obj["kind"] in cluster_scoped:
             assert "namespace" not in meta
-        elif obj["kind"] == "RoleBinding":
+        elif obj["kind"] == "RoleBinding" and not meta["name"].endswith("-leader-election"):
             assert meta["namespace"] in ("ml", "research")
         elif obj["kind"] == "ConfigMap":
             assert meta["namespace"] == "grafana"
@@ -232,7 +232,9 @@ def test_every_object_is_labelled_and_namespaced_correctly() -> None:
 
 BAD_VALUES: dict[str, dict[str, Any]] = {
     "unknown top-level key": {"replicaCount": 2},
-    "unknown nested key": {"operator": {"replicas": 2}},
+    "unknown nested key": {"operator": {"replicaCount": 2}},
+    "no operator replica": {"operator": {"replicas": 0}},
+    "lease too short": {"operator": {"leaderElection": {"leaseDurationSeconds": 1}}},
     "backend": {"agent": {"backend": "cuda"}},
     "planner workers": {"operator": {"plannerWorkers": 0}},
     "policy mode": {"defaultPolicy": {"mode": "Fast"}},
@@ -361,8 +363,12 @@ def test_cluster_policy_schema_is_the_crd_spec() -> None:
 def test_operator_deployment() -> None:
     deployment = render().one("Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Two replicas, one leading (the Lease): a rolling update never leaves none.
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
@@ -395,8 +401,13 @@ def test_operator_command_and_settings_are_what_the_operator_accepts() -> None:
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert args.liveness.endswith(f":{ports['health']}/healthz")
         env = env_of(container)
+        # The holder identity is the pod's name (downward API); the rest are literals.
+        identity = env.pop(PREFIX + "LEADER_ELECTION_IDENTITY")
+        assert identity == {"fieldRef": {"fieldPath": "metadata.name"}}
         settings = {k: v for k, v in env.items() if k.startswith(PREFIX)}
         config = OperatorConfig.from_env(settings)
+        assert config.leader_election_namespace == NAMESPACE
+        assert config.leader_election_lease == rendered.one("Deployment")["metadata"]["name"]
         assert config.metrics_port == ports["metrics"]
         known = {PREFIX + f.upper() for f in OperatorConfig.__dataclass_fields__}
         assert set(settings) <= known  # every setting is one the operator reads
@@ -820,3 +831,58 @@ def test_agents_read_gpu_ownership_from_the_kubelet() -> None:
     assert "--gpu-ownership=local-rank-index" in emulated["args"]
     assert all(m["name"] != "pod-resources" for m in emulated["volumeMounts"])
     assert not any(a.startswith("--pod-resources-socket") for a in emulated["args"])
+
+
+def test_operator_replicas_and_leader_election_follow_the_values() -> None:
+    from perseus_operator.config import OperatorConfig
+
+    election = {"leaseDurationSeconds": 30, "renewDeadlineSeconds": 20, "retryPeriodSeconds": 4}
+    rendered = render({"operator": {"replicas": 3, "leaderElection": election}})
+    deployment = rendered.one("Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    (container,) = containers(deployment)
+    env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
+    timings = OperatorConfig.from_env(env).leader_election_timings()
+    assert (timings.lease_duration_s, timings.renew_deadline_s, timings.retry_period_s) == (
+        30,
+        20,
+        4,
+    )
+
+
+def test_leader_election_timings_out_of_order_fail_the_render() -> None:
+    election = {"leaseDurationSeconds": 10, "renewDeadlineSeconds": 10, "retryPeriodSeconds": 2}
+    with pytest.raises(helm_python.HelmRenderError, match="renewDeadlineSeconds < leaseDuration"):
+        render({"operator": {"leaderElection": election}})
+
+
+@pytest.mark.parametrize("watched", [[], ["ml", "research"]])
+def test_hook_pods_run_commands_the_operator_accepts(watched: list[str]) -> None:
+    """The pre-delete and test hooks: the operator's image and account, a --hook it knows,
+    the watched namespaces (the uninstall hook deletes jobs there only), and settings it reads."""
+    from perseus_operator.config import OperatorConfig
+    from perseus_operator.main import build_parser
+
+    rendered = render({"operator": {"watchNamespaces": watched}})
+    operator_pod = rendered.one("Deployment")["spec"]["template"]["spec"]
+    hooks = {}
+    for pod in rendered.of_kind("Pod"):
+        hooks[pod["metadata"]["annotations"]["helm.sh/hook"]] = pod
+        spec = pod["spec"]
+        if pod["metadata"]["annotations"]["helm.sh/hook"] == "test":
+            assert spec["serviceAccountName"] == operator_pod["serviceAccountName"]
+        else:  # the uninstall clean-up, with rights of its own (test_helm_rbac.py)
+            assert spec["serviceAccountName"] == "perseus-operator-uninstall"
+        assert spec["restartPolicy"] == "Never"
+        (container,) = spec["containers"]
+        assert container["image"] == operator_pod["containers"][0]["image"]
+        args = build_parser().parse_args(container["args"])
+        assert args.namespace == watched
+        kubernetes_validate.validate(pod, KUBE_VERSIONS[-1], strict=True)
+        config = OperatorConfig.from_env(env_of(container))
+        assert config.leader_election_namespace == NAMESPACE
+    assert set(hooks) == {"pre-delete", "test"}
+    pre_delete = build_parser().parse_args(hooks["pre-delete"]["spec"]["containers"][0]["args"])
+    assert pre_delete.hook == "before-uninstall"
+    assert pre_delete.hook_timeout_s == 300
+    assert build_parser().parse_args(hooks["test"]["spec"]["containers"][0]["args"]).hook == "test"

@@ -97,12 +97,47 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         Call("delete", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.delete_node_plan"),
         Call("delete", GROUP, JOB_PLURAL, False, "KubeClient.delete_job (policies)"),
     ],
+    # helm test (chart_hooks.release_test), as the operator's account.
+    "list_custom_resource_definition": [
+        Call("list", CRD_GROUP, "customresourcedefinitions", True, "HookApi.crds (helm test)")
+    ],
     "create_namespaced_event": [
         Call("create", "", "events", False, "KubeClient.create_event (policies, on workloads)")
     ],
 }
 
-# What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects).
+# The pre-delete hook (chart_hooks.before_uninstall), as an account of its own (a hook too).
+UNINSTALL_HOOK_CLIENT_CALLS: dict[str, list[Call]] = {
+    "list_cluster_custom_object": [
+        Call("list", GROUP, POLICY_PLURAL, True, "HookApi.policies"),
+        Call("list", GROUP, JOB_PLURAL, True, "HookApi.jobs (all namespaces)"),
+    ],
+    "list_namespaced_custom_object": [
+        Call("list", GROUP, JOB_PLURAL, True, "HookApi.jobs (watched namespaces)")
+    ],
+    "delete_cluster_custom_object": [
+        Call("delete", GROUP, POLICY_PLURAL, True, "HookApi.delete_policy")
+    ],
+    "delete_namespaced_custom_object": [
+        Call("delete", GROUP, JOB_PLURAL, True, "HookApi.delete_job")
+    ],
+}
+UNINSTALL_HOOK_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator-uninstall"
+
+# LeaseApi (leader election, and the helm test's read): one Lease in the release namespace.
+LEASE_CLIENT_CALLS: dict[str, list[str]] = {
+    "read_namespaced_lease": ["get"],
+    "create_namespaced_lease": ["create"],
+    "replace_namespaced_lease": ["update"],
+}
+LEASE_GRANTS = {
+    (NAMESPACE, "coordination.k8s.io", "leases", verb)
+    for verbs in LEASE_CLIENT_CALLS.values()
+    for verb in verbs
+}
+
+# What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects;
+# leader election is our own Lease, above).
 KOPF_CALLS = [
     Call("list", GROUP, JOB_PLURAL, False, "kopf watcher: initial listing of the jobs"),
     Call("watch", GROUP, JOB_PLURAL, False, "kopf watcher"),
@@ -221,7 +256,10 @@ def client_methods_called(path: Path, receivers: set[str]) -> set[str]:
 
 def test_every_client_call_of_the_operator_is_listed() -> None:
     path = REPO_ROOT / "operator" / "perseus_operator" / "kube.py"
-    assert client_methods_called(path, {"_core", "_custom"}) == set(OPERATOR_CLIENT_CALLS)
+    assert client_methods_called(path, {"_core", "_custom", "_extensions"}) == set(
+        OPERATOR_CLIENT_CALLS
+    ) | set(UNINSTALL_HOOK_CLIENT_CALLS)
+    assert client_methods_called(path, {"_api"}) == set(LEASE_CLIENT_CALLS)
 
 
 def test_every_client_call_of_the_agent_is_listed() -> None:
@@ -247,14 +285,17 @@ def test_only_the_kube_modules_create_api_clients() -> None:
 
 def test_operator_rbac_is_exactly_its_calls_cluster_wide() -> None:
     rendered = render()
-    assert grants_of(rendered, OPERATOR_SA) == expected_grants(operator_calls(namespaced=False))
+    assert grants_of(rendered, OPERATOR_SA) == (
+        expected_grants(operator_calls(namespaced=False)) | LEASE_GRANTS
+    )
 
 
 def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
     watched = ["ml", "team-b"]
     rendered = render({"operator": {"watchNamespaces": watched}})
     grants = grants_of(rendered, OPERATOR_SA)
-    assert grants == expected_grants(operator_calls(namespaced=True), watched)
+    assert grants == expected_grants(operator_calls(namespaced=True), watched) | LEASE_GRANTS
+    assert not allows(grants, "update", "coordination.k8s.io", "leases", "ml")
     assert allows(grants, "list", "", "pods", "ml")
     assert not allows(grants, "list", "", "pods", "kube-system")
     assert not allows(grants, "create", GROUP, resources.NODE_PLAN_PLURAL, "other")
@@ -336,7 +377,7 @@ def test_bindings_name_the_service_accounts_the_pods_run_as() -> None:
         f"system:serviceaccount:{NAMESPACE}:{sa['metadata']['name']}"
         for sa in rendered.of_kind("ServiceAccount")
     }
-    assert accounts == {OPERATOR_SA, AGENT_SA}
+    assert accounts == {OPERATOR_SA, AGENT_SA, UNINSTALL_HOOK_SA}  # the last: a hook
 
 
 def test_existing_service_accounts_can_be_used() -> None:
@@ -346,7 +387,9 @@ def test_existing_service_accounts_can_be_used() -> None:
             "agent": {"serviceAccount": {"create": False, "name": "gpu-agent"}},
         }
     )
-    assert rendered.of_kind("ServiceAccount") == []
+    # Only the uninstall hook's own account, which exists while the hook runs.
+    (hook_account,) = rendered.of_kind("ServiceAccount")
+    assert hook_account["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
     agent = f"system:serviceaccount:{NAMESPACE}:gpu-agent"
     assert grants_of(rendered, agent) == expected_grants(agent_calls())
     policy = rendered.one("ValidatingAdmissionPolicy")
@@ -483,3 +526,17 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
         assert allows(grants, verb, group, resource, namespace), (namespace, resource, verb)
     kinds = {(g, r, v, ns is None) for ns, g, r, v in observed}
     assert kinds == {(c.group, c.resource, c.verb, c.cluster) for c in agent_calls()}
+
+
+@pytest.mark.parametrize("watched", [[], ["ml", "team-b"]])
+def test_the_uninstall_hook_may_delete_perseus_objects_only(watched: list[str]) -> None:
+    rendered = render({"operator": {"watchNamespaces": watched}})
+    calls = [c for cs in UNINSTALL_HOOK_CLIENT_CALLS.values() for c in cs]
+    assert grants_of(rendered, UNINSTALL_HOOK_SA) == expected_grants(calls)
+    (pod,) = [p for p in rendered.of_kind("Pod") if p["metadata"]["name"].endswith("uninstall")]
+    assert pod["spec"]["serviceAccountName"] == UNINSTALL_HOOK_SA.rsplit(":", 1)[-1]
+    # Its account and rights exist only while the hook runs.
+    for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+        obj = rendered.one(kind, "-uninstall")
+        assert obj["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+        assert int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0  # before the pod
