@@ -706,8 +706,9 @@ def test_stage_granularity_from_a_stored_profile_needs_no_client_hooks(
     for plan in s.node_plans("gpt3-stage"):
         spec = plan["spec"]
         [agent] = [a for a in s.agents if a.node == spec["node"]]
+        # One pod per node holding all its GPUs: local rank r runs on the node's r-th GPU.
         stage_clock = {
-            a["gpu_index"]: spec["plans"][a["plan"]]["stages"][a["stage"]]["frequency_mhz"]
+            a["local_rank"]: spec["plans"][a["plan"]]["stages"][a["stage"]]["frequency_mhz"]
             for a in spec["assignments"]
         }
         assert agent.clocks() == [stage_clock[i] for i in range(GPUS)], spec["node"]
