@@ -9,10 +9,11 @@ cut forward and slow down those crossing it backward. Each step is one point of
 the frontier, until a step would have to shorten something that cannot be
 (``T_min``).
 
-Each step starts its maximum flow from the previous step's, which the small
-change between steps leaves almost intact (:mod:`perseus_planner._warm`); the
-minimum cut read from it is the one a flow built from zero gives
-(:mod:`perseus_planner._steps` keeps that reference for comparison).
+Each step starts from the previous step's maximum flow, minimum cut and critical
+DAG, which the small change between steps leaves almost intact
+(:mod:`perseus_planner._kept_cut`); the minimum cut read from them is the one a
+flow built from zero gives (:mod:`perseus_planner._steps` keeps that reference
+for comparison).
 """
 
 from __future__ import annotations
@@ -280,8 +281,8 @@ def iterate_frontier(
 
     Args:
         problem: The prepared problem.
-        keep_flow: Start each step's maximum flow from the previous step's
-            (:mod:`perseus_planner._warm`). ``False`` rebuilds it from zero
+        keep_flow: Start each step from the previous step's maximum flow and cut
+            (:mod:`perseus_planner._kept_cut`). ``False`` rebuilds the flow from zero
             every step, the reference the tests compare with; both give the
             same frontier.
     """
