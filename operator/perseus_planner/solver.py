@@ -286,6 +286,37 @@ def iterate_frontier(
             every step, the reference the tests compare with; both give the
             same frontier.
     """
+    n = problem.dag.num_nodes
+    for step in iterate_steps(problem, keep_flow=keep_flow):
+        yield frontier_point(
+            problem, step.iteration, step.quant_time, step.cost_j, step.durations[:n],
+            step.sped_up, step.slowed_down,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Step:
+    """One point of the frontier as the solver finds it, before any per-computation table.
+
+    ``durations`` is the solver's own array (all nodes, source and sink last): it
+    holds this point's durations only until the iterator moves on.
+    """
+
+    iteration: int
+    quant_time: int
+    cost_j: float
+    sped_up: IntArray
+    slowed_down: IntArray
+    durations: IntArray
+
+
+def iterate_steps(problem: FrontierProblem, *, keep_flow: bool = True) -> Iterator[Step]:
+    """What :func:`iterate_frontier` yields, without the per-point copies and clock tables.
+
+    Those cost a pass over every computation per point, as much as a step on
+    large pipelines; :func:`perseus_planner.frontier.compute_frontier` keeps only
+    what changes.
+    """
     t = problem._tables
     n = problem.dag.num_nodes
     num = n + 2
@@ -295,7 +326,7 @@ def iterate_frontier(
     ls = np.empty(num, dtype=np.int64)
     makespan = int(_kernel.critical_path(*t.graph, dur, ef, ls))
     empty = np.empty(0, dtype=np.int64)
-    yield _point(problem, 0, makespan, problem.cost_j(dur[:n]), dur[:n], empty, empty)
+    yield Step(0, makespan, problem.cost_j(dur[:n]), empty, empty, dur)
     stepper = _steps.WarmStepper if keep_flow else _steps.ReferenceStepper
     step = stepper(t, dur, ef, ls).step
     changed_up = np.empty(num, dtype=np.int64)
@@ -308,18 +339,17 @@ def iterate_frontier(
         if out_i[0] != _kernel.STATUS_OK:
             return
         iteration += 1
-        yield _point(
-            problem,
+        yield Step(
             iteration,
             int(out_i[1]),
             float(out_f[1]),
-            dur[:n],
             changed_up[: out_i[2]].copy(),
             changed_down[: out_i[3]].copy(),
+            dur,
         )
 
 
-def _point(
+def frontier_point(
     problem: FrontierProblem,
     iteration: int,
     quant_time: int,
@@ -328,6 +358,7 @@ def _point(
     sped_up: IntArray,
     slowed_down: IntArray,
 ) -> FrontierPoint:
+    """The point with these values; copies ``dur`` (the solver's array moves on)."""
     time_s = quant_time * problem.unit_time_s
     durations = dur.copy()
     return FrontierPoint(

@@ -20,7 +20,8 @@ from perseus_planner import _kept_cut, _kernel
 from perseus_planner._steps import WarmStepper
 from perseus_planner.bundled import bundled_profile
 from perseus_planner.dag import build_pipeline_dag
-from perseus_planner.solver import FrontierProblem, build_problem, iterate_frontier
+from perseus_planner.frontier import compute_frontier
+from perseus_planner.solver import FrontierPoint, FrontierProblem, build_problem, iterate_frontier
 
 IntArray = npt.NDArray[np.int64]
 Step = tuple[int, int, tuple[int, ...], tuple[int, ...]]
@@ -140,3 +141,24 @@ def test_move_flow_rejects_a_flow_outside_the_bounds() -> None:
     stepper = WarmStepper(t, dur, np.zeros(n + 2, np.int64), np.zeros(n + 2, np.int64))
     with pytest.raises(ValueError, match="outside the bounds"):
         stepper.move_flow(0, 1)
+
+
+def test_compute_frontier_keeps_what_the_points_say() -> None:
+    # compute_frontier skips the per-point copies and clock tables: it must still agree
+    # with every point, float for float, and hand on_point the same points.
+    problem = _problem("bloom+a100_sxm", "1f1b", 6, None)
+    points = list(iterate_frontier(problem))
+    seen: list[FrontierPoint] = []
+    frontier = compute_frontier(problem, on_point=seen.append)
+    assert frontier.quant_times.tolist() == [p.quant_time for p in points]
+    assert frontier.times_s.tolist() == [p.time_s for p in points]
+    assert frontier.costs_j.tolist() == [p.cost_j for p in points]
+    assert frontier.energies_j.tolist() == [p.energy_j for p in points]
+    for index in (0, len(points) // 2, len(points) - 1):
+        np.testing.assert_array_equal(frontier.durations_at(index), points[index].quant_durations)
+    assert len(seen) == len(points)
+    for s, p in zip(seen, points, strict=True):
+        assert (s.iteration, s.quant_time, s.energy_j) == (p.iteration, p.quant_time, p.energy_j)
+        np.testing.assert_array_equal(s.quant_durations, p.quant_durations)
+        np.testing.assert_array_equal(s.frequencies_mhz, p.frequencies_mhz)
+        np.testing.assert_array_equal(s.sped_up, p.sped_up)
