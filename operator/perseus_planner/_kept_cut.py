@@ -41,6 +41,7 @@ import numpy as np
 from numba import njit
 
 from perseus_planner._kernel import (
+    INF_UNITS,
     STATUS_AT_LIMIT,
     STATUS_INFEASIBLE_FLOW,
     STATUS_NO_GAIN,
@@ -69,6 +70,8 @@ KC_SIZE = 8
 
 _COST_EPSILON_J = 1e-6
 _NO_FLOAT = 1 << 62
+_INF = int(INF_UNITS)
+_HALF_INF = _INF // 2
 
 
 @njit(cache=True)
@@ -168,11 +171,12 @@ def _recount(n: int, edge_u: Array, edge_v: Array, crit: Array, ecrit: Array, in
 
 @njit(cache=True)
 def _grow(n: int, sink: int, last: Array, adj_ptr: Array, adj_arc: Array, head: Array,
-          cap: Array, seen: Array, state: Array, queue: Array, in_s: Array) -> int:  # fmt: skip
+          cap: Array, seen: Array, state: Array, queue: Array, parent: Array,
+          in_s: Array) -> int:  # fmt: skip
     """Vertices outside ``S`` reachable through the residual the last cut's arcs gained.
 
     Lists them in ``queue`` and returns how many, or -1 when the sink is among
-    them (then a flow can be added).
+    them (then a flow can be added). ``parent`` is the arc each was reached by.
     """
     state[0] += 1
     stamp = state[0]
@@ -180,13 +184,15 @@ def _grow(n: int, sink: int, last: Array, adj_ptr: Array, adj_arc: Array, head: 
     for k in range(last.shape[0]):
         i = last[k]
         if in_s[2 * i] and not in_s[2 * i + 1] and cap[2 * i] > 0:
-            v = 2 * i + 1
+            a = 2 * i
         elif in_s[2 * i + 1] and not in_s[2 * i] and cap[2 * i + 1] > 0:
-            v = 2 * i
+            a = 2 * i + 1
         else:
             continue
+        v = head[a]
         if seen[v] != stamp:
             seen[v] = stamp
+            parent[v] = a
             queue[qt] = v
             qt += 1
     qh = 0
@@ -201,9 +207,60 @@ def _grow(n: int, sink: int, last: Array, adj_ptr: Array, adj_arc: Array, head: 
                 v = head[a]
                 if not in_s[v] and seen[v] != stamp:
                     seen[v] = stamp
+                    parent[v] = a
                     queue[qt] = v
                     qt += 1
     return qt
+
+
+@njit(cache=True)
+def _augment_tree_path(source: int, sink: int, adj_ptr: Array, adj_arc: Array, head: Array,
+                       cap: Array, parent: Array, in_s: Array, orphans: Array) -> int:  # fmt: skip
+    """Send the bottleneck along the parent arcs from the source to the sink.
+
+    Returns 1 when ``S`` is still the set reachable from the source, 0 when it
+    may have shrunk, -1 when the bottleneck is "infinite". An arc of the path
+    inside ``S`` that runs out of residual leaves the vertex it led to without a
+    parent; another arc into it from a vertex whose own path to the source
+    avoids it keeps it (and what hangs below it) reachable.
+    """
+    bottleneck = _INF
+    v = sink
+    while v != source:
+        a = parent[v]
+        if cap[a] < bottleneck:
+            bottleneck = cap[a]
+        v = head[a ^ 1]
+    if bottleneck >= _HALF_INF:
+        return -1
+    n_orphans = 0
+    v = sink
+    while v != source:
+        a = parent[v]
+        cap[a] -= bottleneck
+        cap[a ^ 1] += bottleneck
+        if cap[a] == 0 and in_s[v] and in_s[head[a ^ 1]]:
+            orphans[n_orphans] = v
+            n_orphans += 1
+        v = head[a ^ 1]
+    for k in range(n_orphans):
+        w = orphans[k]
+        adopted = False
+        for j in range(adj_ptr[w], adj_ptr[w + 1]):
+            into = adj_arc[j] ^ 1  # the arc u -> w
+            u = head[adj_arc[j]]
+            if cap[into] <= 0 or not in_s[u]:
+                continue
+            x = u  # u's path to the source must have residual and avoid w
+            while x != source and x != w and cap[parent[x]] > 0:
+                x = head[parent[x] ^ 1]
+            if x == source:
+                parent[w] = into
+                adopted = True
+                break
+        if not adopted:
+            return 0
+    return 1
 
 
 @njit(cache=True)
@@ -216,7 +273,7 @@ def kept_cut_step(
     adj_ptr: Array, adj_arc: Array, full_ptr: Array, full_arc: Array, head: Array,
     cap: Array, lo: Array, hi: Array, excess: Array, touched: Array, listed: Array,
     level: Array, seen: Array, state: Array, queue: Array, cursor: Array, stack: Array,
-    out_ptr: Array, out_eid: Array, in_ptr: Array, in_eid: Array,
+    parent: Array, out_ptr: Array, out_eid: Array, in_ptr: Array, in_eid: Array,
     crit: Array, ecrit: Array, in_s: Array, cut_list: Array, cut_pos: Array,
     pending: Array, last: Array, kc: Array,
     changed_up: Array, changed_down: Array, out_i: Array, out_f: Array,
@@ -250,20 +307,31 @@ def kept_cut_step(
         if state[1] > 0:  # the flow left its bounds somewhere: repair, then maximize
             rebuild = True
         else:
-            grown = _grow(n, sink, last[: kc[N_LAST]], adj_ptr, adj_arc, head, cap, seen, state,
-                          queue, in_s)  # fmt: skip
-            if grown < 0:
-                rebuild = True
+            # Augment along the paths the search finds while the source side stays whole:
+            # every one leaves S through an arc the last cut changed.
+            while True:
+                grown = _grow(n, sink, last[: kc[N_LAST]], adj_ptr, adj_arc, head, cap, seen,
+                              state, queue, parent, in_s)  # fmt: skip
+                if grown >= 0:
+                    break
+                intact = _augment_tree_path(source, sink, adj_ptr, adj_arc, head, cap, parent,
+                                            in_s, stack)  # fmt: skip
+                if intact < 0:
+                    out_i[0] = STATUS_AT_LIMIT
+                    return
+                if intact == 0:
+                    rebuild = True
+                    break
             for k in range(grown):
                 _join(queue[k], n, edge_u, edge_v, out_ptr, out_eid, in_ptr, in_eid, crit, ecrit,
                       in_s, cut_list, cut_pos, kc)  # fmt: skip
     if rebuild:
         if not repair(n, n_edges, full_ptr, full_arc, head, cap, excess, touched, listed, level,
-                      seen, state, queue, cursor, stack):  # fmt: skip
+                      seen, state, queue, cursor, stack, parent):  # fmt: skip
             out_i[0] = STATUS_INFEASIBLE_FLOW
             return
         if dinic(source, sink, adj_ptr, adj_arc, head, cap, level, seen, state, queue, cursor,
-                 stack) < 0:  # fmt: skip
+                 stack, parent) < 0:  # fmt: skip
             out_i[0] = STATUS_AT_LIMIT
             return
         # The last search lists the source side of the minimal minimum cut.

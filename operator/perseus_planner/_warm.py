@@ -48,12 +48,13 @@ _COST_EPSILON_J = 1e-6
 
 @njit(cache=True)
 def _bfs(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array,
-         level: Array, seen: Array, state: Array, queue: Array, cursor: Array) -> bool:  # fmt: skip
+         level: Array, seen: Array, state: Array, queue: Array, cursor: Array,
+         parent: Array) -> bool:  # fmt: skip
     """Level vertices reachable from ``s`` (``seen == state[0]``); return whether ``t`` is.
 
     The search stops after the level of ``t``: Dinic's phase needs no deeper
     vertex, and a short repair path then costs little. ``queue[:state[2]]``
-    lists the vertices it reached.
+    lists the vertices it reached, ``parent`` the arc each was reached by.
     """
     stamp = state[0]
     seen[s] = stamp
@@ -76,6 +77,7 @@ def _bfs(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array
                     seen[v] = stamp
                     level[v] = level[u] + 1
                     cursor[v] = adj_ptr[v]
+                    parent[v] = a
                     queue[qt] = v
                     qt += 1
                     if v == t:
@@ -87,7 +89,7 @@ def _bfs(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array
 @njit(cache=True)
 def dinic(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Array,
            level: Array, seen: Array, state: Array, queue: Array, cursor: Array,
-           stack: Array) -> int:  # fmt: skip
+           stack: Array, parent: Array) -> int:  # fmt: skip
     """Augment from ``s`` to ``t`` until no path is left; return the flow added.
 
     Returns -1 as soon as a path's bottleneck is "infinite". When it returns
@@ -98,7 +100,7 @@ def dinic(s: int, t: int, adj_ptr: Array, adj_arc: Array, head: Array, cap: Arra
     while True:
         state[0] += 1
         stamp = state[0]
-        if not _bfs(s, t, adj_ptr, adj_arc, head, cap, level, seen, state, queue, cursor):
+        if not _bfs(s, t, adj_ptr, adj_arc, head, cap, level, seen, state, queue, cursor, parent):
             # A search stops early only once it has found t: this one is complete.
             return total
         while True:
@@ -273,7 +275,8 @@ def bounds_pass(edge_u: Array, edge_v: Array, dummy: Array, dur: Array, dmin: Ar
 @njit(cache=True)
 def repair(n: int, n_edges: int, full_ptr: Array, full_arc: Array, head: Array, cap: Array,
            excess: Array, touched: Array, listed: Array, level: Array, seen: Array,
-           state: Array, queue: Array, cursor: Array, stack: Array) -> bool:  # fmt: skip
+           state: Array, queue: Array, cursor: Array, stack: Array,
+           parent: Array) -> bool:  # fmt: skip
     """Route the imbalance ``touched`` lists back into a feasible flow (through ``t -> s``).
 
     The source and sink may change their net flow freely: that is the flow value.
@@ -299,7 +302,7 @@ def repair(n: int, n_edges: int, full_ptr: Array, full_arc: Array, head: Array, 
     if need > 0:
         cap[2 * ts_pair] = _INF
         routed = dinic(num_v, num_v + 1, full_ptr, full_arc, head, cap, level, seen, state, queue,
-                       cursor, stack)  # fmt: skip
+                       cursor, stack, parent)  # fmt: skip
         cap[2 * ts_pair] = 0
         cap[2 * ts_pair + 1] = 0
     for k in range(n_touched):
