@@ -66,7 +66,8 @@ BUDGET = 4  # no non-critical item can become critical while this stays >= 1
 MAKESPAN = 5
 N_PENDING = 6  # computations whose duration moved since ef/ls were last updated
 N_LAST = 7  # computations the last step changed (their bounds move next step)
-KC_SIZE = 8
+NO_TOTAL = 8  # 1: leave the total cost to the caller (out_f[1] is then NaN)
+KC_SIZE = 9
 
 _COST_EPSILON_J = 1e-6
 _NO_FLOAT = 1 << 62
@@ -401,10 +402,12 @@ def kept_cut_step(
         kc[MAKESPAN] = sync_times(topo, topo_pos, pred_ptr, pred_idx, succ_ptr, succ_idx, dur, ef,
                                   ls, dirty, pending, kc)  # fmt: skip
         kc[FULL] = 1
-    total = 0.0
-    for i in range(n):
-        if not dummy[i]:
-            total += cost_tab[tab_off[i] + dur[i] - dmin[i]]
+    total = np.nan
+    if not kc[NO_TOTAL]:
+        total = 0.0
+        for i in range(n):
+            if not dummy[i]:
+                total += cost_tab[tab_off[i] + dur[i] - dmin[i]]
     out_i[0] = STATUS_OK
     out_i[1] = kc[MAKESPAN]
     out_i[2] = n_up
@@ -422,6 +425,3 @@ def sync_times(topo: Array, topo_pos: Array, pred_ptr: Array, pred_idx: Array, s
                                  ls, pending, kc[N_PENDING], pending, 0, dirty)  # fmt: skip
     kc[N_PENDING] = 0
     return makespan
-
-
-_ = np  # numpy arrays are what every function here takes

@@ -109,9 +109,9 @@ class WarmStepper:
             self._adj_ptr, self._adj_arc,
             self._full_ptr, self._full_arc, self._head, self.cap, self.lo, self.hi, self.excess,
             self._touched, self._listed, self._level, self._seen, self._state, self._queue,
-            self._cursor, self._stack, self._parent, self._out_ptr, self._out_eid, self._in_ptr, self._in_eid,
-            self.crit, self.ecrit, self._in_s, self._cut_list, self._cut_pos, self._pending,
-            self._last, self.kc, up, down, out_i, out_f,
+            self._cursor, self._stack, self._parent, self._out_ptr, self._out_eid, self._in_ptr,
+            self._in_eid, self.crit, self.ecrit, self._in_s, self._cut_list, self._cut_pos,
+            self._pending, self._last, self.kc, up, down, out_i, out_f,
         )  # fmt: skip
 
     def sync_times(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from perseus_planner import _costs
 from perseus_planner.solver import FrontierPoint, FrontierProblem, frontier_point, iterate_steps
 
 IntArray = npt.NDArray[np.int64]
@@ -87,7 +88,7 @@ def compute_frontier(
     downs: list[IntArray] = []
     start: IntArray | None = None
     n = problem.dag.num_nodes
-    for step in iterate_steps(problem):
+    for step in iterate_steps(problem, totals=on_point is not None):
         if start is None:
             start = step.durations[:n].copy()
         quant.append(step.quant_time)
@@ -105,7 +106,17 @@ def compute_frontier(
         return ptr
 
     quant_times = np.asarray(quant, dtype=np.int64)
+    up_ptr, down_ptr = offsets(ups), offsets(downs)
+    all_up, all_down = np.concatenate(ups), np.concatenate(downs)
     costs_j = np.asarray(costs, dtype=np.float64)
+    if on_point is None:  # the steps left the totals to this
+        tables = problem._tables
+        durations = tables.dmax.copy()
+        durations[:n] = start
+        durations[n:] = 0
+        _costs.point_costs(durations, up_ptr, all_up, down_ptr, all_down, tables.dummy,
+                           tables.dmin, tables.tab_off, tables.cost_tab, costs_j)  # fmt: skip
+        costs = costs_j.tolist()
     times_s = np.asarray(quant_times * problem.unit_time_s, dtype=np.float64)  # as each point
     return Frontier(
         problem=problem,
@@ -117,10 +128,10 @@ def compute_frontier(
         ),
         costs_j=costs_j,
         _start=start,
-        _up_ptr=offsets(ups),
-        _up=np.concatenate(ups),
-        _down_ptr=offsets(downs),
-        _down=np.concatenate(downs),
+        _up_ptr=up_ptr,
+        _up=all_up,
+        _down_ptr=down_ptr,
+        _down=all_down,
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from perseus_api.profile import Profile
-from perseus_planner import _kernel, _steps
+from perseus_planner import _kept_cut, _kernel, _steps
 from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
@@ -310,12 +310,15 @@ class Step:
     durations: IntArray
 
 
-def iterate_steps(problem: FrontierProblem, *, keep_flow: bool = True) -> Iterator[Step]:
+def iterate_steps(
+    problem: FrontierProblem, *, keep_flow: bool = True, totals: bool = True
+) -> Iterator[Step]:
     """What :func:`iterate_frontier` yields, without the per-point copies and clock tables.
 
     Those cost a pass over every computation per point, as much as a step on
     large pipelines; :func:`perseus_planner.frontier.compute_frontier` keeps only
-    what changes.
+    what changes. With ``totals=False`` (and ``keep_flow``) the steps after the
+    first leave ``cost_j`` NaN, for :func:`perseus_planner._costs.point_costs`.
     """
     t = problem._tables
     n = problem.dag.num_nodes
@@ -327,8 +330,13 @@ def iterate_steps(problem: FrontierProblem, *, keep_flow: bool = True) -> Iterat
     makespan = int(_kernel.critical_path(*t.graph, dur, ef, ls))
     empty = np.empty(0, dtype=np.int64)
     yield Step(0, makespan, problem.cost_j(dur[:n]), empty, empty, dur)
-    stepper = _steps.WarmStepper if keep_flow else _steps.ReferenceStepper
-    step = stepper(t, dur, ef, ls).step
+    stepper: _steps.WarmStepper | _steps.ReferenceStepper
+    if keep_flow:
+        stepper = _steps.WarmStepper(t, dur, ef, ls)
+        stepper.kc[_kept_cut.NO_TOTAL] = 0 if totals else 1
+    else:
+        stepper = _steps.ReferenceStepper(t, dur, ef, ls)
+    step = stepper.step
     changed_up = np.empty(num, dtype=np.int64)
     changed_down = np.empty(num, dtype=np.int64)
     out_i = np.zeros(4, dtype=np.int64)

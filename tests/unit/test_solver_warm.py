@@ -143,19 +143,25 @@ def test_move_flow_rejects_a_flow_outside_the_bounds() -> None:
         stepper.move_flow(0, 1)
 
 
-def test_compute_frontier_keeps_what_the_points_say() -> None:
-    # compute_frontier skips the per-point copies and clock tables: it must still agree
-    # with every point, float for float, and hand on_point the same points.
-    problem = _problem("bloom+a100_sxm", "1f1b", 6, None)
+@pytest.mark.parametrize(
+    ("name", "microbatches"), [("bloom+a100_sxm", 6), ("gpt3-175b+a100_sxm", 40)]
+)
+def test_compute_frontier_keeps_what_the_points_say(name: str, microbatches: int) -> None:
+    # compute_frontier skips the per-point copies and clock tables, and without on_point
+    # sums the energies after the solve (_costs): it must still agree with every point,
+    # float for float, and hand on_point the same points.
+    problem = _problem(name, "1f1b", microbatches, None)
     points = list(iterate_frontier(problem))
     seen: list[FrontierPoint] = []
-    frontier = compute_frontier(problem, on_point=seen.append)
-    assert frontier.quant_times.tolist() == [p.quant_time for p in points]
-    assert frontier.times_s.tolist() == [p.time_s for p in points]
-    assert frontier.costs_j.tolist() == [p.cost_j for p in points]
-    assert frontier.energies_j.tolist() == [p.energy_j for p in points]
-    for index in (0, len(points) // 2, len(points) - 1):
-        np.testing.assert_array_equal(frontier.durations_at(index), points[index].quant_durations)
+    for frontier in (compute_frontier(problem), compute_frontier(problem, on_point=seen.append)):
+        assert frontier.quant_times.tolist() == [p.quant_time for p in points]
+        assert frontier.times_s.tolist() == [p.time_s for p in points]
+        assert frontier.costs_j.tolist() == [p.cost_j for p in points]
+        assert frontier.energies_j.tolist() == [p.energy_j for p in points]
+        for index in (0, 1, len(points) // 2, len(points) - 1):
+            np.testing.assert_array_equal(
+                frontier.durations_at(index), points[index].quant_durations
+            )
     assert len(seen) == len(points)
     for s, p in zip(seen, points, strict=True):
         assert (s.iteration, s.quant_time, s.energy_j) == (p.iteration, p.quant_time, p.energy_j)
