@@ -71,6 +71,7 @@ KC_SIZE = 9
 
 _COST_EPSILON_J = 1e-6
 _NO_FLOAT = 1 << 62
+_GROW_AUGMENTS = 3  # then a Dinic run: each search here re-explores what it reached
 _INF = int(INF_UNITS)
 _HALF_INF = _INF // 2
 
@@ -310,10 +311,13 @@ def kept_cut_step(
         else:
             # Augment along the paths the search finds while the source side stays whole:
             # every one leaves S through an arc the last cut changed.
-            while True:
+            for _ in range(_GROW_AUGMENTS + 1):
                 grown = _grow(n, sink, last[: kc[N_LAST]], adj_ptr, adj_arc, head, cap, seen,
                               state, queue, parent, in_s)  # fmt: skip
                 if grown >= 0:
+                    break
+                if _ == _GROW_AUGMENTS:
+                    rebuild = True
                     break
                 intact = _augment_tree_path(source, sink, adj_ptr, adj_arc, head, cap, parent,
                                             in_s, stack)  # fmt: skip
