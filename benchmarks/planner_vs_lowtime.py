@@ -362,9 +362,9 @@ def max_energy_rel_diff(ours: Run, theirs: Run) -> float:
 
 def kernel_modules() -> list[ModuleType]:
     """The planner's numba-compiled modules: the reference step and the warm-started one."""
-    from perseus_planner import _kept_cut, _kernel, _warm
+    from perseus_planner import _costs, _kept_cut, _kernel, _source_side, _warm
 
-    return [_kernel, _warm, _kept_cut]
+    return [_kernel, _warm, _source_side, _kept_cut, _costs]
 
 
 def numba_cache_on_disk() -> str:

@@ -41,13 +41,13 @@ import numpy as np
 from numba import njit
 
 from perseus_planner._kernel import (
-    INF_UNITS,
     STATUS_AT_LIMIT,
     STATUS_INFEASIBLE_FLOW,
     STATUS_NO_GAIN,
     STATUS_OK,
     Array,
 )
+from perseus_planner._source_side import augment_tree_path, grow
 from perseus_planner._warm import (
     bounds_pass,
     dinic,
@@ -72,8 +72,6 @@ KC_SIZE = 9
 _COST_EPSILON_J = 1e-6
 _NO_FLOAT = 1 << 62
 _GROW_AUGMENTS = 3  # then a Dinic run: each search here re-explores what it reached
-_INF = int(INF_UNITS)
-_HALF_INF = _INF // 2
 
 
 @njit(cache=True)
@@ -172,100 +170,6 @@ def _recount(n: int, edge_u: Array, edge_v: Array, crit: Array, ecrit: Array, in
 
 
 @njit(cache=True)
-def _grow(n: int, sink: int, last: Array, adj_ptr: Array, adj_arc: Array, head: Array,
-          cap: Array, seen: Array, state: Array, queue: Array, parent: Array,
-          in_s: Array) -> int:  # fmt: skip
-    """Vertices outside ``S`` reachable through the residual the last cut's arcs gained.
-
-    Lists them in ``queue`` and returns how many, or -1 when the sink is among
-    them (then a flow can be added). ``parent`` is the arc each was reached by.
-    """
-    state[0] += 1
-    stamp = state[0]
-    qt = 0
-    for k in range(last.shape[0]):
-        i = last[k]
-        if in_s[2 * i] and not in_s[2 * i + 1] and cap[2 * i] > 0:
-            a = 2 * i
-        elif in_s[2 * i + 1] and not in_s[2 * i] and cap[2 * i + 1] > 0:
-            a = 2 * i + 1
-        else:
-            continue
-        v = head[a]
-        if seen[v] != stamp:
-            seen[v] = stamp
-            parent[v] = a
-            queue[qt] = v
-            qt += 1
-    qh = 0
-    while qh < qt:
-        u = queue[qh]
-        qh += 1
-        if u == sink:
-            return -1
-        for k in range(adj_ptr[u], adj_ptr[u + 1]):
-            a = adj_arc[k]
-            if cap[a] > 0:
-                v = head[a]
-                if not in_s[v] and seen[v] != stamp:
-                    seen[v] = stamp
-                    parent[v] = a
-                    queue[qt] = v
-                    qt += 1
-    return qt
-
-
-@njit(cache=True)
-def _augment_tree_path(source: int, sink: int, adj_ptr: Array, adj_arc: Array, head: Array,
-                       cap: Array, parent: Array, in_s: Array, orphans: Array) -> int:  # fmt: skip
-    """Send the bottleneck along the parent arcs from the source to the sink.
-
-    Returns 1 when ``S`` is still the set reachable from the source, 0 when it
-    may have shrunk, -1 when the bottleneck is "infinite". An arc of the path
-    inside ``S`` that runs out of residual leaves the vertex it led to without a
-    parent; another arc into it from a vertex whose own path to the source
-    avoids it keeps it (and what hangs below it) reachable.
-    """
-    bottleneck = _INF
-    v = sink
-    while v != source:
-        a = parent[v]
-        if cap[a] < bottleneck:
-            bottleneck = cap[a]
-        v = head[a ^ 1]
-    if bottleneck >= _HALF_INF:
-        return -1
-    n_orphans = 0
-    v = sink
-    while v != source:
-        a = parent[v]
-        cap[a] -= bottleneck
-        cap[a ^ 1] += bottleneck
-        if cap[a] == 0 and in_s[v] and in_s[head[a ^ 1]]:
-            orphans[n_orphans] = v
-            n_orphans += 1
-        v = head[a ^ 1]
-    for k in range(n_orphans):
-        w = orphans[k]
-        adopted = False
-        for j in range(adj_ptr[w], adj_ptr[w + 1]):
-            into = adj_arc[j] ^ 1  # the arc u -> w
-            u = head[adj_arc[j]]
-            if cap[into] <= 0 or not in_s[u]:
-                continue
-            x = u  # u's path to the source must have residual and avoid w
-            while x != source and x != w and cap[parent[x]] > 0:
-                x = head[parent[x] ^ 1]
-            if x == source:
-                parent[w] = into
-                adopted = True
-                break
-        if not adopted:
-            return 0
-    return 1
-
-
-@njit(cache=True)
 def kept_cut_step(
     topo: Array, pred_ptr: Array, pred_idx: Array, succ_ptr: Array, succ_idx: Array,
     edge_u: Array, edge_v: Array, dummy: Array,
@@ -311,15 +215,15 @@ def kept_cut_step(
         else:
             # Augment along the paths the search finds while the source side stays whole:
             # every one leaves S through an arc the last cut changed.
-            for _ in range(_GROW_AUGMENTS + 1):
-                grown = _grow(n, sink, last[: kc[N_LAST]], adj_ptr, adj_arc, head, cap, seen,
+            for attempt in range(_GROW_AUGMENTS + 1):
+                grown = grow(n, sink, last[: kc[N_LAST]], adj_ptr, adj_arc, head, cap, seen,
                               state, queue, parent, in_s)  # fmt: skip
                 if grown >= 0:
                     break
-                if _ == _GROW_AUGMENTS:
+                if attempt == _GROW_AUGMENTS:
                     rebuild = True
                     break
-                intact = _augment_tree_path(source, sink, adj_ptr, adj_arc, head, cap, parent,
+                intact = augment_tree_path(source, sink, adj_ptr, adj_arc, head, cap, parent,
                                             in_s, stack)  # fmt: skip
                 if intact < 0:
                     out_i[0] = STATUS_AT_LIMIT
