@@ -362,9 +362,9 @@ def max_energy_rel_diff(ours: Run, theirs: Run) -> float:
 
 def kernel_modules() -> list[ModuleType]:
     """The planner's numba-compiled modules: the reference step and the warm-started one."""
-    from perseus_planner import _kernel, _warm
+    from perseus_planner import _costs, _kept_cut, _kernel, _source_side, _warm
 
-    return [_kernel, _warm]
+    return [_kernel, _warm, _source_side, _kept_cut, _costs]
 
 
 def numba_cache_on_disk() -> str:
@@ -381,7 +381,7 @@ def numba_cache_on_disk() -> str:
 
 def numba_cache_stats() -> str:
     hits = misses = 0
-    kernels = {id(o): o for m in kernel_modules() for o in vars(m).values()}  # _warm imports some
+    kernels = {id(o): o for m in kernel_modules() for o in vars(m).values()}  # some import others'
     for obj in kernels.values():
         stats = getattr(obj, "stats", None)
         if stats is not None and hasattr(stats, "cache_hits"):

@@ -1,12 +1,13 @@
 """The two ways the solver runs a Phillips–Dessouky step, with the flow networks they use.
 
-:class:`WarmStepper` keeps each step's maximum flow for the next one
-(:mod:`perseus_planner._warm`); :class:`ReferenceStepper` rebuilds it from zero
+:class:`WarmStepper` keeps each step's maximum flow, minimum cut and critical DAG for
+the next one (:mod:`perseus_planner._kept_cut`); :class:`ReferenceStepper` rebuilds it from zero
 every step (:func:`perseus_planner._kernel.pd_step`), the original algorithm,
 kept so that tests and benchmarks can compare the two in one process.
 
 Both hold the arrays their kernel works in and share the solver's durations
-``dur`` and critical-path arrays ``ef``/``ls``, which every step updates in place.
+``dur`` and critical-path arrays ``ef``/``ls``, which steps update in place (the
+warm one only when it must: :meth:`WarmStepper.sync_times` brings them up to date).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from perseus_planner import _kernel, _warm
+from perseus_planner import _kept_cut, _kernel, _warm
 
 if TYPE_CHECKING:
     from perseus_planner.solver import _Tables
@@ -53,7 +54,7 @@ class ReferenceStepper:
 
 
 class WarmStepper:
-    """Each step from the previous step's maximum flow."""
+    """Each step from the previous step's maximum flow, cut and critical DAG (:mod:`._kept_cut`)."""
 
     def __init__(self, tables: _Tables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
         self._t = tables
@@ -84,18 +85,44 @@ class WarmStepper:
         self._queue = np.empty(num_vertices, dtype=np.int64)
         self._cursor = np.empty(num_vertices, dtype=np.int64)
         self._stack = np.empty(num_vertices, dtype=np.int64)
+        self._parent = np.zeros(num_vertices, dtype=np.int64)  # the arc each vertex of S came by
+        edge_ids = np.arange(len(tables.edge_u), dtype=np.int64)
+        self._out_ptr, self._out_eid = _csr(num, tables.edge_u, edge_ids)
+        self._in_ptr, self._in_eid = _csr(num, tables.edge_v, edge_ids)
+        self.crit = np.zeros(num, dtype=np.bool_)
+        self.ecrit = np.zeros(len(tables.edge_u), dtype=np.bool_)
+        self._in_s = np.zeros(num_vertices, dtype=np.bool_)
+        self._cut_list = np.zeros(num, dtype=np.int64)
+        self._cut_pos = np.full(num, -1, dtype=np.int64)
+        self._pending = np.zeros(4 * num, dtype=np.int64)
+        self._last = np.zeros(num, dtype=np.int64)
+        self.kc = np.zeros(_kept_cut.KC_SIZE, dtype=np.int64)
+        self.kc[_kept_cut.FULL] = 1
+        self.kc[_kept_cut.MAKESPAN] = ef[num - 1]  # the sink finishes last
 
     def step(self, up: IntArray, down: IntArray, out_i: IntArray, out_f: FloatArray) -> None:
         """One step; outputs as :func:`perseus_planner._kernel.pd_step`."""
         t = self._t
-        _warm.warm_step(
+        _kept_cut.kept_cut_step(
             *t.graph, t.edge_u, t.edge_v, t.dummy, self._dur, t.dmin, t.dmax, t.tab_off,
             t.cost_tab, t.lb_tab, t.ub_tab, self._ef, self._ls, self._topo_pos, self._dirty,
             self._adj_ptr, self._adj_arc,
             self._full_ptr, self._full_arc, self._head, self.cap, self.lo, self.hi, self.excess,
             self._touched, self._listed, self._level, self._seen, self._state, self._queue,
-            self._cursor, self._stack, up, down, out_i, out_f,
+            self._cursor, self._stack, self._parent, self._out_ptr, self._out_eid, self._in_ptr,
+            self._in_eid, self.crit, self.ecrit, self._in_s, self._cut_list, self._cut_pos,
+            self._pending, self._last, self.kc, up, down, out_i, out_f,
         )  # fmt: skip
+
+    def sync_times(self) -> int:
+        """Bring ``ef``/``ls`` up to date (steps leave them behind); return the makespan."""
+        t = self._t
+        topo, pred_ptr, pred_idx, succ_ptr, succ_idx = t.graph
+        makespan = _kept_cut.sync_times(
+            topo, self._topo_pos, pred_ptr, pred_idx, succ_ptr, succ_idx, self._dur, self._ef,
+            self._ls, self._dirty, self._pending, self.kc,
+        )  # fmt: skip
+        return int(makespan)
 
     def move_flow(self, pair: int, flow: int) -> None:
         """Set the flow of one computation or dependency pair, within its bounds.
@@ -163,7 +190,7 @@ def adjacency(
 
 
 def warm_arcs(num: int, edge_u: IntArray, edge_v: IntArray) -> tuple[IntArray, IntArray]:
-    """Tails and heads of the arcs :func:`perseus_planner._warm.warm_step` expects.
+    """Tails and heads of the arcs :func:`perseus_planner._kept_cut.kept_cut_step` expects.
 
     As :func:`reference_network`, but with an arc ``s' -> v`` and ``v -> t'`` for
     every vertex ``v``: a warm-started flow can be out of balance anywhere.
@@ -191,3 +218,11 @@ def warm_arcs(num: int, edge_u: IntArray, edge_v: IntArray) -> tuple[IntArray, I
         ]
     )
     return tail, hd
+
+
+def _csr(num: int, keys: IntArray, values: IntArray) -> tuple[IntArray, IntArray]:
+    """``values`` grouped by ``keys`` (``0..num-1``): pointers and the grouped values."""
+    order = np.argsort(keys, kind="stable")
+    ptr = np.zeros(num + 1, dtype=np.int64)
+    np.cumsum(np.bincount(keys, minlength=num), out=ptr[1:])
+    return ptr, values[order].astype(np.int64)

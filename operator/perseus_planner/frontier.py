@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from perseus_planner.solver import FrontierPoint, FrontierProblem, iterate_frontier
+from perseus_planner import _costs
+from perseus_planner.solver import FrontierPoint, FrontierProblem, frontier_point, iterate_steps
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -82,23 +83,21 @@ def compute_frontier(
         on_point: Called with every point as it is found (progress reporting).
     """
     quant: list[int] = []
-    times: list[float] = []
-    energies: list[float] = []
     costs: list[float] = []
     ups: list[IntArray] = []
     downs: list[IntArray] = []
     start: IntArray | None = None
-    for point in iterate_frontier(problem):
+    n = problem.dag.num_nodes
+    for step in iterate_steps(problem, totals=on_point is not None):
         if start is None:
-            start = point.quant_durations
-        quant.append(point.quant_time)
-        times.append(point.time_s)
-        energies.append(point.energy_j)
-        costs.append(point.cost_j)
-        ups.append(point.sped_up)
-        downs.append(point.slowed_down)
+            start = step.durations[:n].copy()
+        quant.append(step.quant_time)
+        costs.append(step.cost_j)
+        ups.append(step.sped_up)
+        downs.append(step.slowed_down)
         if on_point is not None:
-            on_point(point)
+            on_point(frontier_point(problem, step.iteration, step.quant_time, step.cost_j,
+                            step.durations[:n], step.sped_up, step.slowed_down))  # fmt: skip
     assert start is not None  # the solver always yields the starting point
 
     def offsets(parts: list[IntArray]) -> IntArray:
@@ -106,17 +105,33 @@ def compute_frontier(
         np.cumsum([len(p) for p in parts], out=ptr[1:])
         return ptr
 
+    quant_times = np.asarray(quant, dtype=np.int64)
+    up_ptr, down_ptr = offsets(ups), offsets(downs)
+    all_up, all_down = np.concatenate(ups), np.concatenate(downs)
+    costs_j = np.asarray(costs, dtype=np.float64)
+    if on_point is None:  # the steps left the totals to this
+        tables = problem._tables
+        durations = tables.dmax.copy()
+        durations[:n] = start
+        durations[n:] = 0
+        _costs.point_costs(durations, up_ptr, all_up, down_ptr, all_down, tables.dummy,
+                           tables.dmin, tables.tab_off, tables.cost_tab, costs_j)  # fmt: skip
+        costs = costs_j.tolist()
+    times_s = np.asarray(quant_times * problem.unit_time_s, dtype=np.float64)  # as each point
     return Frontier(
         problem=problem,
-        quant_times=np.asarray(quant, dtype=np.int64),
-        times_s=np.asarray(times, dtype=np.float64),
-        energies_j=np.asarray(energies, dtype=np.float64),
-        costs_j=np.asarray(costs, dtype=np.float64),
+        quant_times=quant_times,
+        times_s=times_s,
+        energies_j=np.asarray(
+            [problem.energy_j(c, t) for c, t in zip(costs, times_s.tolist(), strict=True)],
+            dtype=np.float64,
+        ),
+        costs_j=costs_j,
         _start=start,
-        _up_ptr=offsets(ups),
-        _up=np.concatenate(ups),
-        _down_ptr=offsets(downs),
-        _down=np.concatenate(downs),
+        _up_ptr=up_ptr,
+        _up=all_up,
+        _down_ptr=down_ptr,
+        _down=all_down,
     )
 
 

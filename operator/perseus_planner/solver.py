@@ -9,10 +9,11 @@ cut forward and slow down those crossing it backward. Each step is one point of
 the frontier, until a step would have to shorten something that cannot be
 (``T_min``).
 
-Each step starts its maximum flow from the previous step's, which the small
-change between steps leaves almost intact (:mod:`perseus_planner._warm`); the
-minimum cut read from it is the one a flow built from zero gives
-(:mod:`perseus_planner._steps` keeps that reference for comparison).
+Each step starts from the previous step's maximum flow, minimum cut and critical
+DAG, which the small change between steps leaves almost intact
+(:mod:`perseus_planner._kept_cut`); the minimum cut read from them is the one a
+flow built from zero gives (:mod:`perseus_planner._steps` keeps that reference
+for comparison).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from perseus_api.profile import Profile
-from perseus_planner import _kernel, _steps
+from perseus_planner import _kept_cut, _kernel, _steps
 from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
@@ -280,10 +281,44 @@ def iterate_frontier(
 
     Args:
         problem: The prepared problem.
-        keep_flow: Start each step's maximum flow from the previous step's
-            (:mod:`perseus_planner._warm`). ``False`` rebuilds it from zero
+        keep_flow: Start each step from the previous step's maximum flow and cut
+            (:mod:`perseus_planner._kept_cut`). ``False`` rebuilds the flow from zero
             every step, the reference the tests compare with; both give the
             same frontier.
+    """
+    n = problem.dag.num_nodes
+    for step in iterate_steps(problem, keep_flow=keep_flow):
+        yield frontier_point(
+            problem, step.iteration, step.quant_time, step.cost_j, step.durations[:n],
+            step.sped_up, step.slowed_down,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Step:
+    """One point of the frontier as the solver finds it, before any per-computation table.
+
+    ``durations`` is the solver's own array (all nodes, source and sink last): it
+    holds this point's durations only until the iterator moves on.
+    """
+
+    iteration: int
+    quant_time: int
+    cost_j: float
+    sped_up: IntArray
+    slowed_down: IntArray
+    durations: IntArray
+
+
+def iterate_steps(
+    problem: FrontierProblem, *, keep_flow: bool = True, totals: bool = True
+) -> Iterator[Step]:
+    """What :func:`iterate_frontier` yields, without the per-point copies and clock tables.
+
+    Those cost a pass over every computation per point, as much as a step on
+    large pipelines; :func:`perseus_planner.frontier.compute_frontier` keeps only
+    what changes. With ``totals=False`` (and ``keep_flow``) the steps after the
+    first leave ``cost_j`` NaN, for :func:`perseus_planner._costs.point_costs`.
     """
     t = problem._tables
     n = problem.dag.num_nodes
@@ -294,9 +329,14 @@ def iterate_frontier(
     ls = np.empty(num, dtype=np.int64)
     makespan = int(_kernel.critical_path(*t.graph, dur, ef, ls))
     empty = np.empty(0, dtype=np.int64)
-    yield _point(problem, 0, makespan, problem.cost_j(dur[:n]), dur[:n], empty, empty)
-    stepper = _steps.WarmStepper if keep_flow else _steps.ReferenceStepper
-    step = stepper(t, dur, ef, ls).step
+    yield Step(0, makespan, problem.cost_j(dur[:n]), empty, empty, dur)
+    stepper: _steps.WarmStepper | _steps.ReferenceStepper
+    if keep_flow:
+        stepper = _steps.WarmStepper(t, dur, ef, ls)
+        stepper.kc[_kept_cut.NO_TOTAL] = 0 if totals else 1
+    else:
+        stepper = _steps.ReferenceStepper(t, dur, ef, ls)
+    step = stepper.step
     changed_up = np.empty(num, dtype=np.int64)
     changed_down = np.empty(num, dtype=np.int64)
     out_i = np.zeros(4, dtype=np.int64)
@@ -307,18 +347,17 @@ def iterate_frontier(
         if out_i[0] != _kernel.STATUS_OK:
             return
         iteration += 1
-        yield _point(
-            problem,
+        yield Step(
             iteration,
             int(out_i[1]),
             float(out_f[1]),
-            dur[:n],
             changed_up[: out_i[2]].copy(),
             changed_down[: out_i[3]].copy(),
+            dur,
         )
 
 
-def _point(
+def frontier_point(
     problem: FrontierProblem,
     iteration: int,
     quant_time: int,
@@ -327,6 +366,7 @@ def _point(
     sped_up: IntArray,
     slowed_down: IntArray,
 ) -> FrontierPoint:
+    """The point with these values; copies ``dur`` (the solver's array moves on)."""
     time_s = quant_time * problem.unit_time_s
     durations = dur.copy()
     return FrontierPoint(

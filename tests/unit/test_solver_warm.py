@@ -16,11 +16,12 @@ import numpy.typing as npt
 import pytest
 
 from perseus_api.profile import load_profile
-from perseus_planner import _kernel
+from perseus_planner import _kept_cut, _kernel
 from perseus_planner._steps import WarmStepper
 from perseus_planner.bundled import bundled_profile
 from perseus_planner.dag import build_pipeline_dag
-from perseus_planner.solver import FrontierProblem, build_problem, iterate_frontier
+from perseus_planner.frontier import compute_frontier
+from perseus_planner.solver import FrontierPoint, FrontierProblem, build_problem, iterate_frontier
 
 IntArray = npt.NDArray[np.int64]
 Step = tuple[int, int, tuple[int, ...], tuple[int, ...]]
@@ -93,11 +94,18 @@ def _steps(problem: FrontierProblem, seed: int | None) -> list[Step]:
         stepper.step(up, down, out_i, out_f)
         if out_i[0] != _kernel.STATUS_OK:
             return steps
-        # The step updates the critical path incrementally: it must equal a full recomputation.
+        # The step keeps the critical DAG and leaves the times behind while it can show they
+        # cannot change it: both must match a full recomputation.
         ef_full, ls_full = np.empty_like(ef), np.empty_like(ls)
         assert _kernel.critical_path(*t.graph, dur, ef_full, ls_full) == out_i[1]
-        np.testing.assert_array_equal(ef, ef_full)
-        np.testing.assert_array_equal(ls, ls_full)
+        if not stepper.kc[_kept_cut.FULL]:  # (else the next step updates them first)
+            np.testing.assert_array_equal(stepper.crit, ef_full == ls_full + dur)
+            crit_edges = ef_full[t.edge_u] == ls_full[t.edge_v]
+            np.testing.assert_array_equal(stepper.ecrit, crit_edges)
+        if len(steps) % 5 == 4:  # several steps' pending changes at once
+            assert stepper.sync_times() == out_i[1]
+            np.testing.assert_array_equal(ef, ef_full)
+            np.testing.assert_array_equal(ls, ls_full)
         steps.append(
             (
                 int(out_i[1]),
@@ -133,3 +141,30 @@ def test_move_flow_rejects_a_flow_outside_the_bounds() -> None:
     stepper = WarmStepper(t, dur, np.zeros(n + 2, np.int64), np.zeros(n + 2, np.int64))
     with pytest.raises(ValueError, match="outside the bounds"):
         stepper.move_flow(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "microbatches"), [("bloom+a100_sxm", 6), ("gpt3-175b+a100_sxm", 40)]
+)
+def test_compute_frontier_keeps_what_the_points_say(name: str, microbatches: int) -> None:
+    # compute_frontier skips the per-point copies and clock tables, and without on_point
+    # sums the energies after the solve (_costs): it must still agree with every point,
+    # float for float, and hand on_point the same points.
+    problem = _problem(name, "1f1b", microbatches, None)
+    points = list(iterate_frontier(problem))
+    seen: list[FrontierPoint] = []
+    for frontier in (compute_frontier(problem), compute_frontier(problem, on_point=seen.append)):
+        assert frontier.quant_times.tolist() == [p.quant_time for p in points]
+        assert frontier.times_s.tolist() == [p.time_s for p in points]
+        assert frontier.costs_j.tolist() == [p.cost_j for p in points]
+        assert frontier.energies_j.tolist() == [p.energy_j for p in points]
+        for index in (0, 1, len(points) // 2, len(points) - 1):
+            np.testing.assert_array_equal(
+                frontier.durations_at(index), points[index].quant_durations
+            )
+    assert len(seen) == len(points)
+    for s, p in zip(seen, points, strict=True):
+        assert (s.iteration, s.quant_time, s.energy_j) == (p.iteration, p.quant_time, p.energy_j)
+        np.testing.assert_array_equal(s.quant_durations, p.quant_durations)
+        np.testing.assert_array_equal(s.frequencies_mhz, p.frequencies_mhz)
+        np.testing.assert_array_equal(s.sped_up, p.sped_up)
