@@ -88,15 +88,14 @@ ITERATION_TOLERANCE = 0.02
 # it ran +1.14% to +1.78% over the runs of the issue-13 work (emulation_breakdown.py: +0.6%
 # with an ideal agent; the rest hooks and hand-offs), at time scale 0.5 +2.4% to +2.6%.
 PLANNED_TOLERANCE = 0.02
-# Energy saved vs what the planner predicted: 86.7% to 96.8% over the runs of the issue-13
-# work while the profile was noisy (blocking power 7-11% high, one stalled computation in a
-# clock's mean); 84-90% with one core busy. With blocking power measured inside the waits and
-# each clock's median: 93.5% and 94.2% with one core busy, 88.9% on a quiet machine (profile
-# within 0.2% of the truth, yet predicted 5.85%: with the operator's time unit of 1/100 of a
-# computation the prediction jumps with 0.1% changes of the times; 1/1000 holds it within
-# 5.63-5.67%, a change not yet made). 0.85 keeps 4 points
-# below the lowest of those; an ideal agent realizes 94-95% (emulation_breakdown.py).
-SAVINGS_SHARE = 0.85
+# Energy saved vs what the planner predicted. While the prediction was the frontier point's
+# fitted energy it realized 86.7-96.8 % (84-90 % with a core busy, 88.9 % quiet on the last
+# profiling fixes): the exponential fits alone cost 5 points (an ideal agent realized 94-95 %).
+# Since the plan's estimate replays its clocks on the profile's rows, an ideal agent realizes
+# 99.9 % (emulation_breakdown.py) and the e2e 96.9 % quiet, 101 % and 108 % with a core busy.
+# 0.9, the issue's target,
+# keeps 6.9 points below the lowest of those.
+SAVINGS_SHARE = 0.9
 
 
 # -- the emulated training job ---------------------------------------------------------------
