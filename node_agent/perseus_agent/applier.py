@@ -194,6 +194,9 @@ class _Gpu:
     message: str = ""
     position: int = 0
     """Instruction granularity: index of the next computation of the stage."""
+    aligned: bool = True
+    """Whether ``position`` follows the training process: not when an Instruction plan takes
+    over mid-iteration from a plan that kept no place in the schedule (profiling, Stage)."""
     session: Hashable | None = None
     """Instruction granularity: the training process driving this GPU."""
     profiling: ProfilingSpec | None = None
@@ -499,7 +502,7 @@ class PlanApplier:
             s.step_begin_ns = t_ns
             s.step_revision = None if self._plan is None else self._plan.revision
             for g in self._owned(session, s):
-                g.position = 0
+                g.position, g.aligned = 0, True
                 if g.profiler is not None:
                     self._profile_step_begin(g, g.profiler, t_ns)
                 elif g.granularity == Granularity.INSTRUCTION:
@@ -710,10 +713,15 @@ class PlanApplier:
             g.session = old.session
             g.status, g.target_mhz, g.applied_mhz = old.status, old.target_mhz, old.applied_mhz
             g.message = old.message
-            if old.granularity == Granularity.INSTRUCTION and len(
-                old.stage_plan.instructions
-            ) == len(g.stage_plan.instructions):
-                g.position = old.position
+            # Profiling locks clocks per iteration and keeps no place in the schedule.
+            if (
+                old.granularity == Granularity.INSTRUCTION
+                and old.profiler is None
+                and len(old.stage_plan.instructions) == len(g.stage_plan.instructions)
+            ):
+                g.position, g.aligned = old.position, old.aligned
+            else:  # its place is found from its next computation, not counted as a mismatch
+                g.aligned = False
             return
         if old is not None:
             g.session = old.session
@@ -731,6 +739,10 @@ class PlanApplier:
             )
 
         found: int | None = pos if pos < len(instructions) and matches(pos) else None
+        if found is None and not g.aligned:
+            found = next((i for i in range(len(instructions)) if matches(i)), None)
+            if found is None:
+                return
         if found is None:
             expected = (
                 f"{instructions[pos].instruction} of microbatch {instructions[pos].microbatch}"
@@ -752,7 +764,7 @@ class PlanApplier:
             )
             if found is None:
                 return
-        g.position = found + 1
+        g.position, g.aligned = found + 1, True
         self._set_clock(g, instructions[found].frequency_mhz)
 
     def _prepare_next(self, g: _Gpu) -> None:

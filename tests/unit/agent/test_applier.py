@@ -482,6 +482,26 @@ def test_new_revision_keeps_a_running_schedule_in_place(
     assert begin(applier, s, "forward", 1) == 1110
 
 
+def test_an_instruction_plan_taking_over_mid_iteration_finds_its_place_uncounted(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    """A plan that kept no place in the schedule (Stage here; profiling alike) gives way to an
+    Instruction plan between two computations: the next one tells where the process is."""
+    applier.apply(node_plan([gpu(0, 0)], granularity="Stage"))
+    s = session()
+    hello(applier, s, uuids=["GPU-0"])
+    step_begin(applier, s)
+    begin(applier, s, "forward", 0)
+
+    applier.apply(node_plan([gpu(0, 0)], granularity="Instruction", revision=2))
+    assert begin(applier, s, "forward", 1) == 1110  # the plan's clock for forward 1
+    assert applier.metrics.error_count("schedule_mismatch") == 0
+    # From the next iteration on the place is known again: a computation out of order counts.
+    step_begin(applier, s)
+    begin(applier, s, "forward", 1)
+    assert applier.metrics.error_count("schedule_mismatch") == 1
+
+
 def test_iteration_time_is_recorded_per_rank(applier: PlanApplier) -> None:
     applier.apply(node_plan([gpu(2, 1, rank=3, dp_rank=1, pod="gpt3-worker-1")]))
     s = session()
@@ -995,3 +1015,22 @@ def test_default_samplers_run_in_threads_until_the_plan_goes(
     applier.clear()
     names = {t.name for t in threading.enumerate()}
     assert not {"perseus-energy-gpu0", "perseus-energy-gpu2"} & names
+
+
+def test_the_plan_after_profiling_takes_over_mid_iteration_uncounted(tmp_path: Path) -> None:
+    run = Profiling(tmp_path)
+    a = run.applier
+    a.apply(run.plan([(0, 0)], [1410, 1200], iterations=1, warmup=1))
+    s = run.connect(0)
+    run.iteration(s, 0, stage=0)
+    step_begin(a, s)
+    begin(a, s, "forward", 0)
+
+    # Profiling done, the Instruction plan lands between two computations of an iteration.
+    plan = NodePlan.model_validate(
+        {**run.plan([(0, 0)], [1410]).model_dump(), "profiling": None, "revision": 2}
+    )
+    assert plan.granularity == "Instruction"
+    a.apply(plan)
+    begin(a, s, "forward", 1)
+    assert a.metrics.error_count("schedule_mismatch") == 0
