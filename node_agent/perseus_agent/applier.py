@@ -337,24 +337,7 @@ class PlanApplier:
                 if gpu is None:
                     log.error("plan %s: %s", _plan_name(node_plan), problem)
                     self.metrics.count_error("unknown_gpu")
-                    unresolved.append(
-                        GpuReport(
-                            uuid=a.gpu_uuid,
-                            index=a.gpu_index,
-                            plan=a.plan,
-                            stage=a.stage,
-                            dp_rank=a.dp_rank,
-                            rank=a.rank,
-                            target_mhz=(
-                                None
-                                if profiling is not None
-                                else _planned_target(granularity, stage_plan)
-                            ),
-                            applied_mhz=None,
-                            status=GpuStatus.FAILED,
-                            message=problem,
-                        )
-                    )
+                    unresolved.append(unresolved_gpu_report(node_plan, a, problem))
                     continue
                 wanted[gpu.index] = (gpu, a, stage_plan)
 
@@ -1112,6 +1095,25 @@ def _profiling_report(g: _Gpu, p: StageProfiler) -> GpuProfilingReport:
         rows=p.rows() if done else [],
         blocking_power_w=p.blocking_power_w if done else None,
         blocking_s=p.blocking_s if done else 0.0,
+    )
+
+
+def unresolved_gpu_report(plan: NodePlan, a: GpuAssignment, message: str) -> GpuReport:
+    """The report of an assignment no GPU of this node could take (``message`` says why)."""
+    stage_plan = plan.plans[a.plan].stages[a.stage]
+    return GpuReport(
+        uuid=a.gpu_uuid,
+        index=a.gpu_index,
+        plan=a.plan,
+        stage=a.stage,
+        dp_rank=a.dp_rank,
+        rank=a.rank,
+        target_mhz=(
+            None if plan.profiling is not None else _planned_target(plan.granularity, stage_plan)
+        ),
+        applied_mhz=None,
+        status=GpuStatus.FAILED,
+        message=message,
     )
 
 

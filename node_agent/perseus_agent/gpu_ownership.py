@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
-from perseus_agent.applier import GpuReport, GpuStatus
+from perseus_agent.applier import GpuReport, unresolved_gpu_report
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.local_server import ClientSession, RequestError
 from perseus_agent.pod_resources import PodDevices, PodResourcesClient, PodResourcesError
 from perseus_api.node_plan import GpuAssignment, NodePlan
-from perseus_api.plan import Granularity
 
 __all__ = [
     "GPU_RESOURCE",
@@ -112,23 +111,7 @@ class Ownership(Protocol):
 
 
 def _denied(plan: NodePlan, a: GpuAssignment, reason: str, message: str) -> GpuReport:
-    stage_plan = plan.plans[a.plan].stages[a.stage]
-    return GpuReport(
-        uuid=a.gpu_uuid,
-        index=a.gpu_index,
-        plan=a.plan,
-        stage=a.stage,
-        dp_rank=a.dp_rank,
-        rank=a.rank,
-        target_mhz=(
-            stage_plan.frequency_mhz
-            if plan.granularity == Granularity.STAGE and plan.profiling is None
-            else None
-        ),
-        applied_mhz=None,
-        status=GpuStatus.FAILED,
-        message=f"{reason}: {message}",
-    )
+    return unresolved_gpu_report(plan, a, f"{reason}: {message}")
 
 
 def _sharing(pods: Sequence[PodDevices]) -> dict[str, list[str]]:
