@@ -42,11 +42,17 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from perseus_client.torch import attach
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": None}
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,  # 2 stages per process
+    "zb-h1": ScheduleInterleavedZeroBubble,  # one stage per process: the planner's ZB-H1
+}
 WIDTH = 16
 BATCH = 8
 
@@ -102,8 +108,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         return nn.functional.mse_loss(output, target)
 
     schedule: Any
-    if args.schedule == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(
+    if args.schedule in ("interleaved-1f1b", "zb-h1"):  # the schedules of several stages
+        schedule = SCHEDULES[args.schedule](
             stages, n_microbatches=args.microbatches, loss_fn=loss_fn
         )
     else:
