@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
 )
 
 from perseus_client.torch import attach
@@ -52,7 +53,10 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "interleaved-1f1b": ScheduleInterleaved1F1B,  # 2 stages per process
     "zb-h1": ScheduleInterleavedZeroBubble,  # one stage per process: the planner's ZB-H1
+    "looped-bfs": ScheduleLoopedBFS,  # 2 stages per process; not plannable: step hooks only
 }
+MULTI_STAGE = ("interleaved-1f1b", "zb-h1", "looped-bfs")
+"""Schedules built from the list of the process's stages."""
 WIDTH = 16
 BATCH = 8
 
@@ -85,7 +89,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     # Every rank creates every group, in the same order (torch.distributed's rule).
     pp_groups = [dist.new_group([d * args.pp + p for p in range(args.pp)]) for d in range(args.dp)]
     dp_groups = [dist.new_group([d * args.pp + p for d in range(args.dp)]) for p in range(args.pp)]
-    virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    virtual = 2 if args.schedule in ("interleaved-1f1b", "looped-bfs") else 1
     num_stages = args.pp * virtual
     slow_s = args.slow_forward_s if dp_rank == args.slow_replica else 0.0
     stages = []
@@ -108,7 +112,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         return nn.functional.mse_loss(output, target)
 
     schedule: Any
-    if args.schedule in ("interleaved-1f1b", "zb-h1"):  # the schedules of several stages
+    if args.schedule in MULTI_STAGE:
         schedule = SCHEDULES[args.schedule](
             stages, n_microbatches=args.microbatches, loss_fn=loss_fn
         )

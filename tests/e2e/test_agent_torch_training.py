@@ -21,8 +21,8 @@ import pytest
 from agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
 from factories import pipeline_plan_fields
 from perseus_api.profile import load_profile
-from perseus_api.schedule import stage_instruction_order
-from torch_job import require_torch, run_example
+from perseus_api.schedule import gpu_computation_order, stage_instruction_order
+from torch_job import recording_proxy, require_torch, run_example
 
 pytestmark = pytest.mark.e2e
 
@@ -89,6 +89,85 @@ def test_the_agent_follows_a_torch_schedule_without_a_mismatch(agent: Agent, sch
         changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
         assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
     assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
+
+
+# Each chunk and each backward half at a clock of its own (supported by the emulated A100).
+CHUNKED_CLOCK_MHZ = {
+    ("forward", 0): 1410,
+    ("forward", 1): 1305,
+    ("backward", 0): 1005,
+    ("backward", 1): 1200,
+    ("backward_input", 0): 1110,
+    ("backward_weight", 0): 1005,
+}
+
+
+def chunked_plan(schedule: str, virtual_stages: int) -> dict[str, Any]:
+    """An Instruction plan of interleaved 1F1B (entries with their ``virtual_stage``) or
+    ZB-H1 (split backwards), in the planner's per-GPU order."""
+    node_plan = instruction_plan("1f1b")
+    plan = node_plan["plans"]["main"]
+    plan["schedule"], plan["virtual_stages"] = schedule, virtual_stages
+    for stage in plan["stages"]:
+        stage["instructions"] = [
+            {
+                "instruction": step.instruction,
+                "microbatch": step.microbatch,
+                "frequency_mhz": CHUNKED_CLOCK_MHZ[step.instruction, step.virtual_stage // STAGES],
+                **({"virtual_stage": step.virtual_stage} if virtual_stages > 1 else {}),
+            }
+            for step in gpu_computation_order(
+                schedule, STAGES, MICROBATCHES, stage["stage"], virtual_stages
+            )
+        ]
+    return node_plan
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
+    agent: Agent, schedule: str, virtual_stages: int
+) -> None:
+    """ScheduleInterleaved1F1B (P=2, V=2) and ScheduleInterleavedZeroBubble (ZB-H1), real
+    processes: the agent receives, over protocol version 2, each rank's planner order with
+    chunks and backward halves (recorded on the wire), and applies the plan without a
+    mismatch."""
+    write_atomically(agent.plan_file, json.dumps(chunked_plan(schedule, virtual_stages)))
+    agent.start()
+    with recording_proxy(agent.socket_dir / "agent.sock") as (proxy, wire):
+        run_example(
+            [
+                *("--pp", str(STAGES), "--schedule", schedule),
+                *("--microbatches", str(MICROBATCHES), "--steps", str(STEPS), "--eval"),
+            ],
+            socket_path=proxy,
+        )
+
+        def measured() -> bool:
+            counts = [agent.metric("perseus_iteration_seconds_count", gpu=str(g)) for g in (0, 1)]
+            return all(c == [float(STEPS)] for c in counts)
+
+        wait_for(measured, f"{STEPS} iterations of each rank in the agent's metrics", agent)
+    streams = wire.by_rank()
+    assert sorted(streams) == list(range(STAGES))
+    for rank, requests in streams.items():
+        assert requests[0]["version"] == 2
+        begins = [
+            (r["name"], r["microbatch"], r.get("chunk"))
+            for r in requests
+            if r["op"] == "instruction_begin"
+        ]
+        order = [
+            (s.instruction, s.microbatch, s.virtual_stage // STAGES if virtual_stages > 1 else None)
+            for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual_stages)
+        ]
+        assert begins == order * STEPS, rank
+    assert agent.metric("perseus_agent_apply_errors_total", reason="schedule_mismatch") in (
+        [],
+        [0.0],
+    ), agent.log
+    for gpu in ("0", "1"):
+        changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
+        assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
 
 
 CLOCKS = [1410, 1005]
