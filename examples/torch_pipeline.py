@@ -7,6 +7,10 @@ its replicas. The one Perseus line is ``attach(schedule)``; the node agent's soc
 
     python examples/torch_pipeline.py --dp 2 --pp 2 --schedule 1f1b --steps 5
 
+``--schedule interleaved-1f1b`` runs two stages per process (``ScheduleInterleaved1F1B``),
+``zb-h1`` one with the backward split (``ScheduleInterleavedZeroBubble``), ``looped-bfs`` a
+schedule the planner does not follow (step hooks only).
+
 ``--slow-replica R --slow-forward-s S`` makes replica ``R`` a straggler (each of its
 forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and step, when
 ``schedule.step()`` was called and when it returned (JSON lines), which is what a training
