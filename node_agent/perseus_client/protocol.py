@@ -141,12 +141,6 @@ class ProtocolError(ValueError):
     """A message is not valid under this protocol (syntax, type, size or version)."""
 
 
-def needs_version_2(name: str, chunk: int | None) -> bool:
-    """Whether an instruction hook can only be said in version 2: a split-backward name, or a
-    chunk other than the only one a version-1 rank runs (0)."""
-    return name in SPLIT_BACKWARD_NAMES or (chunk is not None and chunk != 0)
-
-
 # ---------------------------------------------------------------------------
 # Request builders (validated: they raise ProtocolError on bad arguments)
 
