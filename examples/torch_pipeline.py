@@ -7,6 +7,10 @@ its replicas. The one Perseus line is ``attach(schedule)``; the node agent's soc
 
     python examples/torch_pipeline.py --dp 2 --pp 2 --schedule 1f1b --steps 5
 
+``--schedule interleaved-1f1b`` runs two stages per process (``ScheduleInterleaved1F1B``),
+``zb-h1`` one with the backward split (``ScheduleInterleavedZeroBubble``), ``looped-bfs`` a
+schedule the planner does not follow (step hooks only).
+
 ``--slow-replica R --slow-forward-s S`` makes replica ``R`` a straggler (each of its
 forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and step, when
 ``schedule.step()`` was called and when it returned (JSON lines), which is what a training
@@ -42,11 +46,21 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
 )
 
 from perseus_client.torch import attach
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": None}
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,  # 2 stages per process
+    "zb-h1": ScheduleInterleavedZeroBubble,  # one stage per process: the planner's ZB-H1
+    "looped-bfs": ScheduleLoopedBFS,  # 2 stages per process; not plannable: step hooks only
+}
+MULTI_STAGE = ("interleaved-1f1b", "zb-h1", "looped-bfs")
+"""Schedules built from the list of the process's stages."""
 WIDTH = 16
 BATCH = 8
 
@@ -79,7 +93,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     # Every rank creates every group, in the same order (torch.distributed's rule).
     pp_groups = [dist.new_group([d * args.pp + p for p in range(args.pp)]) for d in range(args.dp)]
     dp_groups = [dist.new_group([d * args.pp + p for d in range(args.dp)]) for p in range(args.pp)]
-    virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    virtual = 2 if args.schedule in ("interleaved-1f1b", "looped-bfs") else 1
     num_stages = args.pp * virtual
     slow_s = args.slow_forward_s if dp_rank == args.slow_replica else 0.0
     stages = []
@@ -102,8 +116,8 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         return nn.functional.mse_loss(output, target)
 
     schedule: Any
-    if args.schedule == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(
+    if args.schedule in MULTI_STAGE:
+        schedule = SCHEDULES[args.schedule](
             stages, n_microbatches=args.microbatches, loss_fn=loss_fn
         )
     else:

@@ -74,11 +74,14 @@ class Agent:
         node: str = NODE,
         log_level: str = "debug",
         pod_resources_socket: Path | None = None,
+        emulated_profile: tuple[Path, float] | None = None,
     ) -> None:
         """In Kubernetes mode the agent asks the kubelet stand-in on ``pod_resources_socket``
         which GPUs the pods own; without one, ``--gpu-ownership=local-rank-index`` (there is no
         kubelet: a pod's local rank r runs on GPU index r)."""
         self.num_gpus = num_gpus
+        self.emulated_profile = emulated_profile
+        """The emulated GPUs' profile CSV and blocking power (``None``: the bundled one)."""
         self.pod_resources_socket = pod_resources_socket
         self.node = node
         self.log_level = log_level
@@ -133,6 +136,14 @@ class Agent:
                     f"--socket-dir={self.socket_dir}",
                     f"--state-dir={self.state_dir}",
                     f"--log-level={self.log_level}",
+                    *(
+                        [
+                            f"--emulated-profile={self.emulated_profile[0]}",
+                            f"--emulated-blocking-power={self.emulated_profile[1]}",
+                        ]
+                        if self.emulated_profile is not None
+                        else []
+                    ),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

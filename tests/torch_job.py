@@ -2,14 +2,18 @@
 
 The socket is the agent's real :class:`LocalServer`; its handler records every request
 with the event's time (the client's ``t_ns``, as the agent uses it) per connection, so a
-test sees each rank's hook stream as the node agent would.
+test sees each rank's hook stream as the node agent would. :func:`recording_proxy` records
+the requests on their way to a real agent process instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,3 +150,94 @@ def run_recorded(args: list[str]) -> JobRun:
     with recording_socket() as (path, recorder):
         result = run_example(args, socket_path=path)
     return JobRun(result.stderr, recorder.by_rank())
+
+
+@dataclass
+class WireLog:
+    """The requests each connection sent through a :func:`recording_proxy`, decoded."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, connection: int, line: bytes) -> None:
+        with self.lock:
+            self.requests.setdefault(connection, []).append(json.loads(line))
+
+    def by_rank(self) -> dict[int, list[dict[str, Any]]]:
+        """Each rank's requests (the rank its accepted hello named), that hello first."""
+        with self.lock:
+            streams = [list(r) for r in self.requests.values()]
+        out: dict[int, list[dict[str, Any]]] = {}
+        for stream in streams:
+            hellos = [i for i, r in enumerate(stream) if r["op"] == "hello"]
+            # A refused hello (an older agent's) may come before the accepted one.
+            stream = stream[hellos[-1] :]
+            rank = stream[0]["rank"]
+            assert rank not in out, f"rank {rank} connected twice"
+            out[rank] = stream
+        return out
+
+
+@contextmanager
+def recording_proxy(target: Path) -> Iterator[tuple[Path, WireLog]]:
+    """A socket that passes every connection through to the agent's socket ``target``,
+    recording the requests: what a real agent process received, line for line."""
+    directory = Path(tempfile.mkdtemp(prefix="ptp", dir="/tmp"))
+    path = directory / "proxy.sock"
+    log = WireLog()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    threads: list[threading.Thread] = []
+    sockets: list[socket.socket] = []
+
+    def pump(src: socket.socket, dst: socket.socket, connection: int | None) -> None:
+        buffer = b""
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+                if connection is not None:
+                    buffer += data
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        log.add(connection, line)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        connection = 0
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed: stop
+            agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            agent.connect(str(target))
+            sockets.extend((client, agent))
+            for args in ((client, agent, connection), (agent, client, None)):
+                thread = threading.Thread(target=pump, args=args, daemon=True)
+                thread.start()
+                threads.append(thread)
+            connection += 1
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield path, log
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        acceptor.join(timeout=5)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(timeout=5)
+        for sock in sockets:
+            sock.close()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -4,6 +4,11 @@
 arrives. ``Instruction`` granularity locks nothing until the training process on the GPU calls
 in over the local socket (see :class:`PlanApplier` as the local server's handler): every
 ``instruction_begin`` locks the clock of the next computation of the stage, in schedule order.
+A computation is the plan's entry of the same (name, microbatch, chunk): with virtual stages
+(interleaved 1F1B) an entry's chunk is its ``virtual_stage // num_stages``, the rank-local
+index the client names (protocol version 2); a client that names no chunk (version 1)
+matches any, and a zero-bubble plan's ``backward_input``/``backward_weight`` are matched by
+name like ``forward`` and ``backward``.
 
 A clock the GPU does not support is clamped to the nearest supported one and reported as
 ``Clamped``. A GPU error affects that GPU only: it is reported ``Failed`` with the error's
@@ -192,6 +197,9 @@ class _Gpu:
     target_mhz: int | None = None
     applied_mhz: int | None = None
     message: str = ""
+    num_stages: int = 1
+    """GPUs in the pipeline: an instruction's chunk is its ``virtual_stage // num_stages``."""
+    virtual_stages: int = 1
     position: int = 0
     """Instruction granularity: index of the next computation of the stage."""
     aligned: bool = True
@@ -354,7 +362,16 @@ class PlanApplier:
                     continue
                 if old is not None:
                     _stop_sampling(old)
-                state = _Gpu(gpu, a, stage_plan, granularity, profiling=profiling)
+                pipeline = node_plan.plans[a.plan]
+                state = _Gpu(
+                    gpu,
+                    a,
+                    stage_plan,
+                    granularity,
+                    num_stages=pipeline.num_stages,
+                    virtual_stages=pipeline.virtual_stages,
+                    profiling=profiling,
+                )
                 self._gpus[index] = state
                 if profiling is not None:
                     self._prepare_profiling(state, old, profiling)
@@ -540,10 +557,11 @@ class PlanApplier:
         """A computation begins: lock the clock the plan gives it; reply with the clock in effect.
 
         The computation is checked against the plan's next one; on a mismatch the position is
-        resynchronised by (name, microbatch) and ``schedule_mismatch`` is counted.
+        resynchronised by (name, microbatch, chunk) and ``schedule_mismatch`` is counted.
         """
         name = msg["name"]
         microbatch = msg.get("microbatch")
+        chunk = msg.get("chunk")
         clock_mhz: int | None = None
         with self._lock:
             s = self._sessions.get(session)
@@ -554,9 +572,9 @@ class PlanApplier:
                         # across an edge, the counter put part of each computation's energy
                         # in the idle time beside it (blocking power came out +11 %).
                         g.profiler.sampler.sample()
-                        g.profiler.instruction_begin(name, t_ns)
+                        g.profiler.instruction_begin(name, t_ns, chunk)
                 elif g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
-                    self._switch(g, name, microbatch)
+                    self._switch(g, name, microbatch, chunk)
                 if g.status != GpuStatus.FAILED and clock_mhz is None:
                     clock_mhz = g.applied_mhz
         return {"ok": True, "sm_clock_mhz": clock_mhz}
@@ -576,7 +594,7 @@ class PlanApplier:
                 if g.profiler is not None:
                     if self._profiling_ok(g):
                         g.profiler.sampler.sample()  # a point at the edge, as at its begin
-                        g.profiler.instruction_end(msg["name"], t_ns)
+                        g.profiler.instruction_end(msg["name"], t_ns, msg.get("chunk"))
                 elif g.granularity == Granularity.INSTRUCTION and g.status != GpuStatus.FAILED:
                     self._prepare_next(g)
         return {"ok": True}
@@ -711,14 +729,16 @@ class PlanApplier:
         self._reset_clock(g.info.index)
         self._wait(g, "waiting for the training process to call in")
 
-    def _switch(self, g: _Gpu, name: str, microbatch: int | None) -> None:
+    def _switch(self, g: _Gpu, name: str, microbatch: int | None, chunk: int | None) -> None:
         instructions = g.stage_plan.instructions
         pos = g.position
 
         def matches(i: int) -> bool:
             entry = instructions[i]
-            return entry.instruction == name and (
-                microbatch is None or entry.microbatch == microbatch
+            return (
+                entry.instruction == name
+                and (microbatch is None or entry.microbatch == microbatch)
+                and (chunk is None or _chunk(entry.virtual_stage, g.num_stages) == chunk)
             )
 
         found: int | None = pos if pos < len(instructions) and matches(pos) else None
@@ -728,7 +748,13 @@ class PlanApplier:
                 return
         if found is None:
             expected = (
-                f"{instructions[pos].instruction} of microbatch {instructions[pos].microbatch}"
+                _describe(
+                    instructions[pos].instruction,
+                    instructions[pos].microbatch,
+                    _chunk(instructions[pos].virtual_stage, g.num_stages)
+                    if g.virtual_stages > 1
+                    else None,
+                )
                 if pos < len(instructions)
                 else "the end of the iteration"
             )
@@ -737,11 +763,9 @@ class PlanApplier:
             self.metrics.count_error("schedule_mismatch")
             self._mismatch_log.warning(
                 ("schedule_mismatch", g.info.index),
-                "GPU %d: the training process runs %s of microbatch %s where the plan expects "
-                "%s; %s",
+                "GPU %d: the training process runs %s where the plan expects %s; %s",
                 g.info.index,
-                name,
-                "?" if microbatch is None else microbatch,
+                _describe(name, microbatch, chunk),
                 expected,
                 f"resynchronised at position {found}" if found is not None else "not in the plan",
             )
@@ -964,6 +988,8 @@ class PlanApplier:
         g.profiler = StageProfiler(
             g.assignment.stage,
             clocks,
+            num_stages=g.num_stages,
+            virtual_stages=g.virtual_stages,
             iterations_per_frequency=spec.iterations_per_frequency,
             warmup_iterations=spec.warmup_iterations,
             sampler=sampler,
@@ -1059,6 +1085,16 @@ class PlanApplier:
 
 def _default_sampler(gpu: GpuInfo, read_energy_j: Callable[[], float]) -> EnergySampler:
     return EnergySampler(read_energy_j, name=f"perseus-energy-gpu{gpu.index}")
+
+
+def _chunk(virtual_stage: int | None, num_stages: int) -> int:
+    """The rank-local chunk of a plan entry: model stage ``v * P + p`` is chunk ``v``."""
+    return 0 if virtual_stage is None else virtual_stage // num_stages
+
+
+def _describe(name: str, microbatch: int | None, chunk: int | None) -> str:
+    where = "" if chunk is None else f" on chunk {chunk}"
+    return f"{name} of microbatch {'?' if microbatch is None else microbatch}{where}"
 
 
 def _stop_sampling(g: _Gpu) -> None:

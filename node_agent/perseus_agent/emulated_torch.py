@@ -4,7 +4,10 @@ The stage's real computation runs on the CPU, much faster than the profiled GPU'
 the SM clock the agent locks matters to the real process, each ``forward_one_chunk`` and
 ``backward_one_chunk`` is padded to the profile's time of that computation at the emulated
 GPU's clock now in effect (times its slowdown, times ``time_scale``), and the emulated GPU is
-marked busy with it for exactly that window, blocked otherwise.
+marked busy with it for exactly that window, blocked otherwise. A zero-bubble schedule's
+halves (``backward_one_chunk(full_backward=False)`` and ``backward_weight_one_chunk``) are
+padded to the profile's ``backward_input`` and ``backward_weight`` when it has them (with
+whole backwards only, the input half is padded as the whole and the weight half not at all).
 
 Energy stays honest in the sense the emulation can be: the emulated GPU's counter integrates
 the profile's power at the locked clock over the time the stage was really busy (the padded
@@ -19,6 +22,8 @@ padded computation, as they enclose a real GPU's kernels (after the device synch
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from typing import Any
 
@@ -47,13 +52,29 @@ def emulate_stage(
             f"the emulated GPU's profile has no stage {profile_stage} "
             f"(stages 0..{gpu.profile.num_stages - 1})"
         )
-    for method, instruction in (
-        ("forward_one_chunk", "forward"),
-        ("backward_one_chunk", "backward"),
-    ):
-        compute = getattr(stage, method)
-        setattr(
-            stage, method, _padded(compute, gpu, gpu_index, profile_stage, instruction, time_scale)
+    stage.forward_one_chunk = _padded(
+        stage.forward_one_chunk, gpu, gpu_index, profile_stage, "forward", time_scale
+    )
+    backward = stage.backward_one_chunk
+    measured = gpu.profile.measurements
+    whole_name = "backward" if (profile_stage, "backward") in measured else "backward_input"
+    whole = _padded(backward, gpu, gpu_index, profile_stage, whole_name, time_scale)
+    if (profile_stage, "backward_input") not in measured:
+        stage.backward_one_chunk = whole
+        return
+    half = _padded(backward, gpu, gpu_index, profile_stage, "backward_input", time_scale)
+    signature = inspect.signature(backward)
+
+    @functools.wraps(backward)  # the hooks read its arguments (full_backward, last_backward)
+    def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        full = signature.bind(*args, **kwargs).arguments.get("full_backward", True)
+        return (whole if full else half)(*args, **kwargs)
+
+    stage.backward_one_chunk = backward_one_chunk
+    weight = getattr(stage, "backward_weight_one_chunk", None)
+    if weight is not None:
+        stage.backward_weight_one_chunk = _padded(
+            weight, gpu, gpu_index, profile_stage, "backward_weight", time_scale
         )
 
 
@@ -65,6 +86,7 @@ def _padded(
     instruction: str,
     time_scale: float,
 ) -> Any:
+    @functools.wraps(compute)  # the hooks read its arguments (full_backward, last_backward)
     def padded(*args: Any, **kwargs: Any) -> Any:
         start_s = time.monotonic()
         gpu.set_activity(gpu_index, profile_stage, instruction)

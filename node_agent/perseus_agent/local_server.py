@@ -156,6 +156,11 @@ class ClientSession:
         return self.peer_uid, self.peer_pid or None
 
     @property
+    def version(self) -> int:
+        """The protocol version the connection speaks: its hello's (the newest before one)."""
+        return PROTOCOL_VERSION if self.hello is None else self.hello["version"]
+
+    @property
     def rank(self) -> int | None:
         return None if self.hello is None else self.hello["rank"]
 
@@ -822,7 +827,8 @@ class LocalServer:
         """The encoded reply to one request line."""
         cid = session.connection_id
         try:
-            msg = decode_request(line)
+            # Each connection speaks the version its hello named (hello itself: any).
+            msg = decode_request(line, session.version)
         except ProtocolError as exc:
             logger.debug("connection %d: bad request: %s", cid, exc)
             return encode_reply(error_reply(str(exc)))
@@ -847,7 +853,7 @@ class LocalServer:
             return self._refuse(session, op, f"agent error in {op}: {type(exc).__name__}: {exc}")
         reply["ok"] = True
         if op == OP_HELLO:
-            reply.setdefault("version", PROTOCOL_VERSION)
+            reply.setdefault("version", session.version)
             reply.setdefault("connection_id", cid)
         elif op == OP_INSTRUCTION_BEGIN:
             reply.setdefault("sm_clock_mhz", None)

@@ -24,6 +24,13 @@ Two parts:
   blocking (waiting on other stages, or idle), and blocking power is its energy over its
   time.
 
+Schedules beyond 1F1B and GPipe (protocol version 2): a computation may be a
+``backward_input`` or ``backward_weight`` (zero-bubble: rows of those names, the profile form
+``zb-h1`` plans from), and with ``V`` virtual stages per GPU it names its ``chunk`` ``v``:
+its rows are those of model stage ``v * P + p`` for the GPU of pipeline stage ``p`` (the
+``P * V``-stage profile ``interleaved-1f1b`` plans from, Megatron-LM's layout). A chunk the
+plan does not have, or an interleaved computation without one, makes its iteration invalid.
+
 The energies of an iteration are computed once the sampler holds a point at or after the
 iteration's end (:meth:`StageProfiler.poll`), so a run is :attr:`StageProfiler.done` at the
 first poll after the counter changed past its last measured iteration. Both classes take
@@ -46,6 +53,7 @@ starting (and between the GPU finishing and ``instruction_end``) counts as compu
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import statistics
@@ -85,10 +93,16 @@ MIN_TRIMMED_FRACTION: Final = 0.01
 """Least share of the measured iterations' time inside trimmed waits to measure blocking power
 there; below it, it is measured over all the time outside computations."""
 
-PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
-_INSTRUCTIONS: Final = ("forward", "backward")
+InstructionName = Literal["forward", "backward", "backward_input", "backward_weight"]
 
-InstructionName = Literal["forward", "backward"]
+PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
+_INSTRUCTIONS: Final[tuple[InstructionName, ...]] = (
+    "forward",
+    "backward",
+    "backward_input",
+    "backward_weight",
+)
+"""The order of a stage's rows at each clock (:data:`perseus_api.profile.INSTRUCTIONS`')."""
 
 
 class EnergySampler:
@@ -244,7 +258,11 @@ class ProfileRow(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    stage: int = Field(ge=0)
+    stage: int = Field(
+        ge=0,
+        description="Model stage: the GPU's pipeline stage, plus chunk x stages when the "
+        "GPU runs several (virtual) stages.",
+    )
     instruction: InstructionName
     frequency_mhz: int = Field(gt=0, description="The SM clock in effect while measured.")
     time_s: float = Field(description="Median time of one computation.")
@@ -268,13 +286,18 @@ def profile_csv(rows: Iterable[ProfileRow]) -> str:
     """``rows`` in the simple profile CSV form (``stage,instruction,frequency,time,energy``).
 
     :func:`perseus_api.profile.parse_profile` reads it back exactly when the rows cover stages
-    ``0..n-1``, each with both instructions at two clocks or more.
+    ``0..n-1``, each with a forward and a backward (whole, or both halves) at two clocks or
+    more.
     """
     lines = [",".join(PROFILE_COLUMNS)]
     lines.extend(
         f"{r.stage},{r.instruction},{r.frequency_mhz},{r.time_s!r},{r.energy_j!r}" for r in rows
     )
     return "\n".join(lines) + "\n"
+
+
+_Key = tuple[int, InstructionName]
+"""(chunk, instruction) of a computation."""
 
 
 @dataclass
@@ -284,8 +307,8 @@ class _Open:
     frequency_index: int
     warmup: bool
     begin_ns: int
-    instructions: list[tuple[InstructionName, int, int]] = field(default_factory=list)
-    running: tuple[InstructionName, int] | None = None
+    instructions: list[tuple[_Key, int, int]] = field(default_factory=list)
+    running: tuple[_Key, int] | None = None
     valid: bool = True
 
 
@@ -296,7 +319,7 @@ class _Measured:
     frequency_mhz: int
     begin_ns: int
     end_ns: int
-    instructions: tuple[tuple[InstructionName, int, int], ...]
+    instructions: tuple[tuple[_Key, int, int], ...]
 
 
 @dataclass
@@ -319,11 +342,15 @@ class StageProfiler:
     :meth:`clock_applied` which one is in effect (a clamped clock is measured as such).
 
     Args:
-        stage: Pipeline stage of the GPU (the rows' ``stage``).
+        stage: Pipeline stage of the GPU (the rows' ``stage`` for its chunk 0).
         frequencies_mhz: Clocks to measure, in order.
         iterations_per_frequency: Measured iterations per clock.
         warmup_iterations: Iterations dropped after each clock change.
         sampler: The GPU's energy counter.
+        num_stages: GPUs in the pipeline ``P``: chunk ``v``'s rows are model stage
+            ``v * P + stage``.
+        virtual_stages: Chunks per GPU ``V``; with more than one, every computation must
+            name its chunk.
 
     Raises:
         ValueError: An argument is invalid.
@@ -337,9 +364,16 @@ class StageProfiler:
         iterations_per_frequency: int,
         warmup_iterations: int,
         sampler: EnergySampler,
+        num_stages: int = 1,
+        virtual_stages: int = 1,
     ) -> None:
-        if stage < 0:
-            raise ValueError(f"stage must be >= 0, got {stage}")
+        if stage < 0 or num_stages < 1 or virtual_stages < 1:
+            raise ValueError(
+                f"need stage >= 0, num_stages >= 1 and virtual_stages >= 1, got {stage}, "
+                f"{num_stages} and {virtual_stages}"
+            )
+        if virtual_stages > 1 and stage >= num_stages:
+            raise ValueError(f"stage {stage} is not one of {num_stages} pipeline stages")
         if not frequencies_mhz or any(f <= 0 for f in frequencies_mhz):
             raise ValueError(f"need one or more positive clocks, got {list(frequencies_mhz)}")
         if iterations_per_frequency < 1 or warmup_iterations < 0:
@@ -348,6 +382,8 @@ class StageProfiler:
                 f"{iterations_per_frequency} and {warmup_iterations}"
             )
         self.stage = stage
+        self.num_stages = num_stages
+        self.virtual_stages = virtual_stages
         self.frequencies_mhz: tuple[int, ...] = tuple(frequencies_mhz)
         self.iterations_per_frequency = iterations_per_frequency
         self.warmup_iterations = warmup_iterations
@@ -363,7 +399,7 @@ class StageProfiler:
         self._measured_here = 0
         self._open: _Open | None = None
         self._pending: list[_Measured] = []
-        self._sums: dict[tuple[InstructionName, int], _Sum] = {}
+        self._sums: dict[tuple[_Key, int], _Sum] = {}
         self._blocking_ns = 0
         self._blocking_j = 0.0
         self._inner_ns = 0  # inside waits, EDGE_TRIM_NS from their edges
@@ -411,19 +447,26 @@ class StageProfiler:
         if self.measuring:
             self.applied_mhz[self._index] = clock_mhz
 
-    def instruction_begin(self, name: str, t_ns: int) -> None:
+    def instruction_begin(self, name: str, t_ns: int, chunk: int | None = None) -> None:
+        """A computation of the GPU's ``chunk`` (``None``: its only one) begins."""
         it = self._open
         if it is None:
             return
-        if it.running is not None or name not in _INSTRUCTIONS:
+        if it.running is not None or name not in _INSTRUCTIONS or not self._known_chunk(chunk):
             it.valid = False
-        it.running = (cast(InstructionName, name), t_ns)
+        it.running = ((chunk or 0, cast(InstructionName, name)), t_ns)
 
-    def instruction_end(self, name: str, t_ns: int) -> None:
+    def _known_chunk(self, chunk: int | None) -> bool:
+        if chunk is None:
+            return self.virtual_stages == 1  # else: which model stage would it be?
+        return 0 <= chunk < self.virtual_stages
+
+    def instruction_end(self, name: str, t_ns: int, chunk: int | None = None) -> None:
         it = self._open
         if it is None:
             return
-        if it.running is None or it.running[0] != name or t_ns < it.running[1]:
+        key = (chunk or 0, name)
+        if it.running is None or it.running[0] != key or t_ns < it.running[1]:
             it.valid = False
         else:
             it.instructions.append((it.running[0], it.running[1], t_ns))
@@ -472,7 +515,7 @@ class StageProfiler:
     def _resolve(self, m: _Measured) -> None:
         energy_at = self.sampler.energy_at
         begin_j, end_j = energy_at(m.begin_ns), energy_at(m.end_ns)
-        parts: list[tuple[InstructionName, int, float]] = []
+        parts: list[tuple[_Key, int, float]] = []
         covered = begin_j is not None and end_j is not None
         for name, b, e in m.instructions if covered else ():
             eb, ee = energy_at(b), energy_at(e)
@@ -505,8 +548,9 @@ class StageProfiler:
     # -- results -------------------------------------------------------------------------------
 
     def rows(self) -> list[ProfileRow]:
-        """Median time and energy per (instruction, clock) so far: highest clock first,
-        forward before backward at each clock (the order of the bundled profiles).
+        """Median time and energy per (model stage, instruction, clock) so far: highest clock
+        first, then by model stage, forward before the backwards (the order of the bundled
+        profiles).
 
         The median, not the mean: a computation the node stalled (a preempted training
         process, a late hook) is one of a few measured per clock, and a mean carried it into
@@ -516,13 +560,13 @@ class StageProfiler:
         """
         rows: list[ProfileRow] = []
         for clock in sorted({c for _, c in self._sums}, reverse=True):
-            for name in _INSTRUCTIONS:
-                s = self._sums.get((name, clock))
+            for chunk, name in itertools.product(range(self.virtual_stages), _INSTRUCTIONS):
+                s = self._sums.get(((chunk, name), clock))
                 if s is None or s.count == 0:
                     continue
                 rows.append(
                     ProfileRow(
-                        stage=self.stage,
+                        stage=chunk * self.num_stages + self.stage,
                         instruction=name,
                         frequency_mhz=clock,
                         time_s=statistics.median(s.times_ns) / 1e9,

@@ -16,6 +16,12 @@ Integration is two lines per hook site::
                 with perseus.instruction(kind, mb):  # kind: "forward" or "backward"
                     run(kind, mb)
 
+A rank that runs several model chunks (interleaved 1F1B: model stage ``v * P + p`` on rank
+``p`` is its chunk ``v``) names the chunk, ``perseus.instruction(kind, mb, chunk=v)``, and a
+zero-bubble schedule names the backward halves ``"backward_input"`` and
+``"backward_weight"`` (protocol version 2; see :mod:`perseus_client.protocol` for what
+happens against an agent that speaks only version 1).
+
 or, without context managers, ``perseus.on_step_begin(step)``,
 ``perseus.on_instruction_begin("forward", mb)`` (returns the SM clock now in
 effect, or ``None``), ``perseus.on_instruction_end("forward")`` and

@@ -20,6 +20,15 @@ Two ways to talk to the agent:
   ``max_outstanding`` replies may be pending; a hook that would exceed that waits
   for the oldest (up to ``reply_timeout_s``), so a stuck agent is detected and
   dropped as in synchronous mode.
+
+Protocol versions: the client says hello with the newest version
+(:data:`~perseus_client.protocol.PROTOCOL_VERSION`, 2). An older agent that refuses it gets a
+version-1 hello on the same connection, unless the client was made with
+``needs_protocol_version=2`` (a schedule with chunks or split backwards: what
+:func:`perseus_client.torch.attach` sets for interleaved and zero-bubble schedules); then the
+agent counts as unavailable, with a warning saying to upgrade it, and is tried again every
+``retry_interval_s``. On a version-1 connection, a hook naming a chunk other than 0 or a split
+backward is not sent (one warning): version 1 cannot say it.
 """
 
 from __future__ import annotations
@@ -97,6 +106,8 @@ class PerseusClient:
         pipelined: Send hooks without waiting for their replies (see the module
             docstring); ``on_instruction_begin`` then returns ``None``.
         max_outstanding: With ``pipelined``, the most replies that may be pending.
+        needs_protocol_version: The oldest protocol version the hooks can be said in: 2 when
+            they name chunks or split backwards (the agent must then speak it), else 1.
 
     Thread-safe: hooks from several threads are serialized. Connects lazily, at
     the first hook. After :meth:`close` every hook is a no-op.
@@ -118,9 +129,15 @@ class PerseusClient:
         synchronize: Callable[[], object] | None = None,
         pipelined: bool = False,
         max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        needs_protocol_version: int = 1,
     ) -> None:
         if max_outstanding < 1:
             raise ValueError(f"max_outstanding must be at least 1, got {max_outstanding}")
+        if needs_protocol_version not in protocol.SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"needs_protocol_version must be one of {protocol.SUPPORTED_VERSIONS}, "
+                f"got {needs_protocol_version!r}"
+            )
         env = os.environ
         if socket_path is None:
             socket_path = env.get(protocol.SOCKET_ENV) or protocol.DEFAULT_SOCKET_PATH
@@ -137,6 +154,7 @@ class PerseusClient:
         self.synchronize = synchronize
         self.pipelined = pipelined
         self.max_outstanding = max_outstanding
+        self.needs_protocol_version = needs_protocol_version
 
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -146,6 +164,8 @@ class PerseusClient:
         self._error_reply_warned = False  # one warning per connection
         self._misuse_warned = False
         self._connections = 0
+        self._version: int | None = None  # of the open connection
+        self._old_agent_warned = False
         # Pipelined mode: ops whose replies are still to come, oldest first, and the bytes
         # of replies received but not yet parsed.
         self._pending_ops: deque[str] = deque()
@@ -160,6 +180,11 @@ class PerseusClient:
         return self._sock is not None
 
     @property
+    def protocol_version(self) -> int | None:
+        """The protocol version of the open connection (``None``: none open)."""
+        return self._version
+
+    @property
     def connections(self) -> int:
         """How many times a connection was established (reconnects included)."""
         return self._connections
@@ -172,14 +197,21 @@ class PerseusClient:
     def on_step_end(self, step: int) -> None:
         self._call(protocol.step_end_request, step)
 
-    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
-        """Announce a forward/backward; returns the SM clock now in effect (``None``: unknown)."""
-        reply = self._call(protocol.instruction_begin_request, name, microbatch, sync=True)
+    def on_instruction_begin(
+        self, name: str, microbatch: int | None = None, chunk: int | None = None
+    ) -> int | None:
+        """Announce a computation (``forward``, ``backward``, ``backward_input`` or
+        ``backward_weight``) of ``microbatch`` on the rank's ``chunk`` (its virtual stage,
+        ``0..V-1``; ``None`` with one); returns the SM clock now in effect (``None``:
+        unknown)."""
+        reply = self._call(
+            protocol.instruction_begin_request, name, microbatch, chunk, sync=True, versioned=True
+        )
         clock = None if reply is None else reply.get("sm_clock_mhz")
         return clock if isinstance(clock, int) and not isinstance(clock, bool) else None
 
-    def on_instruction_end(self, name: str) -> None:
-        self._call(protocol.instruction_end_request, name, sync=True)
+    def on_instruction_end(self, name: str, chunk: int | None = None) -> None:
+        self._call(protocol.instruction_end_request, name, chunk, sync=True, versioned=True)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -191,13 +223,15 @@ class PerseusClient:
             self.on_step_end(step)
 
     @contextmanager
-    def instruction(self, name: str, microbatch: int | None = None) -> Iterator[int | None]:
+    def instruction(
+        self, name: str, microbatch: int | None = None, chunk: int | None = None
+    ) -> Iterator[int | None]:
         """``on_instruction_begin``/``_end`` around the block; yields the SM clock."""
-        clock = self.on_instruction_begin(name, microbatch)
+        clock = self.on_instruction_begin(name, microbatch, chunk)
         try:
             yield clock
         finally:
-            self.on_instruction_end(name)
+            self.on_instruction_end(name, chunk)
 
     def close(self) -> None:
         """Disconnect for good; later hooks do nothing.
@@ -248,8 +282,13 @@ class PerseusClient:
     # -- internals
 
     def _call(
-        self, build: Callable[..., Mapping[str, Any]], *args: Any, sync: bool = False
+        self,
+        build: Callable[..., Mapping[str, Any]],
+        *args: Any,
+        sync: bool = False,
+        versioned: bool = False,
     ) -> Reply | None:
+        """``versioned``: ``build`` takes the connection's protocol version (``version=``)."""
         try:
             try:
                 request = build(*args)
@@ -259,6 +298,12 @@ class PerseusClient:
             with self._lock:
                 if self._closed or (self._sock is None and not self._connect()):
                     return None
+                if versioned and self._version != protocol.PROTOCOL_VERSION:
+                    try:
+                        request = build(*args, version=self._version)
+                    except ProtocolError as exc:
+                        self._warn_old_agent(f"a hook is not sent: {exc}")
+                        return None
                 if sync and self.synchronize is not None:
                     self._synchronize()
                 if request.get("op") != protocol.OP_HELLO:
@@ -393,26 +438,31 @@ class PerseusClient:
                 sock.close()
                 self._fail(f"cannot connect: {_reason(exc)}")
                 return False
-        hello = protocol.hello_request(
-            rank=self.rank,
-            local_rank=self.local_rank,
-            gpu_uuids=self.gpu_uuids,
-            pid=os.getpid(),
-            job=self.job,
-            namespace=self.namespace,
-            pod=self.pod,
-        )
+        version = protocol.PROTOCOL_VERSION
         try:
-            reply = self._roundtrip(sock, protocol.encode_request(hello), protocol.OP_HELLO)
+            reply = self._hello(sock, version)
+            if _refuses_version(reply) and self.needs_protocol_version < version:
+                version = 1  # an older agent: its version, on the same connection
+                reply = self._hello(sock, version)
         except Exception as exc:
             sock.close()
             self._fail(f"hello failed: {_reason(exc)}")
             return False
         if not reply["ok"]:
             sock.close()
-            self._fail(f"agent rejected hello: {reply['error']}")
+            if _refuses_version(reply):
+                self._fail(
+                    f"the agent does not speak protocol version {version} ({reply['error']}), "
+                    "which this training process's pipeline schedule needs (chunks of "
+                    "interleaved stages or split backwards): upgrade the Perseus node agent"
+                )
+            else:
+                self._fail(f"agent rejected hello: {reply['error']}")
             return False
+        if version < protocol.PROTOCOL_VERSION:
+            logger.info("The Perseus agent at %s speaks protocol version 1", self.socket_path)
         self._sock = sock
+        self._version = version
         self._error_reply_warned = False
         self._connections += 1
         if self._outage_warned:
@@ -421,6 +471,19 @@ class PerseusClient:
             logger.info("Connected to the Perseus agent at %s", self.socket_path)
         self._outage_warned = False
         return True
+
+    def _hello(self, sock: socket.socket, version: int) -> Reply:
+        hello = protocol.hello_request(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            gpu_uuids=self.gpu_uuids,
+            pid=os.getpid(),
+            job=self.job,
+            namespace=self.namespace,
+            pod=self.pod,
+            version=version,
+        )
+        return self._roundtrip(sock, protocol.encode_request(hello), protocol.OP_HELLO)
 
     def _fail(self, reason: str) -> None:
         """Drop the connection; warn once per outage. Lock held."""
@@ -439,6 +502,7 @@ class PerseusClient:
         )
 
     def _drop(self) -> None:
+        self._version = None
         self._pending_ops.clear()
         self._received = b""
         if self._sock is not None:
@@ -453,11 +517,28 @@ class PerseusClient:
             self._misuse_warned = True
             logger.warning("%s (further such messages at debug level)", message)
 
+    def _warn_old_agent(self, message: str) -> None:
+        if self._old_agent_warned:
+            logger.debug("%s", message)
+        else:
+            self._old_agent_warned = True
+            logger.warning(
+                "Perseus agent at %s speaks protocol version 1 only; %s (upgrade the node agent "
+                "for this schedule; further such messages at debug level)",
+                self.socket_path,
+                message,
+            )
+
     def _after_fork_in_child(self) -> None:
         # The parent's connection and lock state are not the child's: start afresh.
         self._lock = threading.Lock()
         self._drop()  # closes the child's copy of the fd only; the parent keeps its connection
         self._next_attempt = 0.0
+
+
+def _refuses_version(reply: Reply) -> bool:
+    """Whether a hello's error reply refuses its protocol version (old agents say so too)."""
+    return not reply["ok"] and str(reply["error"]).startswith(protocol.UNSUPPORTED_VERSION_ERROR)
 
 
 def _reason(exc: BaseException) -> str:
@@ -515,12 +596,14 @@ def on_step_end(step: int) -> None:
     get_client().on_step_end(step)
 
 
-def on_instruction_begin(name: str, microbatch: int | None = None) -> int | None:
-    return get_client().on_instruction_begin(name, microbatch)
+def on_instruction_begin(
+    name: str, microbatch: int | None = None, chunk: int | None = None
+) -> int | None:
+    return get_client().on_instruction_begin(name, microbatch, chunk)
 
 
-def on_instruction_end(name: str) -> None:
-    get_client().on_instruction_end(name)
+def on_instruction_end(name: str, chunk: int | None = None) -> None:
+    get_client().on_instruction_end(name, chunk)
 
 
 @contextmanager
@@ -531,7 +614,9 @@ def step(step: int) -> Iterator[None]:
 
 
 @contextmanager
-def instruction(name: str, microbatch: int | None = None) -> Iterator[int | None]:
+def instruction(
+    name: str, microbatch: int | None = None, chunk: int | None = None
+) -> Iterator[int | None]:
     """The process-wide client's :meth:`PerseusClient.instruction`; yields the SM clock."""
-    with get_client().instruction(name, microbatch) as clock:
+    with get_client().instruction(name, microbatch, chunk) as clock:
         yield clock

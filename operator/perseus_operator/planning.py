@@ -93,6 +93,11 @@ def gather_profile(reports: Sequence[Mapping[str, Any]], num_stages: int) -> Gat
     plans) into one profile: per (stage, instruction, clock) the mean over the GPUs of that
     stage, weighted by samples.
 
+    A report is for the GPU of pipeline stage ``stage`` (``0..num_stages-1``); its rows name
+    their model stage, which is the same one, or ``v * num_stages + stage`` for its chunk
+    ``v`` when the GPU runs several (interleaved 1F1B: the ``P * V``-stage profile). Rows of an
+    older agent that name no stage are the report's.
+
     Raises:
         PlanningError: a stage has no finished report, or a report is malformed.
     """
@@ -108,7 +113,13 @@ def gather_profile(reports: Sequence[Mapping[str, Any]], num_stages: int) -> Gat
             rows = list(report["rows"])
             for row in rows:
                 n = float(row.get("samples", 1))
-                key = (stage, str(row["instruction"]), int(row["frequency_mhz"]))
+                model_stage = int(row.get("stage", stage))
+                if model_stage % num_stages != stage % num_stages:
+                    raise ValueError(
+                        f"a row of model stage {model_stage} does not run on pipeline stage "
+                        f"{stage} of {num_stages}"
+                    )
+                key = (model_stage, str(row["instruction"]), int(row["frequency_mhz"]))
                 acc = sums.setdefault(key, [0.0, 0.0, 0.0])
                 acc[0] += float(row["time_s"]) * n
                 acc[1] += float(row["energy_j"]) * n

@@ -27,6 +27,7 @@ from typing import Any, Final
 from perseus_api import resources
 from perseus_api.job import Mode, PerseusJobSpec
 from perseus_api.plan import Granularity
+from perseus_api.schedule import Schedule
 
 PROFILE_KEY: Final = "profile.csv"
 BLOCKING_POWER_KEY: Final = "blockingPowerWatts"
@@ -50,11 +51,19 @@ class StoredProfile:
 
 
 def pipeline_key(spec: PerseusJobSpec) -> str:
-    """What a stored profile was measured for: the pipeline's stages (and clocks swept)."""
+    """What a stored profile was measured for: the pipeline's stages (and clocks swept), and
+    the profile's form where the schedule's is not one stage per GPU with whole backwards
+    (virtual stages: ``P * V`` stages; ZB-H1: split backwards), so that a profile of one form
+    is not reused for a job of another (keys of the other schedules are unchanged)."""
     p = spec.parallelism
     clamp = spec.policy.frequency_mhz
     span = f"{clamp.min_mhz}-{clamp.max_mhz}" if clamp else "default"
-    return f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
+    key = f"stages={p.pipeline_stages};clocks={span};step={spec.profiling.frequency_step_mhz}"
+    if p.virtual_stages > 1:
+        key += f";virtualStages={p.virtual_stages}"
+    elif Schedule.parse(p.schedule.value) is Schedule.ZB_H1:
+        key += ";backward=split"
+    return key
 
 
 def read_profile(

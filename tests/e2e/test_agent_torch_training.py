@@ -20,9 +20,10 @@ import pytest
 
 from agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
 from factories import pipeline_plan_fields
-from perseus_api.profile import load_profile
-from perseus_api.schedule import stage_instruction_order
-from torch_job import require_torch, run_example
+from perseus_api.profile import Profile, load_profile
+from perseus_api.schedule import gpu_computation_order, stage_instruction_order
+from perseus_planner.model_stages import derive_profile
+from torch_job import recording_proxy, require_torch, run_example
 
 pytestmark = pytest.mark.e2e
 
@@ -89,6 +90,85 @@ def test_the_agent_follows_a_torch_schedule_without_a_mismatch(agent: Agent, sch
         changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
         assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
     assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
+
+
+# Each chunk and each backward half at a clock of its own (supported by the emulated A100).
+CHUNKED_CLOCK_MHZ = {
+    ("forward", 0): 1410,
+    ("forward", 1): 1305,
+    ("backward", 0): 1005,
+    ("backward", 1): 1200,
+    ("backward_input", 0): 1110,
+    ("backward_weight", 0): 1005,
+}
+
+
+def chunked_plan(schedule: str, virtual_stages: int) -> dict[str, Any]:
+    """An Instruction plan of interleaved 1F1B (entries with their ``virtual_stage``) or
+    ZB-H1 (split backwards), in the planner's per-GPU order."""
+    node_plan = instruction_plan("1f1b")
+    plan = node_plan["plans"]["main"]
+    plan["schedule"], plan["virtual_stages"] = schedule, virtual_stages
+    for stage in plan["stages"]:
+        stage["instructions"] = [
+            {
+                "instruction": step.instruction,
+                "microbatch": step.microbatch,
+                "frequency_mhz": CHUNKED_CLOCK_MHZ[step.instruction, step.virtual_stage // STAGES],
+                **({"virtual_stage": step.virtual_stage} if virtual_stages > 1 else {}),
+            }
+            for step in gpu_computation_order(
+                schedule, STAGES, MICROBATCHES, stage["stage"], virtual_stages
+            )
+        ]
+    return node_plan
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
+    agent: Agent, schedule: str, virtual_stages: int
+) -> None:
+    """ScheduleInterleaved1F1B (P=2, V=2) and ScheduleInterleavedZeroBubble (ZB-H1), real
+    processes: the agent receives, over protocol version 2, each rank's planner order with
+    chunks and backward halves (recorded on the wire), and applies the plan without a
+    mismatch."""
+    write_atomically(agent.plan_file, json.dumps(chunked_plan(schedule, virtual_stages)))
+    agent.start()
+    with recording_proxy(agent.socket_dir / "agent.sock") as (proxy, wire):
+        run_example(
+            [
+                *("--pp", str(STAGES), "--schedule", schedule),
+                *("--microbatches", str(MICROBATCHES), "--steps", str(STEPS), "--eval"),
+            ],
+            socket_path=proxy,
+        )
+
+        def measured() -> bool:
+            counts = [agent.metric("perseus_iteration_seconds_count", gpu=str(g)) for g in (0, 1)]
+            return all(c == [float(STEPS)] for c in counts)
+
+        wait_for(measured, f"{STEPS} iterations of each rank in the agent's metrics", agent)
+    streams = wire.by_rank()
+    assert sorted(streams) == list(range(STAGES))
+    for rank, requests in streams.items():
+        assert requests[0]["version"] == 2
+        begins = [
+            (r["name"], r["microbatch"], r.get("chunk"))
+            for r in requests
+            if r["op"] == "instruction_begin"
+        ]
+        order = [
+            (s.instruction, s.microbatch, s.virtual_stage // STAGES if virtual_stages > 1 else None)
+            for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual_stages)
+        ]
+        assert begins == order * STEPS, rank
+    assert agent.metric("perseus_agent_apply_errors_total", reason="schedule_mismatch") in (
+        [],
+        [0.0],
+    ), agent.log
+    for gpu in ("0", "1"):
+        changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
+        assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
 
 
 CLOCKS = [1410, 1005]
@@ -159,3 +239,94 @@ def test_the_agent_profiles_real_torch_processes_on_emulated_gpus(agent: Agent) 
             assert want_s <= time_s <= 1.5 * want_s, (gpu, name, clock, time_s, want_s)
             power_w, want_w = energy_j / time_s, want_j / want_s
             assert power_w == pytest.approx(want_w, rel=0.15), (gpu, name, clock, power_w)
+
+
+def derived_profile_csv(path: Path, schedule: str, virtual_stages: int) -> Profile:
+    """The bundled profile's first two stages in ``schedule``'s form (P x V stages, or split
+    backwards), written to ``path``: what the emulated GPUs of that job follow."""
+    bundled = load_profile(PROFILE)
+    two = Profile(
+        "two stages",
+        STAGES,
+        {k: m for k, m in bundled.measurements.items() if k[0] < STAGES},
+    )
+    truth = derive_profile(two, schedule, virtual_stages)
+    lines = ["stage,instruction,frequency,time,energy"]
+    for (stage, name), m in truth.measurements.items():
+        for clock, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True):
+            lines.append(f"{stage},{name},{int(clock)},{float(t)!r},{float(e)!r}")
+    path.write_text("\n".join(lines) + "\n")
+    return truth
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_the_agent_profiles_each_chunk_and_backward_half_of_real_torch_processes(
+    tmp_path: Path, schedule: str, virtual_stages: int
+) -> None:
+    """Interleaved (P=2, V=2) and ZB-H1 torch jobs on emulated GPUs that follow a profile in
+    the schedule's form: the agent measures every model stage on its GPU (stage v*P+p on GPU
+    p) and every backward half, at the profile's power."""
+    require_torch()
+    csv_path = tmp_path / "truth.csv"
+    truth = derived_profile_csv(csv_path, schedule, virtual_stages)
+    socket_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="ptpf-"))
+    agent = Agent(
+        tmp_path,
+        socket_dir / "run",
+        num_gpus=STAGES,
+        log_level="info",
+        emulated_profile=(csv_path, BLOCKING_POWER_W),
+    )
+    try:
+        node_plan = chunked_plan(schedule, virtual_stages)
+        node_plan["profiling"] = {
+            "frequencies_mhz": CLOCKS,
+            "iterations_per_frequency": MEASURED,
+            "warmup_iterations": WARMUP,
+        }
+        write_atomically(agent.plan_file, json.dumps(node_plan))
+        agent.start()
+        run_example(
+            [
+                *("--pp", str(STAGES), "--schedule", schedule, "--microbatches", str(MICROBATCHES)),
+                *("--steps", str(len(CLOCKS) * (WARMUP + MEASURED) + 2)),
+                *("--emulated-gpus", str(agent.gpu_state), "--emulated-profile", str(csv_path)),
+                *("--blocking-power", str(BLOCKING_POWER_W), "--node-name", NODE),
+            ],
+            socket_path=agent.socket_dir / "agent.sock",
+        )
+        for gpu in range(STAGES):
+            wait_for(lambda g=gpu: done_pattern(g).search(agent.log) is not None, "profile", agent)
+        for gpu in range(STAGES):
+            match = done_pattern(gpu).search(agent.log)
+            assert match is not None
+            assert (int(match.group(1)), int(match.group(2))) == (len(CLOCKS) * MEASURED, 0)
+            rows = logged_rows(agent.log, gpu)
+            order = gpu_computation_order(schedule, STAGES, MICROBATCHES, gpu, virtual_stages)
+            kinds = {(s.virtual_stage, s.instruction) for s in order}
+            assert sorted(rows) == sorted((*k, c) for k in kinds for c in CLOCKS)
+            for (stage, name, clock), (time_s, energy_j) in rows.items():
+                t = truth.get(stage, name)
+                k = list(t.frequencies_mhz).index(clock)
+                want_s, want_j = t.times_s[k], t.energies_j[k]
+                assert want_s <= time_s <= 1.5 * want_s, (gpu, stage, name, clock, time_s)
+                power_w, want_w = energy_j / time_s, want_j / want_s
+                assert power_w == pytest.approx(want_w, rel=0.15), (gpu, stage, name, clock)
+    finally:
+        agent.kill_if_running()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def logged_rows(log: str, gpu: int) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """``(model stage, instruction, clock) -> (time_s, energy_j)`` of the CSV rows the agent
+    logged after GPU ``gpu``'s 'profiling ... done' line."""
+    lines = log.splitlines()
+    start = next(i for i, line in enumerate(lines) if done_pattern(gpu).search(line)) + 1
+    assert lines[start] == "stage,instruction,frequency,time,energy", lines[start]
+    rows: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for line in lines[start + 1 :]:
+        if not re.fullmatch(r"\d+,(forward|backward\w*),\d+,[0-9.e-]+,[0-9.e-]+", line):
+            break
+        stage, name, clock, time_s, energy_j = line.split(",")
+        rows[int(stage), name, int(clock)] = float(time_s), float(energy_j)
+    return rows

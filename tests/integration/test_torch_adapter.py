@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus_api.schedule import stage_instruction_order
+from perseus_api.schedule import gpu_computation_order, stage_instruction_order
 from torch_job import Event, require_torch, run_example, run_recorded
 
 MICROBATCHES = 4
@@ -80,13 +80,56 @@ def test_hooks_follow_the_planners_order(schedule: str) -> None:
             assert computations(step) == expected
 
 
+def chunked_computations(step: list[Event]) -> list[tuple[str, int, int | None]]:
+    """``(name, microbatch, chunk)`` of each computation; each end names its begin's."""
+    out: list[tuple[str, int, int | None]] = []
+    body = step[1:-1]
+    for begin, end in zip(body[::2], body[1::2], strict=True):
+        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
+        assert (end.msg["name"], end.msg.get("chunk")) == (
+            begin.msg["name"],
+            begin.msg.get("chunk"),
+        )
+        out.append((begin.msg["name"], begin.msg["microbatch"], begin.msg.get("chunk")))
+    return out
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_interleaved_and_zero_bubble_hooks_name_chunks_and_backward_halves(
+    schedule: str, virtual_stages: int
+) -> None:
+    """ScheduleInterleaved1F1B (2 stages per rank) and ScheduleInterleavedZeroBubble (one):
+    each rank reports, over protocol version 2, the planner's ``gpu_computation_order``,
+    every computation with its chunk (``virtual_stage // P``) and split backwards named."""
+    pp, steps = 2, 2
+    run = run_recorded(
+        [
+            *("--pp", str(pp), "--schedule", schedule, "--microbatches", str(MICROBATCHES)),
+            *("--steps", str(steps), "--eval"),
+        ]
+    )
+    assert sorted(run.events) == list(range(pp))
+    for rank, events in run.events.items():
+        assert events[0].msg["version"] == 2
+        expected = [
+            (s.instruction, s.microbatch, s.virtual_stage // pp if virtual_stages > 1 else None)
+            for s in gpu_computation_order(schedule, pp, MICROBATCHES, rank, virtual_stages)
+        ]
+        recorded = steps_of(events)
+        assert len(recorded) == steps
+        for step in recorded:
+            assert chunked_computations(step) == expected, rank
+    assert "cannot be planned per instruction" not in run.stderr
+
+
 def test_schedule_the_planner_cannot_follow_gets_step_hooks_and_one_warning() -> None:
     run = run_recorded(
-        ["--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4", "--steps", "2"]
+        ["--pp", "2", "--schedule", "looped-bfs", "--microbatches", "4", "--steps", "2"]
     )
     for events in run.events.values():
         assert [e.op for e in events] == ["hello"] + ["step_begin", "step_end"] * 2
-    assert run.stderr.count("cannot be planned per instruction") == 2  # one per process
+    assert run.stderr.count("ScheduleLoopedBFS with 2 stage(s) per rank") == 2  # one per rank
+    assert run.stderr.count("cannot be planned per instruction") == 2
 
 
 def iteration_times_s(events: list[Event]) -> list[float]:

@@ -14,11 +14,16 @@ What it wraps, on the instances (the classes stay untouched, other schedules too
 
 * ``schedule.step``: the iteration (``on_step_begin``/``on_step_end``). ``schedule.eval()``
   and any call without a backward report nothing.
-* each stage's ``forward_one_chunk``/``backward_one_chunk``: the computations
-  (``on_instruction_begin("forward" | "backward", microbatch)`` and their ends), only while
-  a ``step()`` runs (the stage's shape inference and ``eval()`` report nothing).
+* each stage's ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk``:
+  the computations (``on_instruction_begin(name, microbatch, chunk)`` and their ends), only
+  while a ``step()`` runs (the stage's shape inference and ``eval()`` report nothing). The
+  name is ``forward``, ``backward`` (a full backward), or, for the two halves a zero-bubble
+  schedule runs apart, ``backward_input`` (``full_backward=False``) and ``backward_weight``;
+  ``chunk`` is the stage's place among the rank's stages, ``stage_index // P`` (stage
+  ``v * P + p`` runs on rank ``p`` as its chunk ``v``), sent only when the rank runs several.
 
-The iteration ends when the stage's last backward returns, **before** the data-parallel
+The iteration ends when the rank's last backward returns (of every stage it runs, the
+backward weight half for a zero-bubble schedule), **before** the data-parallel
 gradient synchronization: ended after it, every replica would report the time of the
 slowest one and a straggler would go unseen. FSDP reduces in ``perform_reduce_grad`` and a
 user's own all-reduce runs after ``step()``, both after the end. A
@@ -29,13 +34,23 @@ straggler: its sync is moved after the step (same gradients, see
 communication hook, mixed precision, unused parameters), the end is taken when the last
 gradient is accumulated, with a warning that the earlier stages still wait.
 
-Only the schedules the planner can follow computation by computation over protocol v1 get
-instruction hooks: ``Schedule1F1B`` and ``ScheduleGPipe`` (their per-stage order is
-``perseus_api.schedule.stage_instruction_order``'s). Any other schedule (interleaved,
-zero-bubble: several stages per rank, or a split backward, which protocol v1 cannot name)
-gets one warning and the step hooks only: ``Stage`` granularity and straggler detection
-work, ``Instruction`` plans are not applied. ``backward_weight_one_chunk`` is therefore not
-wrapped: only zero-bubble schedules call it.
+Only the schedules the planner can follow computation by computation get instruction hooks
+(:data:`PLANNABLE_SCHEDULES`; each rank's order is
+``perseus_api.schedule.gpu_computation_order``'s):
+
+* ``Schedule1F1B`` (``1f1b``) and ``ScheduleGPipe`` (``gpipe``): protocol version 1 is enough;
+* ``ScheduleInterleaved1F1B`` with two or more stages per rank and microbatches a multiple of
+  the ranks (``interleaved-1f1b`` with ``virtualStages`` = stages per rank);
+* ``ScheduleInterleavedZeroBubble`` with one stage per rank (``zb-h1``: the planner's order
+  is torch's for one local stage).
+
+The last two need protocol version 2 (chunks, split backwards): against an agent that
+speaks only version 1 the client stays disconnected and says to upgrade the agent. Any other
+schedule (``ScheduleZBVZeroBubble``, ``ScheduleLoopedBFS``, a subclass with its own order,
+other sizes) gets one warning naming the supported ones and the step hooks only: ``Stage``
+granularity and straggler detection work, ``Instruction`` plans are not applied.
+A ``DistributedDataParallel`` stage under a zero-bubble schedule keeps its gradient sync
+where torch runs it (with a warning): the deferral below follows full backwards only.
 
 Identity comes from ``torch.distributed`` (global rank, world size) and the stage (its
 index, its device): on a CUDA device the client reports **only that device's UUID** (not
@@ -61,8 +76,16 @@ from perseus_client.torch import ddp
 
 logger = logging.getLogger("perseus_client")
 
-PLANNABLE_SCHEDULES = {"Schedule1F1B": "1f1b", "ScheduleGPipe": "gpipe"}
-"""torch schedule classes with instruction hooks, and the planner's name for each."""
+PLANNABLE_SCHEDULES = {
+    "Schedule1F1B": "1f1b",
+    "ScheduleGPipe": "gpipe",
+    "ScheduleInterleaved1F1B": "interleaved-1f1b",
+    "ScheduleInterleavedZeroBubble": "zb-h1",
+}
+"""torch schedule classes with instruction hooks, and the planner's name for each (sizes:
+see the module docstring)."""
+_VERSION_2_SCHEDULES = frozenset({"interleaved-1f1b", "zb-h1"})
+"""Schedules whose hooks name chunks or split backwards (protocol version 2)."""
 
 _ATTACHED = "_perseus_attachment"
 
@@ -76,8 +99,10 @@ class Attachment:
         rank, world_size: From ``torch.distributed`` (``None`` when it is not initialized).
         stage_indices: The pipeline stages this process runs.
         num_stages: Stages in the pipeline.
-        schedule: The planner's name of the schedule (``"1f1b"``, ``"gpipe"``), or ``None``
-            when it cannot be planned per instruction (step hooks only).
+        schedule: The planner's name of the schedule (``"1f1b"``, ``"gpipe"``,
+            ``"interleaved-1f1b"``, ``"zb-h1"``), or ``None`` when it cannot be planned per
+            instruction (step hooks only).
+        virtual_stages: Stages this process runs (the plan's ``virtualStages``).
         gpu_uuid: The UUID reported for the stage's device (``None``: not a CUDA device).
         steps: Iterations reported so far.
     """
@@ -89,6 +114,7 @@ class Attachment:
     num_stages: int
     schedule: str | None
     gpu_uuid: str | None
+    virtual_stages: int = 1
     steps: int = 0
     _restore: list[tuple[object, str]] = field(default_factory=list, repr=False)
 
@@ -115,13 +141,25 @@ class _StepState:
         self.step = 0
         self.ended = True
         self.after_step: list[Callable[[], None]] = []
+        self.stages = 1
+        """Stages of the rank: the iteration ends at the last backward of the last of them."""
+        self.stages_left = 1
 
     def begin(self, step: int) -> None:
         if self.sync is not None and self.client.connected:
             self.sync()  # the previous iteration's kernels belong to it, not to this one
         with self.lock:
             self.step, self.ended, self.in_step = step, False, True
+            self.stages_left = self.stages
         self.client.on_step_begin(step)
+
+    def stage_done(self) -> None:
+        """A stage's last backward ended: the iteration ends with the last stage's."""
+        with self.lock:
+            self.stages_left -= 1
+            if self.stages_left > 0:
+                return
+        self.end()
 
     def end(self) -> None:
         """Report the iteration's end, once (the last backward or the return of step())."""
@@ -136,8 +174,8 @@ def attach(schedule: Any, client: PerseusClient | None = None, **client_options:
     """Report every training ``step()`` of ``schedule`` and its computations to the agent.
 
     Args:
-        schedule: A ``torch.distributed.pipelining`` schedule (``Schedule1F1B``,
-            ``ScheduleGPipe``, or any other: step hooks only, with a warning).
+        schedule: A ``torch.distributed.pipelining`` schedule (one of
+            :data:`PLANNABLE_SCHEDULES`, or any other: step hooks only, with a warning).
         client: The client to call; default a new process-wide client
             (:func:`perseus_client.configure`) with the identity from ``torch.distributed``
             and the stage's device. A given client keeps its identity; on CUDA it gets the
@@ -171,11 +209,22 @@ def attach(schedule: Any, client: PerseusClient | None = None, **client_options:
     rank = world_size = None
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
+    name = _plannable(torch_schedules, schedule, stages)
+    needs_version = 2 if name in _VERSION_2_SCHEDULES else 1
     if client is None:
-        client = configure(rank=rank, gpu_uuids=[gpu_uuid] if gpu_uuid else [], synchronize=sync)
-    elif client.synchronize is None and sync is not None:
-        client.synchronize = sync
-    name = _plannable(torch_schedules, schedule)
+        client = configure(
+            rank=rank,
+            gpu_uuids=[gpu_uuid] if gpu_uuid else [],
+            synchronize=sync,
+            needs_protocol_version=needs_version,
+            **client_options,
+        )
+    else:
+        if client_options:
+            raise TypeError("client options go with a client made here, not with client=")
+        if client.synchronize is None and sync is not None:
+            client.synchronize = sync
+        client.needs_protocol_version = max(client.needs_protocol_version, needs_version)
     attachment = Attachment(
         client=client,
         rank=rank,
@@ -184,20 +233,29 @@ def attach(schedule: Any, client: PerseusClient | None = None, **client_options:
         num_stages=int(stages[0].num_stages),
         schedule=name,
         gpu_uuid=gpu_uuid,
+        virtual_stages=len(stages),
     )
     if name is None:
         logger.warning(
-            "Perseus: %s cannot be planned per instruction (the planner follows Schedule1F1B "
-            "and ScheduleGPipe computation by computation); reporting iterations only: "
-            "Stage granularity and straggler detection work, Instruction plans are not applied",
+            "Perseus: %s with %d stage(s) per rank and %d microbatches cannot be planned per "
+            "instruction (the planner follows Schedule1F1B, ScheduleGPipe, "
+            "ScheduleInterleaved1F1B with 2+ stages per rank and microbatches a multiple of "
+            "the ranks, and ScheduleInterleavedZeroBubble with one stage per rank); reporting "
+            "iterations only: Stage granularity and straggler detection work, Instruction "
+            "plans are not applied",
             type(schedule).__name__,
+            len(stages),
+            int(schedule._n_microbatches),
         )
     state = _StepState(client, sync)
+    state.stages = len(stages)
     _wrap_step(schedule, state, attachment)
     if name is not None:
         n_microbatches = int(schedule._n_microbatches)
+        ranks = int(stages[0].num_stages) // len(stages)
         for stage in stages:
-            _wrap_stage(torch, stage, state, attachment, n_microbatches)
+            chunk = int(stage.stage_index) // ranks if len(stages) > 1 else None
+            _wrap_stage(torch, stage, state, attachment, n_microbatches, chunk)
     logger.info(
         "Perseus attached to %s: rank %s of %s, stage(s) %s of %d, GPU %s, %s",
         type(schedule).__name__,
@@ -218,18 +276,39 @@ def _stages(schedule: Any) -> list[Any]:
     return list(schedule._stages)
 
 
-def _plannable(torch_schedules: Any, schedule: Any) -> str | None:
-    """The planner's name of ``schedule``, if it runs torch's own order of a plannable class.
+def _plannable(torch_schedules: Any, schedule: Any, stages: list[Any]) -> str | None:
+    """The planner's name of ``schedule``, if it runs torch's own order of a plannable class
+    at sizes the planner's order is torch's for.
 
-    A subclass that replaces ``_step_microbatches`` may run another order: not plannable.
+    A subclass that replaces ``_step_microbatches`` (or, for the schedules with an action
+    list, ``_calculate_single_rank_operations``) may run another order: not plannable.
     """
+    local = len(stages)
+    num_stages = int(stages[0].num_stages)
+    ranks = num_stages // local if local and num_stages % local == 0 else 0
+    microbatches = int(schedule._n_microbatches)
     for cls_name, name in PLANNABLE_SCHEDULES.items():
-        cls = getattr(torch_schedules, cls_name)
+        cls = getattr(torch_schedules, cls_name, None)
+        if cls is None or not isinstance(schedule, cls):
+            continue
+        kind = type(schedule)
+        for method in ("_step_microbatches", "_calculate_single_rank_operations"):
+            if getattr(kind, method, None) is not getattr(cls, method, None):
+                return None
+        if name == "interleaved-1f1b" and not (local >= 2 and ranks and microbatches % ranks == 0):
+            return None
+        if name == "zb-h1" and local != 1:
+            return None
+        if name in ("1f1b", "gpipe") and local != 1:
+            return None
+        # Stage v * P + p on rank p (Megatron's layout), so chunk = stage_index // P.
         if (
-            isinstance(schedule, cls)
-            and type(schedule)._step_microbatches is cls._step_microbatches
+            local > 1
+            and sorted(int(s.stage_index) % ranks for s in stages)
+            != [int(stages[0].stage_index) % ranks] * local
         ):
-            return name
+            return None
+        return name
     return None
 
 
@@ -283,15 +362,30 @@ def _wrap_step(schedule: Any, state: _StepState, attachment: Attachment) -> None
 
 
 def _wrap_stage(
-    torch: Any, stage: Any, state: _StepState, attachment: Attachment, n_microbatches: int
+    torch: Any,
+    stage: Any,
+    state: _StepState,
+    attachment: Attachment,
+    n_microbatches: int,
+    chunk: int | None,
 ) -> None:
     client = state.client
     forward = stage.forward_one_chunk
     backward = stage.backward_one_chunk
+    backward_weight = stage.backward_weight_one_chunk
     backward_sig = inspect.signature(backward)
+    weight_sig = inspect.signature(backward_weight)
+    split = attachment.schedule == "zb-h1"  # the stage's last backward is a weight half
     deferred: ddp.DeferredSync | None = None
     hook_last_gradient = False
-    if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
+    if split and isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
+        logger.warning(
+            "Perseus: stage %s's DDP gradient sync stays where the zero-bubble schedule runs "
+            "it: the stages before it wait for the slowest replica's sync, so their "
+            "iteration times include it",
+            stage.stage_index,
+        )
+    elif isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
         blocker = ddp.deferral_blocker(stage.submod)
         if blocker is None:
             deferred = ddp.DeferredSync(torch, stage.submod)
@@ -308,17 +402,36 @@ def _wrap_stage(
     def perseus_forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not state.in_step:
             return forward(fwd_chunk_id, *args, **kwargs)
-        client.on_instruction_begin("forward", fwd_chunk_id)
+        client.on_instruction_begin("forward", fwd_chunk_id, chunk)
         try:
             return forward(fwd_chunk_id, *args, **kwargs)
         finally:
-            client.on_instruction_end("forward")
+            client.on_instruction_end("forward", chunk)
+
+    def perseus_backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if not state.in_step:
+            return backward_weight(bwd_chunk_id, *args, **kwargs)
+        bound = weight_sig.bind(bwd_chunk_id, *args, **kwargs)
+        last = bool(bound.arguments.get("last_backward", False))
+        client.on_instruction_begin("backward_weight", bwd_chunk_id, chunk)
+        try:
+            return backward_weight(*bound.args, **bound.kwargs)
+        finally:
+            client.on_instruction_end("backward_weight", chunk)
+            if last:
+                state.stage_done()
 
     def perseus_backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not state.in_step:
             return backward(bwd_chunk_id, *args, **kwargs)
         bound = backward_sig.bind(bwd_chunk_id, *args, **kwargs)
-        last = bool(bound.arguments.get("last_backward", bwd_chunk_id == n_microbatches - 1))
+        full = bool(bound.arguments.get("full_backward", True))
+        name = "backward" if full else "backward_input"
+        # torch says which backward is the stage's last; a backward input half never is
+        # (its weight half comes after it).
+        last = full and bool(
+            bound.arguments.get("last_backward", bwd_chunk_id == n_microbatches - 1)
+        )
         if last and deferred is not None and deferred.active():
             bound.arguments["last_backward"] = False  # no sync inside: after the step
             state.after_step.append(deferred.sync)
@@ -328,11 +441,11 @@ def _wrap_stage(
             if ended.is_set():
                 return
             ended.set()
-            client.on_instruction_end("backward")
+            client.on_instruction_end(name, chunk)
             if last:
-                state.end()
+                state.stage_done()
 
-        client.on_instruction_begin("backward", bwd_chunk_id)
+        client.on_instruction_begin(name, bwd_chunk_id, chunk)
         handles = []
         if last and hook_last_gradient:
             handles = ddp.end_at_last_gradient(stage.submod, end_backward)
@@ -345,3 +458,5 @@ def _wrap_stage(
 
     _wrap(stage, "forward_one_chunk", attachment, perseus_forward_one_chunk)
     _wrap(stage, "backward_one_chunk", attachment, perseus_backward_one_chunk)
+    if split:
+        _wrap(stage, "backward_weight_one_chunk", attachment, perseus_backward_weight_one_chunk)

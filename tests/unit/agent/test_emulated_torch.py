@@ -50,3 +50,29 @@ def test_bad_arguments_are_refused() -> None:
         emulate_stage(stage(gpu, index=8), gpu, 1)
     with pytest.raises(ValueError, match="time_scale must be positive"):
         emulate_stage(stage(gpu), gpu, 1, time_scale=0)
+
+
+def test_a_zero_bubble_stages_halves_run_as_the_profiles_halves() -> None:
+    from perseus_api.profile import load_profile
+    from perseus_planner.model_stages import split_backward
+
+    truth = split_backward(load_profile(PROFILE))
+    gpu = EmulatedBackend(2, truth, blocking_power_w=83.64)
+
+    def backward_one_chunk(
+        mb: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> Any:
+        return ("backward", mb, gpu.activity(1))
+
+    s = SimpleNamespace(
+        stage_index=1,
+        forward_one_chunk=lambda mb, *a, **k: ("forward", mb, gpu.activity(1)),
+        backward_one_chunk=backward_one_chunk,
+        backward_weight_one_chunk=lambda mb, **k: ("weight", mb, gpu.activity(1)),
+    )
+    emulate_stage(s, gpu, 1, time_scale=1e-6)
+    assert tuple(s.backward_one_chunk(0, None, False)[2]) == (1, "backward_input")
+    # A profile of halves only: a whole backward runs as its input half (the closest row).
+    assert tuple(s.backward_one_chunk(0, full_backward=True)[2]) == (1, "backward_input")
+    assert tuple(s.backward_weight_one_chunk(0, last_backward=True)[2]) == (1, "backward_weight")
+    assert gpu.activity(1) is None

@@ -298,7 +298,7 @@ def test_bad_socket_mode(sock_dir: Path, handler: Handler) -> None:
         (b'{"op": "step_begin", "step": true}\n', "must be an integer"),
         (b'{"op": "step_begin", "step": -1}\n', "out of range"),
         (b'{"op": "instruction_begin", "name": "sideways"}\n', "must be one of"),
-        (b'{"op": "hello", "version": 2}\n', "unsupported protocol version 2"),
+        (b'{"op": "hello", "version": 3}\n', "unsupported protocol version 3"),
         (b'{"op": "hello", "version": true}\n', "unsupported protocol version"),
         (b'{"op": "hello", "version": 1, "gpu_uuids": [0], "pid": 1}\n', "gpu_uuids"),
     ],
