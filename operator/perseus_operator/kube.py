@@ -11,10 +11,10 @@ import asyncio
 import json
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Any, Final, TypeVar
 
 from perseus_api import resources
-from perseus_api.errors import ApiError
 from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.leader_election import LeaseRecord
@@ -31,12 +31,20 @@ REQUEST_TIMEOUT_S: Final = 30.0
 """No API call may hang a job's reconcile for longer."""
 
 
-class KubeError(ApiError):
-    """A Kubernetes API call failed; ``status`` is the HTTP status (None: no answer)."""
+class KubeError(Exception):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (None: no answer).
+
+    Not an :class:`~perseus_api.errors.ApiError` (a ``ValueError``): that is malformed data,
+    and an unreachable API server or a refused call is not."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def not_found(self) -> bool:
+        """The object, or its kind (a CRD that is not installed), does not exist: HTTP 404."""
+        return self.status == HTTPStatus.NOT_FOUND
 
 
 def load_api_client(kubeconfig: str) -> Any:
@@ -154,7 +162,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return []
             raise
 
@@ -180,7 +188,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return None
             raise
 
@@ -358,7 +366,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status != 404:
+            if not exc.not_found:
                 raise
 
     async def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
@@ -370,7 +378,7 @@ class KubeClient:
         try:
             return _json(await self._call(call))
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return None
             raise
 
@@ -422,7 +430,7 @@ class LeaseApi:
                 self.name, self.namespace, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
             )
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == HTTPStatus.NOT_FOUND:
                 return None
             raise KubeError(_api_message(exc), exc.status) from None
         return lease_record(_json(response))
@@ -585,7 +593,7 @@ class HookApi:
         try:
             self._sync(call)
         except KubeError as exc:
-            if exc.status != 404:
+            if not exc.not_found:
                 raise
 
     @staticmethod

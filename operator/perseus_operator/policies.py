@@ -31,7 +31,7 @@ that workload, and a JobSet that a TrainJob controls as the TrainJob.
    d. then the first policy name in lexicographic order, so the choice is deterministic.
 
    When one policy selects the workload through several entries, its most specific entry
-   counts. The :class:`Choice` names the winner and, for an event, the others that matched.
+   counts. The :class:`PolicyChoice` names the winner and, for an event, the others that matched.
 
 **Parallelism** (:func:`infer_parallelism`) is read, never guessed: pipeline stages and
 microbatches come from the workload's annotations (``perseus.energy/pipeline-stages``...) or
@@ -88,8 +88,9 @@ from perseus_operator.workloads import (
 __all__ = [
     "MAX_JOB_NAME",
     "PER_POD_LABELS",
-    "Choice",
     "PodGroup",
+    "PolicyChoice",
+    "UnreadableParallelismError",
     "annotations_of",
     "choose_policy",
     "controller_of",
@@ -302,7 +303,7 @@ def policy_matches(
 
 
 @dataclass(frozen=True)
-class Choice:
+class PolicyChoice:
     """The policy that manages a workload, and the other policies that selected it."""
 
     policy: str
@@ -340,7 +341,7 @@ def choose_policy(
     workload: Obj,
     *,
     claimed_by_user: bool = False,
-) -> Choice | None:
+) -> PolicyChoice | None:
     """The policy that manages the workload, or ``None`` (see the module's precedence rules).
 
     ``policies``: the valid policies by name. ``namespace_labels``: the labels of the
@@ -360,7 +361,7 @@ def choose_policy(
         return None
     ranked.sort(key=lambda item: item[0])
     _, name, spec, entry = ranked[0]
-    return Choice(policy=name, spec=spec, entry=entry, others=tuple(r[1] for r in ranked[1:]))
+    return PolicyChoice(policy=name, spec=spec, entry=entry, others=tuple(r[1] for r in ranked[1:]))
 
 
 def user_job_for(jobs: Iterable[Obj], workload: Obj, pods: Iterable[Obj] = ()) -> str | None:
@@ -413,6 +414,11 @@ class _UnknownError(Exception):
         self.reason = reason
 
 
+class UnreadableParallelismError(Exception):
+    """A workload's parallelism cannot be read: the message says what is missing and which
+    annotation to set, after the workload's kind and namespace/name."""
+
+
 @dataclass(frozen=True)
 class _Setting:
     what: str
@@ -431,9 +437,8 @@ _SCHEDULE: Final = _Setting("schedule", SCHEDULE_ANNOTATION, SCHEDULE_ENV)
 
 def infer_parallelism(
     workload: Obj, pods: Sequence[Obj] | None = None, *, gpus_per_pod: int | None = None
-) -> Parallelism | str:
-    """The workload's parallelism, or why it cannot be read (what is missing and which
-    annotation to set), prefixed with the workload's kind and namespace/name.
+) -> Parallelism:
+    """The workload's parallelism.
 
     Each setting is read from an annotation (``perseus.energy/pipeline-stages``,
     ``microbatches``, ``data-parallel``, ``tensor-parallel``, ``schedule``) of the workload,
@@ -455,14 +460,20 @@ def infer_parallelism(
 
     ``gpus_per_pod`` (the policy's ``rankMapping.gpusPerPod``) replaces the GPUs requested.
     When data parallel is stated and the processes are known too, they must agree.
+
+    Raises:
+        UnreadableParallelismError: why it cannot be read (what is missing and which
+            annotation to set), prefixed with the workload's kind and namespace/name.
     """
     kind = workload_kind(workload)
     if kind is None:
-        return f"{_describe(workload)}: not a PyTorchJob, JobSet, TrainJob or group of Pods"
+        raise UnreadableParallelismError(
+            f"{_describe(workload)}: not a PyTorchJob, JobSet, TrainJob or group of Pods"
+        )
     try:
         return _infer(kind, workload, tuple(pods or ()), gpus_per_pod)
     except _UnknownError as exc:
-        return f"{_describe(workload)}: {exc.reason}"
+        raise UnreadableParallelismError(f"{_describe(workload)}: {exc.reason}") from None
 
 
 def _infer(

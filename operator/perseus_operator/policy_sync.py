@@ -40,8 +40,9 @@ from perseus_api.policy import (
 )
 from perseus_api.resources import GROUP, label_value, object_key
 from perseus_operator.policies import (
-    Choice,
     PodGroup,
+    PolicyChoice,
+    UnreadableParallelismError,
     annotations_of,
     choose_policy,
     controller_of,
@@ -59,10 +60,10 @@ from perseus_operator.workloads import JOBSET_NAME, PYTORCH_JOB_NAME, matches
 __all__ = [
     "SPEC_HASH_ANNOTATION",
     "ClusterView",
-    "Event",
     "JobDeletion",
     "JobUpdate",
     "SyncPlan",
+    "WorkloadEvent",
     "get_listing",
     "get_sync_plan",
     "merge_patch",
@@ -99,7 +100,7 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
-class Event:
+class WorkloadEvent:
     """A Kubernetes event about ``involved`` (an object reference with its namespace)."""
 
     involved: dict[str, str]
@@ -136,7 +137,7 @@ class SyncPlan:
     creates: tuple[dict[str, Any], ...] = ()
     updates: tuple[JobUpdate, ...] = ()
     deletes: tuple[JobDeletion, ...] = ()
-    events: tuple[Event, ...] = ()
+    events: tuple[WorkloadEvent, ...] = ()
     statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -190,7 +191,7 @@ class _Round:
     creates: list[dict[str, Any]] = field(default_factory=list)
     updates: list[JobUpdate] = field(default_factory=list)
     deletes: list[JobDeletion] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[WorkloadEvent] = field(default_factory=list)
     managed: dict[str, list[str]] = field(default_factory=dict)  # policy -> workloads it manages
     unmanageable: dict[str, list[str]] = field(default_factory=dict)  # policy -> reasons
     overlaps: dict[str, list[str]] = field(default_factory=dict)  # loser -> "workload (winner)"
@@ -279,15 +280,16 @@ def _decide(
     for loser in choice.others:
         state.overlaps.setdefault(loser, []).append(f"{_describe(workload)} ({choice.policy})")
     gpus_per_pod = choice.spec.rank_mapping.gpus_per_pod
-    parallelism = infer_parallelism(workload, pods, gpus_per_pod=gpus_per_pod)
-    if isinstance(parallelism, str):
-        _unreadable(state, choice, workload, existing, parallelism)
+    try:
+        parallelism = infer_parallelism(workload, pods, gpus_per_pod=gpus_per_pod)
+    except UnreadableParallelismError as exc:
+        _unreadable(state, choice, workload, existing, str(exc))
         return
     _converge(state, choice, workload, parallelism, existing)
 
 
 def _unreadable(
-    state: _Round, choice: Choice, workload: Obj, existing: Obj | None, reason: str
+    state: _Round, choice: PolicyChoice, workload: Obj, existing: Obj | None, reason: str
 ) -> None:
     state.unmanageable.setdefault(choice.policy, []).append(reason)
     if existing is not None:
@@ -306,7 +308,11 @@ def _unreadable(
 
 
 def _converge(
-    state: _Round, choice: Choice, workload: Obj, parallelism: Parallelism, existing: Obj | None
+    state: _Round,
+    choice: PolicyChoice,
+    workload: Obj,
+    parallelism: Parallelism,
+    existing: Obj | None,
 ) -> None:
     desired = get_perseus_job(choice.policy, choice.spec, workload, parallelism)
     digest = spec_hash(desired)
@@ -552,8 +558,10 @@ def _involved(workload: Obj) -> dict[str, str]:
     }
 
 
-def _event(workload: Obj, kind: Literal["Normal", "Warning"], reason: str, message: str) -> Event:
-    return Event(_involved(workload), kind, reason, message)
+def _event(
+    workload: Obj, kind: Literal["Normal", "Warning"], reason: str, message: str
+) -> WorkloadEvent:
+    return WorkloadEvent(_involved(workload), kind, reason, message)
 
 
 def _describe(workload: Obj) -> str:

@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from perseus_api.errors import ApiError
 from perseus_api.job import (
     LabelSelector,
     LabelSelectorRequirement,
@@ -63,8 +62,11 @@ _METADATA_FIELD = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
 _LISTED_NAMES = 5
 
 
-class WorkloadError(ApiError):
-    """The workload's pods cannot run the declared parallelism; the message says what to fix."""
+class WorkloadError(Exception):
+    """The workload's pods cannot run the declared parallelism; the message says what to fix.
+
+    A mismatch between the job's spec and the cluster, not malformed data: not an
+    :class:`~perseus_api.errors.ApiError` (a ``ValueError``)."""
 
 
 @dataclass(frozen=True)
