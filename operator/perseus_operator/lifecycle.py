@@ -57,6 +57,7 @@ from perseus_operator.gpu_conflicts import (
     planned_gpus,
 )
 from perseus_operator.metrics import max_iterations
+from perseus_operator.objects import labels_of
 from perseus_operator.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
@@ -395,7 +396,7 @@ class _Step:
         pods = await self.io.list_pods(self.ref.namespace, pod_selector(workload))
         if workload.pod_selector is not None:  # the API's filtering is trusted, and checked
             selector = workload.pod_selector
-            pods = [p for p in pods if matches(selector, _labels(p))]
+            pods = [p for p in pods if matches(selector, labels_of(p))]
         try:
             resolution = resolve_ranks(pods, workload, spec.parallelism, spec.rank_mapping)
         except WorkloadError as exc:
@@ -811,11 +812,6 @@ class _Step:
 
 
 # -- pure helpers ------------------------------------------------------------------------------
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return labels if isinstance(labels, Mapping) else {}
 
 
 def _digest(text: str) -> str:

@@ -39,19 +39,17 @@ from perseus_api.policy import (
     parse_policy,
 )
 from perseus_api.resources import GROUP, label_value, object_key
+from perseus_operator.objects import annotations_of, labels_of, listed, terminating
 from perseus_operator.policies import (
     PodGroup,
     PolicyChoice,
     UnreadableParallelismError,
-    annotations_of,
     choose_policy,
     controller_of,
     get_perseus_job,
     group_pods,
     infer_parallelism,
-    labels_of,
     opted_out,
-    terminating,
     user_job_for,
     workload_kind,
 )
@@ -426,7 +424,7 @@ def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> 
             _condition(
                 True,
                 "OtherPolicyWins",
-                f"more specific or higher-priority policies manage {_listed(losses)}",
+                f"more specific or higher-priority policies manage {listed(losses, _LISTED, '; ')}",
             )
             if losses
             else _condition(False, "NoOverlap", "")
@@ -441,7 +439,7 @@ def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> 
         message = f"manages {len(managed)} workloads with {len(jobs)} PerseusJobs"
         if unmanageable := state.unmanageable.get(name):
             message += f"; {len(unmanageable)} without a readable parallelism: "
-            message += _listed(unmanageable)
+            message += listed(unmanageable, _LISTED, "; ")
     conditions = [
         _stamped(PolicyConditionType.ACCEPTED, accepted, previous, generation, state.now),
         _stamped(PolicyConditionType.OVERLAPPING, overlapping, previous, generation, state.now),
@@ -498,11 +496,6 @@ def _gpus(job: Obj) -> int:
         )
     except (TypeError, ValueError):
         return 1
-
-
-def _listed(items: Sequence[str]) -> str:
-    shown = "; ".join(items[:_LISTED])
-    return shown + (f"; and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
 # -- objects ---------------------------------------------------------------------------------------
