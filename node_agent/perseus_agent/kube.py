@@ -47,6 +47,7 @@ from perseus_agent.gpu_ownership import Binding, LocalRankIndexOwnership, Owners
 from perseus_agent.local_server import RequestError
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
+from perseus_api.conventions import now_rfc3339, transition_time
 from perseus_api.node_plan import GpuAssignment, NodePlan
 from perseus_api.plan import Granularity
 
@@ -662,10 +663,6 @@ def _condition(ok: bool, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-def _now_rfc3339() -> str:
-    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _with_transition_times(
     status: Mapping[str, Any], previous: Mapping[str, Any] | None
 ) -> dict[str, Any]:
@@ -674,11 +671,12 @@ def _with_transition_times(
     before = {
         c.get("type"): c for c in (previous or {}).get("conditions") or () if isinstance(c, Mapping)
     }
+    now = now_rfc3339()
     conditions = []
     for c in status.get("conditions") or ():
-        old = before.get(c.get("type"))
-        since = old.get("lastTransitionTime") if old and old.get("status") == c["status"] else None
-        conditions.append({**c, "lastTransitionTime": since or _now_rfc3339()})
+        old = before.get(c.get("type")) or {}
+        since = transition_time(c["status"], old.get("status"), old.get("lastTransitionTime"), now)
+        conditions.append({**c, "lastTransitionTime": since})
     return {**status, "conditions": conditions}
 
 

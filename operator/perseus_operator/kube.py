@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC
 from http import HTTPStatus
 from typing import Any, Final, TypeVar
 
 from perseus_api import resources
+from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.leader_election import LeaseRecord
@@ -499,20 +500,11 @@ def lease_record(lease: Mapping[str, Any]) -> LeaseRecord:
     return LeaseRecord(
         holder=str(spec.get("holderIdentity") or ""),
         lease_duration_s=int(spec.get("leaseDurationSeconds") or 1),
-        acquire_time=_micro_time(spec.get("acquireTime")),
-        renew_time=_micro_time(spec.get("renewTime")),
+        acquire_time=parse_rfc3339(spec.get("acquireTime")),
+        renew_time=parse_rfc3339(spec.get("renewTime")),
         transitions=int(spec.get("leaseTransitions") or 0),
         resource_version=str(metadata.get("resourceVersion") or ""),
     )
-
-
-def _micro_time(value: object) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class HookApi:

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Collection, Coroutine, Mapping
 from typing import Any, Final
 
+from perseus_api.conventions import now_rfc3339
 from perseus_api.job import WorkloadKind
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL
 from perseus_api.resources import object_key
 from perseus_operator.kube import KubeClient, KubeError
-from perseus_operator.lifecycle import now_rfc3339
 from perseus_operator.policy_sync import (
     ClusterView,
     SyncPlan,

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from perseus_api.conventions import transition_time
 from perseus_api.job import Parallelism, WorkloadKind
 from perseus_api.policy import (
     MANAGED_BY_POLICY_LABEL,
@@ -461,11 +462,12 @@ def _stamped(
     now: str,
 ) -> dict[str, Any]:
     """The condition, with the transition time it had while its status stays the same."""
-    before = next(
-        (c for c in previous.get("conditions") or () if c.get("type") == kind.value), None
+    before: Mapping[str, Any] = next(
+        (c for c in previous.get("conditions") or () if c.get("type") == kind.value), {}
     )
-    same = before is not None and before.get("status") == condition["status"]
-    stamp = before.get("lastTransitionTime") if same and before is not None else now
+    stamp = transition_time(
+        condition["status"], before.get("status"), before.get("lastTransitionTime"), now
+    )
     out: dict[str, Any] = {"type": kind.value, **condition, "lastTransitionTime": stamp}
     if isinstance(generation, int):
         out["observedGeneration"] = generation
