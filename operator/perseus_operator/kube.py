@@ -14,9 +14,10 @@ from datetime import UTC
 from http import HTTPStatus
 from typing import Any, Final, TypeVar
 
-from perseus_api import resources
+from perseus_api import kube_client, resources
 from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
+from perseus_api.kube_client import describe_api_error
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.leader_election import LeaseRecord
 
@@ -54,20 +55,7 @@ def load_api_client(kubeconfig: str) -> Any:
     Raises:
         KubeError: the configuration cannot be loaded.
     """
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    try:
-        if kubeconfig:
-            config.load_kube_config(
-                config_file=kubeconfig, client_configuration=configuration, persist_config=False
-            )
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-    except Exception as exc:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
-        raise KubeError(f"cannot load the {where}: {exc}") from None
-    return client.ApiClient(configuration)
+    return kube_client.load_api_client(kubeconfig, KubeError, extra="operator")
 
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
@@ -389,7 +377,7 @@ class KubeClient:
         try:
             return await asyncio.to_thread(call)
         except ApiException as exc:
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         except OSError as exc:  # urllib3 connection errors are OSErrors too
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None
 
@@ -400,15 +388,6 @@ def _json(response: Any) -> dict[str, Any]:
         parsed = json.loads(data)
         return parsed if isinstance(parsed, dict) else {}
     return data if isinstance(data, dict) else {}
-
-
-def _api_message(exc: Any) -> str:
-    try:
-        body = json.loads(exc.body)
-        message = body.get("message") or exc.reason
-    except (TypeError, ValueError, AttributeError):
-        message = exc.reason
-    return f"HTTP {exc.status}: {message}"
 
 
 class LeaseApi:
@@ -433,7 +412,7 @@ class LeaseApi:
         except ApiException as exc:
             if exc.status == HTTPStatus.NOT_FOUND:
                 return None
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         return lease_record(_json(response))
 
     def create(self, record: LeaseRecord) -> bool:
@@ -464,7 +443,7 @@ class LeaseApi:
         except ApiException as exc:
             if exc.status == 409:  # changed (or created) by another replica since read
                 return False
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         return True
 
 
@@ -595,6 +574,6 @@ class HookApi:
         try:
             return call()
         except ApiException as exc:
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         except OSError as exc:
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None
