@@ -45,6 +45,7 @@ from perseus_operator.objects import (
     listed,
     training_container,
 )
+from perseus_operator.objects import PYTORCH_CONTAINER as PYTORCH_CONTAINER  # re-exported
 
 Pod = Mapping[str, Any]
 
