@@ -33,12 +33,13 @@ torch: $(TORCH_STAMP)
 demo: $(STAMP)
 	$(BIN)/perseus plan --microbatches 24 --out $(OUT) --force
 
-## Whole test suite: lint, strict typing, unit + reproduction tests.
+## Whole test suite: lint (ruff, import contracts), strict typing, unit + reproduction tests.
 test: lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHONPATH=operator:node_agent $(BIN)/lint-imports --no-logo  # pyproject: [tool.importlinter]
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -85,4 +86,4 @@ reproduce: $(STAMP)
 	$(BIN)/python benchmarks/reproduce_figure7.py
 
 clean:
-	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -46,7 +46,9 @@ from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.gpu_ownership import Binding, LocalRankIndexOwnership, Ownership, PeerPod
 from perseus_agent.local_server import RequestError
 from perseus_agent.reset_state import ResetState
-from perseus_api import resources
+from perseus_api import kube_client, resources
+from perseus_api.conventions import now_rfc3339, transition_time
+from perseus_api.kube_client import describe_api_error, http_status
 from perseus_api.node_plan import GpuAssignment, NodePlan
 from perseus_api.plan import Granularity
 
@@ -114,27 +116,12 @@ def load_api_client(kubeconfig: str | None) -> Any:
     Raises:
         KubeConfigError: The configuration cannot be loaded.
     """
-    try:
-        from kubernetes import client, config
-    except ImportError as exc:  # pragma: no cover - a packaging error
-        raise KubeConfigError(
-            f"the Kubernetes client is not installed ({exc}); install perseus-k8s[agent]"
-        ) from None
-    configuration = client.Configuration()
-    try:
-        if kubeconfig:
-            config.load_kube_config(
-                config_file=kubeconfig,
-                client_configuration=configuration,
-                persist_config=False,
-            )
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-    except Exception as exc:  # ConfigException, YAML and I/O errors alike: all fatal here
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
-        hint = "" if kubeconfig else " (not running in a pod? pass --kubeconfig or --standalone)"
-        raise KubeConfigError(f"cannot load the {where}: {exc}{hint}") from None
-    return client.ApiClient(configuration)
+    return kube_client.load_api_client(
+        kubeconfig,
+        KubeConfigError,
+        in_cluster_hint=" (not running in a pod? pass --kubeconfig or --standalone)",
+        extra="agent",
+    )
 
 
 def custom_objects_api(api_client: Any) -> Any:
@@ -662,10 +649,6 @@ def _condition(ok: bool, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-def _now_rfc3339() -> str:
-    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _with_transition_times(
     status: Mapping[str, Any], previous: Mapping[str, Any] | None
 ) -> dict[str, Any]:
@@ -674,36 +657,16 @@ def _with_transition_times(
     before = {
         c.get("type"): c for c in (previous or {}).get("conditions") or () if isinstance(c, Mapping)
     }
+    now = now_rfc3339()
     conditions = []
     for c in status.get("conditions") or ():
-        old = before.get(c.get("type"))
-        since = old.get("lastTransitionTime") if old and old.get("status") == c["status"] else None
-        conditions.append({**c, "lastTransitionTime": since or _now_rfc3339()})
+        old = before.get(c.get("type")) or {}
+        since = transition_time(c["status"], old.get("status"), old.get("lastTransitionTime"), now)
+        conditions.append({**c, "lastTransitionTime": since})
     return {**status, "conditions": conditions}
 
 
 # -- API errors ------------------------------------------------------------------------------------
-
-
-def _http_status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) and status > 0 else None
-
-
-def _describe(exc: BaseException) -> str:
-    status = _http_status(exc)
-    if status is not None:
-        reason = getattr(exc, "reason", "") or ""
-        body = getattr(exc, "body", None)
-        message = ""
-        if isinstance(body, str | bytes):
-            try:
-                parsed = json.loads(body)
-                message = parsed.get("message", "") if isinstance(parsed, dict) else ""
-            except ValueError:
-                message = ""
-        return f"HTTP {status} {reason}".strip() + (f": {message}" if message else "")
-    return f"{type(exc).__name__}: {exc}"
 
 
 class _Backoff:
@@ -832,7 +795,7 @@ class NodePlanSource:
             except Exception as exc:
                 if self._stop.is_set():
                     break
-                if _http_status(exc) == _HTTP_GONE:
+                if http_status(exc) == _HTTP_GONE:
                     log.info("watch of node plans expired; listing them again")
                     continue
                 failures += 1
@@ -842,8 +805,8 @@ class NodePlanSource:
                     resources.NODE_PLAN_PLURAL,
                     self.selector,
                     self.node_name,
-                    _describe(exc),
-                    _HINTS.get(_http_status(exc) or 0, ""),
+                    describe_api_error(exc),
+                    _HINTS.get(http_status(exc) or 0, ""),
                     delay,
                 )
                 self._stop.wait(delay)
@@ -1144,7 +1107,7 @@ class ReportWriter:
                     _request_timeout=self._request_timeout_s,
                 )
             except Exception as exc:
-                code = _http_status(exc)
+                code = http_status(exc)
                 if code == 404:
                     log.debug("%s/%s is gone; its status is not written", namespace, name)
                     if self._on_gone is not None:
@@ -1161,10 +1124,10 @@ class ReportWriter:
                         name,
                         attempt,
                         self._attempts,
-                        _describe(exc),
+                        describe_api_error(exc),
                     )
                     return False
-                log.debug("status of %s/%s: %s; retrying", namespace, name, _describe(exc))
+                log.debug("status of %s/%s: %s; retrying", namespace, name, describe_api_error(exc))
                 self._stop.wait(delay)
                 delay *= 2
                 continue
@@ -1238,7 +1201,7 @@ class NodeLabelSource:
                 labels = getattr(getattr(node, "metadata", None), "labels", None) or {}
                 value = labels.get(self.label)
             except Exception as exc:
-                if _http_status(exc) == 404:
+                if http_status(exc) == 404:
                     value = None
                 else:
                     failures += 1
@@ -1246,8 +1209,8 @@ class NodeLabelSource:
                         "cannot read node %s (for its label %s): %s%s; retrying every %.0f s",
                         self.node_name,
                         self.label,
-                        _describe(exc),
-                        _NODE_RBAC_HINT if _http_status(exc) == 403 else "",
+                        describe_api_error(exc),
+                        _NODE_RBAC_HINT if http_status(exc) == 403 else "",
                         self._interval_s,
                     )
                     self._stop.wait(self._interval_s)

@@ -67,7 +67,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Protocol
@@ -136,7 +136,6 @@ class ClientSession:
             the client reports in hello is in the container's namespace and may differ.
         connected_ns: ``time.monotonic_ns()`` at accept.
         hello: The accepted hello request (``None`` until then).
-        state: Free for the handler's per-session data.
     """
 
     connection_id: int
@@ -145,7 +144,6 @@ class ClientSession:
     peer_gid: int | None
     connected_ns: int
     hello: HelloRequest | None = None
-    state: dict[str, Any] = field(default_factory=dict)
     last_request_ns: int = 0
     """``time.monotonic_ns()`` of the last request received (of the accept before one)."""
 

@@ -310,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    from perseus_api.extras import check_extra
+
+    if (missing_extra := check_extra(PROG, "agent")) is not None:
+        return missing_extra
     _configure_logging(args.log_level)
     signature: tuple[int, int, int] | None = None
     initial_plan: NodePlan | None = None

@@ -53,6 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    # Only once a command runs, when perseus_api (pydantic) is about to load anyway: `perseus
+    # --help` imports neither. `plan --no-plot` draws nothing, so it runs without matplotlib.
+    from perseus_api.extras import check_extra
+
+    extra = "planner" if getattr(args, "no_plot", False) else "cli"
+    if (missing_extra := check_extra(PROG, extra)) is not None:
+        return missing_extra
     _configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from perseus_api.conventions import parse_rfc3339
+
 __all__ = [
     "CONFLICT_REASON",
     "GpuClaim",
@@ -50,7 +52,7 @@ class GpuClaim:
     @property
     def seniority(self) -> tuple[datetime, str]:
         """Smaller is older: creation time, then name."""
-        return (_parse_time(self.created), self.job)
+        return (parse_rfc3339(self.created) or _UNKNOWN_AGE, self.job)
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,3 @@ def planned_gpus(node_plans: Iterable[Mapping[str, Any]]) -> frozenset[Gpu]:
             except (KeyError, TypeError, ValueError):
                 continue
     return frozenset(gpus)
-
-
-def _parse_time(stamp: str) -> datetime:
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return _UNKNOWN_AGE
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)

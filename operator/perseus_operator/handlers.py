@@ -21,6 +21,7 @@ from typing import Any, Final
 import kopf
 
 from perseus_api import resources
+from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.config import OperatorConfig
@@ -277,10 +278,7 @@ def _replicas(raw: Mapping[str, Any]) -> int:
 
 
 def _seconds_since(stamp: object) -> float:
-    if not isinstance(stamp, str):
-        return 0.0
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
+    when = parse_rfc3339(stamp)
+    if when is None:
         return 0.0
     return max(0.0, (datetime.now(tz=UTC) - when).total_seconds())

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC
+from http import HTTPStatus
 from typing import Any, Final, TypeVar
 
-from perseus_api import resources
-from perseus_api.errors import ApiError
+from perseus_api import kube_client, resources
+from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
+from perseus_api.kube_client import describe_api_error
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.leader_election import LeaseRecord
 
@@ -31,12 +33,20 @@ REQUEST_TIMEOUT_S: Final = 30.0
 """No API call may hang a job's reconcile for longer."""
 
 
-class KubeError(ApiError):
-    """A Kubernetes API call failed; ``status`` is the HTTP status (None: no answer)."""
+class KubeError(Exception):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (None: no answer).
+
+    Not an :class:`~perseus_api.errors.ApiError` (a ``ValueError``): that is malformed data,
+    and an unreachable API server or a refused call is not."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def not_found(self) -> bool:
+        """The object, or its kind (a CRD that is not installed), does not exist: HTTP 404."""
+        return self.status == HTTPStatus.NOT_FOUND
 
 
 def load_api_client(kubeconfig: str) -> Any:
@@ -45,20 +55,7 @@ def load_api_client(kubeconfig: str) -> Any:
     Raises:
         KubeError: the configuration cannot be loaded.
     """
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    try:
-        if kubeconfig:
-            config.load_kube_config(
-                config_file=kubeconfig, client_configuration=configuration, persist_config=False
-            )
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-    except Exception as exc:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster configuration"
-        raise KubeError(f"cannot load the {where}: {exc}") from None
-    return client.ApiClient(configuration)
+    return kube_client.load_api_client(kubeconfig, KubeError, extra="operator")
 
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,7 +151,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return []
             raise
 
@@ -180,7 +177,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return None
             raise
 
@@ -358,7 +355,7 @@ class KubeClient:
                 )
             )
         except KubeError as exc:
-            if exc.status != 404:
+            if not exc.not_found:
                 raise
 
     async def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
@@ -370,7 +367,7 @@ class KubeClient:
         try:
             return _json(await self._call(call))
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return None
             raise
 
@@ -380,7 +377,7 @@ class KubeClient:
         try:
             return await asyncio.to_thread(call)
         except ApiException as exc:
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         except OSError as exc:  # urllib3 connection errors are OSErrors too
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None
 
@@ -391,15 +388,6 @@ def _json(response: Any) -> dict[str, Any]:
         parsed = json.loads(data)
         return parsed if isinstance(parsed, dict) else {}
     return data if isinstance(data, dict) else {}
-
-
-def _api_message(exc: Any) -> str:
-    try:
-        body = json.loads(exc.body)
-        message = body.get("message") or exc.reason
-    except (TypeError, ValueError, AttributeError):
-        message = exc.reason
-    return f"HTTP {exc.status}: {message}"
 
 
 class LeaseApi:
@@ -422,9 +410,9 @@ class LeaseApi:
                 self.name, self.namespace, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
             )
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == HTTPStatus.NOT_FOUND:
                 return None
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         return lease_record(_json(response))
 
     def create(self, record: LeaseRecord) -> bool:
@@ -455,7 +443,7 @@ class LeaseApi:
         except ApiException as exc:
             if exc.status == 409:  # changed (or created) by another replica since read
                 return False
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         return True
 
 
@@ -491,20 +479,11 @@ def lease_record(lease: Mapping[str, Any]) -> LeaseRecord:
     return LeaseRecord(
         holder=str(spec.get("holderIdentity") or ""),
         lease_duration_s=int(spec.get("leaseDurationSeconds") or 1),
-        acquire_time=_micro_time(spec.get("acquireTime")),
-        renew_time=_micro_time(spec.get("renewTime")),
+        acquire_time=parse_rfc3339(spec.get("acquireTime")),
+        renew_time=parse_rfc3339(spec.get("renewTime")),
         transitions=int(spec.get("leaseTransitions") or 0),
         resource_version=str(metadata.get("resourceVersion") or ""),
     )
-
-
-def _micro_time(value: object) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 class HookApi:
@@ -585,7 +564,7 @@ class HookApi:
         try:
             self._sync(call)
         except KubeError as exc:
-            if exc.status != 404:
+            if not exc.not_found:
                 raise
 
     @staticmethod
@@ -595,6 +574,6 @@ class HookApi:
         try:
             return call()
         except ApiException as exc:
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         except OSError as exc:
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None

@@ -19,12 +19,12 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Final, Literal, Protocol
 
 from pydantic import ValidationError
 
 from perseus_api import resources
+from perseus_api.conventions import now_rfc3339, parse_rfc3339, rfc3339, transition_time
 from perseus_api.errors import validation_summary
 from perseus_api.job import (
     Condition,
@@ -57,6 +57,7 @@ from perseus_operator.gpu_conflicts import (
     planned_gpus,
 )
 from perseus_operator.metrics import max_iterations
+from perseus_operator.objects import labels_of
 from perseus_operator.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
@@ -199,10 +200,6 @@ def profile_config_map_name(job: str) -> str:
     return f"{job}-profile"
 
 
-def now_rfc3339() -> str:
-    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -296,8 +293,9 @@ class _Step:
         value: Literal["True", "False"] = "True" if ok else "False"
         for c in self.status.conditions:
             if c.type == kind:
-                if c.status != value:
-                    c.last_transition_time = now_rfc3339()
+                c.last_transition_time = transition_time(
+                    value, c.status, c.last_transition_time, now_rfc3339()
+                )
                 c.status, c.reason, c.message = value, reason, message
                 c.observed_generation = self.ref.generation
                 return
@@ -395,7 +393,7 @@ class _Step:
         pods = await self.io.list_pods(self.ref.namespace, pod_selector(workload))
         if workload.pod_selector is not None:  # the API's filtering is trusted, and checked
             selector = workload.pod_selector
-            pods = [p for p in pods if matches(selector, _labels(p))]
+            pods = [p for p in pods if matches(selector, labels_of(p))]
         try:
             resolution = resolve_ranks(pods, workload, spec.parallelism, spec.rank_mapping)
         except WorkloadError as exc:
@@ -482,7 +480,7 @@ class _Step:
         await self._write_node_plans(node_plans)
         clocks = len(get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz)
         self.status.phase = Phase.PROFILING
-        self.status.profiling_started_at = self.status.profiling_progress_at = _rfc3339(self.now_s)
+        self.status.profiling_started_at = self.status.profiling_progress_at = rfc3339(self.now_s)
         self.status.profiling_progress = 0
         self.status.message = f"profiling {clocks} SM clocks on {len(ranks)} GPUs"
         if decision.message:
@@ -513,10 +511,10 @@ class _Step:
         plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
         status = self.status
         if status.profiling_started_at is None:  # profiling began under an older operator
-            status.profiling_started_at = _rfc3339(self.now_s)
+            status.profiling_started_at = rfc3339(self.now_s)
         progress = profiling_progress(plans)
         if progress != status.profiling_progress or status.profiling_progress_at is None:
-            status.profiling_progress, status.profiling_progress_at = progress, _rfc3339(self.now_s)
+            status.profiling_progress, status.profiling_progress_at = progress, rfc3339(self.now_s)
         verdict = decide_profiling(
             plans,
             ranks,
@@ -813,28 +811,14 @@ class _Step:
 # -- pure helpers ------------------------------------------------------------------------------
 
 
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return labels if isinstance(labels, Mapping) else {}
-
-
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _rfc3339(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _parse_rfc3339(stamp: str, default_s: float) -> float:
     """Unix seconds of an RFC 3339 time (``default_s`` when it cannot be read)."""
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return default_s
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.timestamp()
+    when = parse_rfc3339(stamp)
+    return default_s if when is None else when.timestamp()
 
 
 def rank_samples(

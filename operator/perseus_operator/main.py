@@ -18,6 +18,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from perseus_api.extras import check_extra
 from perseus_operator.config import ConfigError, OperatorConfig
 from perseus_operator.leader_election import Elector
 
@@ -82,6 +83,8 @@ def _lost(reason: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (missing_extra := check_extra("perseus-operator", "operator")) is not None:
+        return missing_extra
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

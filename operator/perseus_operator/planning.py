@@ -19,11 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from perseus_api.job import FrequencyRange, Mode, Parallelism, Policy, Profiling, ScheduleName
+from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
 from perseus_api.plan import Granularity, PipelinePlan
 from perseus_api.profile import Profile, parse_profile
-from perseus_api.schedule import Schedule
 from perseus_operator.workloads import RankPlacement
 from perseus_planner import (
     Frontier,
@@ -304,14 +303,3 @@ def get_node_plans(
             profiling=profiling,
         )
     return result
-
-
-def parallelism_fits(parallelism: Parallelism, frontier: Frontier) -> bool:
-    """Whether a frontier was solved for this pipeline (so a spec change can reuse it)."""
-    dag = frontier.problem.dag
-    return (
-        dag.num_stages == parallelism.pipeline_stages
-        and dag.num_microbatches == parallelism.microbatches
-        and dag.virtual_stages == parallelism.virtual_stages
-        and dag.schedule is Schedule.parse(parallelism.schedule.value)
-    )

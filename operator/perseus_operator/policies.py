@@ -31,7 +31,7 @@ that workload, and a JobSet that a TrainJob controls as the TrainJob.
    d. then the first policy name in lexicographic order, so the choice is deterministic.
 
    When one policy selects the workload through several entries, its most specific entry
-   counts. The :class:`Choice` names the winner and, for an event, the others that matched.
+   counts. The :class:`PolicyChoice` names the winner and, for an event, the others that matched.
 
 **Parallelism** (:func:`infer_parallelism`) is read, never guessed: pipeline stages and
 microbatches come from the workload's annotations (``perseus.energy/pipeline-stages``...) or
@@ -41,7 +41,6 @@ from the workload's GPUs: world size / (pipeline stages x tensor parallel).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -74,11 +73,19 @@ from perseus_api.policy import (
     PolicyWorkload,
 )
 from perseus_api.resources import label_value, object_key, object_name
+from perseus_operator.objects import (
+    INTEGER,
+    annotations_of,
+    as_mapping,
+    get_path,
+    labels_of,
+    string_map,
+    training_container,
+)
 from perseus_operator.workloads import (
     GPU_RESOURCE,
     JOBSET_NAME,
     NNODES_ENV,
-    PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,
     WorkloadError,
     gpus_of,
@@ -88,15 +95,14 @@ from perseus_operator.workloads import (
 __all__ = [
     "MAX_JOB_NAME",
     "PER_POD_LABELS",
-    "Choice",
     "PodGroup",
-    "annotations_of",
+    "PolicyChoice",
+    "UnreadableParallelismError",
     "choose_policy",
     "controller_of",
     "get_perseus_job",
     "group_pods",
     "infer_parallelism",
-    "labels_of",
     "opted_out",
     "perseus_job_name",
     "policy_matches",
@@ -120,42 +126,10 @@ PER_POD_LABELS: Final = frozenset(
 )
 """Labels that differ between the pods of one controller: never part of a group's selector."""
 
-_INTEGER = re.compile(r"[0-9]+")
 _LISTED: Final = 3
 
 
 # -- object fields ---------------------------------------------------------------------------------
-
-
-def _get(obj: object, *path: str) -> Any:
-    for key in path:
-        if not isinstance(obj, Mapping):
-            return None
-        obj = obj.get(key)
-    return obj
-
-
-def _mapping(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _strings(value: object) -> dict[str, str]:
-    return {str(k): str(v) for k, v in _mapping(value).items() if v is not None}
-
-
-def labels_of(obj: Obj) -> dict[str, str]:
-    """An object's labels (none: empty)."""
-    return _strings(_get(obj, "metadata", "labels"))
-
-
-def annotations_of(obj: Obj) -> dict[str, str]:
-    """An object's annotations (none: empty)."""
-    return _strings(_get(obj, "metadata", "annotations"))
-
-
-def terminating(obj: Obj) -> bool:
-    """Whether the object is being deleted (``deletionTimestamp`` set; finalizers still run)."""
-    return _get(obj, "metadata", "deletionTimestamp") is not None
 
 
 def _describe(workload: Obj) -> str:
@@ -165,7 +139,7 @@ def _describe(workload: Obj) -> str:
 
 def controller_of(obj: Obj) -> Mapping[str, Any] | None:
     """The owner reference of an object's controller, if it has one."""
-    refs = _get(obj, "metadata", "ownerReferences")
+    refs = get_path(obj, "metadata", "ownerReferences")
     for ref in refs if isinstance(refs, list) else []:
         if isinstance(ref, Mapping) and ref.get("controller") is True:
             return ref
@@ -278,7 +252,7 @@ def _matching_entry(
 ) -> PolicyWorkload | None:
     """The policy's most specific workload entry that selects the workload, if any."""
     kind = workload_kind(workload)
-    if kind is None or not matches(policy.namespace_selector, _strings(namespace_labels)):
+    if kind is None or not matches(policy.namespace_selector, string_map(namespace_labels)):
         return None
     labels = labels_of(workload)
     selecting = [
@@ -302,7 +276,7 @@ def policy_matches(
 
 
 @dataclass(frozen=True)
-class Choice:
+class PolicyChoice:
     """The policy that manages a workload, and the other policies that selected it."""
 
     policy: str
@@ -340,7 +314,7 @@ def choose_policy(
     workload: Obj,
     *,
     claimed_by_user: bool = False,
-) -> Choice | None:
+) -> PolicyChoice | None:
     """The policy that manages the workload, or ``None`` (see the module's precedence rules).
 
     ``policies``: the valid policies by name. ``namespace_labels``: the labels of the
@@ -360,7 +334,7 @@ def choose_policy(
         return None
     ranked.sort(key=lambda item: item[0])
     _, name, spec, entry = ranked[0]
-    return Choice(policy=name, spec=spec, entry=entry, others=tuple(r[1] for r in ranked[1:]))
+    return PolicyChoice(policy=name, spec=spec, entry=entry, others=tuple(r[1] for r in ranked[1:]))
 
 
 def user_job_for(jobs: Iterable[Obj], workload: Obj, pods: Iterable[Obj] = ()) -> str | None:
@@ -381,7 +355,7 @@ def user_job_for(jobs: Iterable[Obj], workload: Obj, pods: Iterable[Obj] = ()) -
         job_namespace, job_name = object_key(job)
         if MANAGED_BY_POLICY_LABEL in labels_of(job) or job_namespace != namespace:
             continue
-        target = _mapping(_get(job, "spec", "workload"))
+        target = as_mapping(get_path(job, "spec", "workload"))
         if _targets(target, kind, name, label_sets):
             claiming.append(job_name)
     return min(claiming, default=None)
@@ -413,6 +387,11 @@ class _UnknownError(Exception):
         self.reason = reason
 
 
+class UnreadableParallelismError(Exception):
+    """A workload's parallelism cannot be read: the message says what is missing and which
+    annotation to set, after the workload's kind and namespace/name."""
+
+
 @dataclass(frozen=True)
 class _Setting:
     what: str
@@ -431,9 +410,8 @@ _SCHEDULE: Final = _Setting("schedule", SCHEDULE_ANNOTATION, SCHEDULE_ENV)
 
 def infer_parallelism(
     workload: Obj, pods: Sequence[Obj] | None = None, *, gpus_per_pod: int | None = None
-) -> Parallelism | str:
-    """The workload's parallelism, or why it cannot be read (what is missing and which
-    annotation to set), prefixed with the workload's kind and namespace/name.
+) -> Parallelism:
+    """The workload's parallelism.
 
     Each setting is read from an annotation (``perseus.energy/pipeline-stages``,
     ``microbatches``, ``data-parallel``, ``tensor-parallel``, ``schedule``) of the workload,
@@ -455,14 +433,20 @@ def infer_parallelism(
 
     ``gpus_per_pod`` (the policy's ``rankMapping.gpusPerPod``) replaces the GPUs requested.
     When data parallel is stated and the processes are known too, they must agree.
+
+    Raises:
+        UnreadableParallelismError: why it cannot be read (what is missing and which
+            annotation to set), prefixed with the workload's kind and namespace/name.
     """
     kind = workload_kind(workload)
     if kind is None:
-        return f"{_describe(workload)}: not a PyTorchJob, JobSet, TrainJob or group of Pods"
+        raise UnreadableParallelismError(
+            f"{_describe(workload)}: not a PyTorchJob, JobSet, TrainJob or group of Pods"
+        )
     try:
         return _infer(kind, workload, tuple(pods or ()), gpus_per_pod)
     except _UnknownError as exc:
-        return f"{_describe(workload)}: {exc.reason}"
+        raise UnreadableParallelismError(f"{_describe(workload)}: {exc.reason}") from None
 
 
 def _infer(
@@ -528,8 +512,8 @@ class _Sources:
         self.annotated = [(f"{kind.value}", annotations_of(workload))]
         self.annotated += [(where, annotations_of(t)) for where, t in templates]
         self.annotated += [(f"pod {_name(p)}", annotations_of(p)) for p in pods]
-        self.containers = [(where, _training_container(t)) for where, t in templates]
-        self.containers += [(f"pod {_name(p)}", _training_container(p)) for p in pods]
+        self.containers = [(where, training_container(t) or {}) for where, t in templates]
+        self.containers += [(f"pod {_name(p)}", training_container(p) or {}) for p in pods]
 
     def read(self, setting: _Setting) -> tuple[str, str] | None:
         """``(value, where it is stated)``, or None when nowhere."""
@@ -556,7 +540,7 @@ class _Sources:
         if stated is None:
             return None
         value, where = stated
-        if not _INTEGER.fullmatch(value) or int(value) < 1:
+        if not INTEGER.fullmatch(value) or int(value) < 1:
             raise _UnknownError(f"{where} is {value!r}, not a positive integer")
         return int(value)
 
@@ -573,18 +557,6 @@ def _name(obj: Obj) -> str:
     return name or "<unnamed>"
 
 
-def _containers(template: Obj) -> list[Mapping[str, Any]]:
-    containers = _get(template, "spec", "containers")
-    return [c for c in containers if isinstance(c, Mapping)] if isinstance(containers, list) else []
-
-
-def _training_container(template: Obj) -> Mapping[str, Any]:
-    containers = _containers(template)
-    named = [c for c in containers if c.get("name") == PYTORCH_CONTAINER]
-    candidates = named or containers
-    return candidates[0] if candidates else {}
-
-
 def _literal_env(container: Mapping[str, Any], variable: str) -> str | None:
     env = container.get("env")
     for entry in env if isinstance(env, list) else []:
@@ -596,11 +568,11 @@ def _literal_env(container: Mapping[str, Any], variable: str) -> str | None:
 
 def _pod_templates(kind: WorkloadKind, workload: Obj) -> list[tuple[str, Obj]]:
     """The workload's pod templates (where they are, the template)."""
-    spec = _mapping(workload.get("spec"))
+    spec = as_mapping(workload.get("spec"))
     if kind == WorkloadKind.PYTORCH_JOB:
-        replicas = _mapping(spec.get("pytorchReplicaSpecs"))
+        replicas = as_mapping(spec.get("pytorchReplicaSpecs"))
         return [
-            (f"{kind.value} {rtype} template", _mapping(_get(r, "template")))
+            (f"{kind.value} {rtype} template", as_mapping(get_path(r, "template")))
             for rtype, r in sorted(replicas.items())
         ]
     if kind == WorkloadKind.JOB_SET:
@@ -608,7 +580,7 @@ def _pod_templates(kind: WorkloadKind, workload: Obj) -> list[tuple[str, Obj]]:
         training = [j for j in jobs if j[2] > 0] or jobs
         return [(f"replicated job {name}", template) for name, template, _, _ in training]
     if kind == WorkloadKind.TRAIN_JOB:
-        env = _get(spec, "trainer", "env")
+        env = get_path(spec, "trainer", "env")
         return [("spec.trainer", {"spec": {"containers": [{"env": env}]}})] if env else []
     return []
 
@@ -621,7 +593,7 @@ def _count(value: object, where: str, default: int = 1) -> int:
     if value is None:
         return default
     text = "" if isinstance(value, bool) else str(value).strip()
-    if not isinstance(value, int | str) or not _INTEGER.fullmatch(text):
+    if not isinstance(value, int | str) or not INTEGER.fullmatch(text):
         raise _UnknownError(f"{where} is {value!r}, not a non-negative integer")
     return int(text)
 
@@ -637,8 +609,8 @@ def _replicated_job(job: Mapping[str, Any]) -> tuple[str, Obj, int, int]:
     """(name, pod template, GPUs per pod, pods) of a JobSet's replicated job."""
     name = str(job.get("name") or "<unnamed>")
     where = f"replicated job {name}"
-    job_spec = _mapping(_get(job, "template", "spec"))
-    template = _mapping(job_spec.get("template"))
+    job_spec = as_mapping(get_path(job, "template", "spec"))
+    template = as_mapping(job_spec.get("template"))
     pods = _count(job_spec.get("parallelism"), f"{where}: parallelism")
     if job_spec.get("completions") is not None:
         pods = min(pods, _count(job_spec.get("completions"), f"{where}: completions"))
@@ -651,12 +623,12 @@ def _processes_per_pod(gpus: int, nproc: object, where: str, gpus_per_pod: int |
     if gpus_per_pod is not None:
         return gpus_per_pod
     text = "" if nproc is None else str(nproc).strip()
-    if _INTEGER.fullmatch(text) and gpus and int(text) != gpus:
+    if INTEGER.fullmatch(text) and gpus and int(text) != gpus:
         raise _UnknownError(
             f"{where} request {gpus} {GPU_RESOURCE} but run {text} processes per pod; "
             "Perseus runs one process per GPU"
         )
-    if text and not _INTEGER.fullmatch(text) and text.lower() not in ("auto", "gpu"):
+    if text and not INTEGER.fullmatch(text) and text.lower() not in ("auto", "gpu"):
         raise _UnknownError(
             f"{where} run {text!r} processes per pod; Perseus runs one process per GPU"
         )
@@ -672,7 +644,7 @@ def _world_size(
     kind: WorkloadKind, workload: Obj, pods: tuple[Obj, ...], gpus_per_pod: int | None
 ) -> tuple[int, str]:
     """The training processes, and how they were counted."""
-    spec = _mapping(workload.get("spec"))
+    spec = as_mapping(workload.get("spec"))
     if kind == WorkloadKind.PYTORCH_JOB:
         return _pytorch_world(spec, gpus_per_pod)
     if kind == WorkloadKind.JOB_SET:
@@ -683,10 +655,10 @@ def _world_size(
 
 
 def _pytorch_world(spec: Mapping[str, Any], gpus_per_pod: int | None) -> tuple[int, str]:
-    replica_specs = _mapping(spec.get("pytorchReplicaSpecs"))
+    replica_specs = as_mapping(spec.get("pytorchReplicaSpecs"))
     if not replica_specs:
         raise _UnknownError("spec.pytorchReplicaSpecs is missing")
-    elastic = _mapping(spec.get("elasticPolicy"))
+    elastic = as_mapping(spec.get("elasticPolicy"))
     least, most = elastic.get("minReplicas"), elastic.get("maxReplicas")
     if least is not None and most is not None and least != most:
         raise _UnknownError(
@@ -698,9 +670,9 @@ def _pytorch_world(spec: Mapping[str, Any], gpus_per_pod: int | None) -> tuple[i
         where = f"{rtype} replicas"
         if str(rtype).lower() not in ("master", "worker"):
             raise _UnknownError(f"replica type {rtype}: Perseus ranks Master and Worker replicas")
-        count = _count(_get(replica, "replicas"), f"spec.pytorchReplicaSpecs.{rtype}.replicas")
+        count = _count(get_path(replica, "replicas"), f"spec.pytorchReplicaSpecs.{rtype}.replicas")
         if count:
-            template = _mapping(_get(replica, "template"))
+            template = as_mapping(get_path(replica, "template"))
             per_pod[rtype] = _processes_per_pod(_gpus(template, where), nproc, where, gpus_per_pod)
             pods += count
     if len(set(per_pod.values())) > 1:
@@ -740,18 +712,20 @@ def _jobset_world(spec: Mapping[str, Any], gpus_per_pod: int | None) -> tuple[in
     return pods * per_pod, f"{pods} pods x {per_pod} GPUs"
 
 
-def _declared_nodes(pods: Sequence[Obj]) -> int | None:
+def _stated_node_count(pods: Sequence[Obj]) -> int | None:
+    """The node count the pods' training containers state (``PET_NNODES``, literally), ``None``
+    when none does; an error saying why when they disagree or state no fixed number."""
     stated = {
         value.strip()
         for p in pods
-        if (value := _literal_env(_training_container(p), NNODES_ENV)) is not None
+        if (value := _literal_env(training_container(p) or {}, NNODES_ENV)) is not None
     }
     if len(stated) > 1:
         raise _UnknownError(f"the pods state different {NNODES_ENV}: {', '.join(sorted(stated))}")
     if not stated:
         return None
     (text,) = stated
-    if not _INTEGER.fullmatch(text) or int(text) < 1:
+    if not INTEGER.fullmatch(text) or int(text) < 1:
         raise _UnknownError(f"the pods' {NNODES_ENV} is {text!r}, not a fixed number of nodes")
     return int(text)
 
@@ -768,16 +742,16 @@ def _pods_gpus(pods: Sequence[Obj]) -> int:
 def _trainjob_world(
     spec: Mapping[str, Any], pods: tuple[Obj, ...], gpus_per_pod: int | None
 ) -> tuple[int, str]:
-    trainer = _mapping(spec.get("trainer"))
+    trainer = as_mapping(spec.get("trainer"))
     nodes = _count(trainer.get("numNodes"), "spec.trainer.numNodes", default=0)
     if not nodes:
-        nodes = _declared_nodes(pods) or 0
+        nodes = _stated_node_count(pods) or 0
     if not nodes:
         raise _UnknownError(
             "spec.trainer.numNodes is unset (its runtime decides) and no pod states "
             f"{NNODES_ENV} yet"
         )
-    resources = _mapping(trainer.get("resourcesPerNode"))
+    resources = as_mapping(trainer.get("resourcesPerNode"))
     where = "spec.trainer.resourcesPerNode"
     gpus = _gpus({"spec": {"containers": [{"resources": resources}]}}, where)
     if not gpus and pods:
@@ -789,7 +763,7 @@ def _trainjob_world(
 def _pods_world(pods: tuple[Obj, ...], gpus_per_pod: int | None) -> tuple[int, str]:
     if not pods:
         raise _UnknownError("no pods")
-    nodes = _declared_nodes(pods)
+    nodes = _stated_node_count(pods)
     if nodes is None:
         raise _UnknownError(
             f"how many training pods there will be is not stated: set {NNODES_ENV} on the "
@@ -836,14 +810,14 @@ def get_perseus_job(
             raise ValueError(f"{_describe(workload)} has no controller to own its PerseusJob")
         target: dict[str, Any] = {
             "kind": kind.value,
-            "podSelector": dict(_mapping(_get(workload, "spec", "podSelector"))),
+            "podSelector": dict(as_mapping(get_path(workload, "spec", "podSelector"))),
         }
     else:
         owner = {
             "apiVersion": workload.get("apiVersion"),
             "kind": workload.get("kind"),
             "name": name,
-            "uid": _get(workload, "metadata", "uid"),
+            "uid": get_path(workload, "metadata", "uid"),
         }
         target = {"kind": kind.value, "name": name}
     if not owner.get("uid") or not owner.get("apiVersion"):

@@ -15,15 +15,15 @@ import logging
 from collections.abc import Collection, Coroutine, Mapping
 from typing import Any, Final
 
+from perseus_api.conventions import now_rfc3339
 from perseus_api.job import WorkloadKind
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL
 from perseus_api.resources import object_key
 from perseus_operator.kube import KubeClient, KubeError
-from perseus_operator.lifecycle import now_rfc3339
 from perseus_operator.policy_sync import (
     ClusterView,
-    Event,
     SyncPlan,
+    WorkloadEvent,
     get_listing,
     get_sync_plan,
     parse_policies,
@@ -38,7 +38,7 @@ _MAX_REMEMBERED_EVENTS: Final = 10_000
 log = logging.getLogger("perseus_operator.policies")
 
 
-def get_event(event: Event, now: str) -> dict[str, Any]:
+def get_event(event: WorkloadEvent, now: str) -> dict[str, Any]:
     """The ``v1`` Event object for ``event``, ready to create in the object's namespace."""
     involved = event.involved
     return {
@@ -170,7 +170,7 @@ class PolicyController:
             what = f"write the status of PerseusPolicy {name}"
             await self._try(what, kube.patch_policy_status(name, status))
 
-    async def _post(self, event: Event) -> None:
+    async def _post(self, event: WorkloadEvent) -> None:
         if event.key in self._posted:
             return
         if len(self._posted) >= _MAX_REMEMBERED_EVENTS:
@@ -188,7 +188,7 @@ class PolicyController:
         try:
             await call
         except KubeError as exc:
-            if exc.status == 404:
+            if exc.not_found:
                 return False  # gone meanwhile: the next round sees that
             log.warning("could not %s: %s", what, exc)
             return False

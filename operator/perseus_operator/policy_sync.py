@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from perseus_api.conventions import transition_time
 from perseus_api.job import Parallelism, WorkloadKind
 from perseus_api.policy import (
     MANAGED_BY_POLICY_LABEL,
@@ -39,18 +40,17 @@ from perseus_api.policy import (
     parse_policy,
 )
 from perseus_api.resources import GROUP, label_value, object_key
+from perseus_operator.objects import annotations_of, labels_of, listed, terminating
 from perseus_operator.policies import (
-    Choice,
     PodGroup,
-    annotations_of,
+    PolicyChoice,
+    UnreadableParallelismError,
     choose_policy,
     controller_of,
     get_perseus_job,
     group_pods,
     infer_parallelism,
-    labels_of,
     opted_out,
-    terminating,
     user_job_for,
     workload_kind,
 )
@@ -59,10 +59,10 @@ from perseus_operator.workloads import JOBSET_NAME, PYTORCH_JOB_NAME, matches
 __all__ = [
     "SPEC_HASH_ANNOTATION",
     "ClusterView",
-    "Event",
     "JobDeletion",
     "JobUpdate",
     "SyncPlan",
+    "WorkloadEvent",
     "get_listing",
     "get_sync_plan",
     "merge_patch",
@@ -99,7 +99,7 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
-class Event:
+class WorkloadEvent:
     """A Kubernetes event about ``involved`` (an object reference with its namespace)."""
 
     involved: dict[str, str]
@@ -136,7 +136,7 @@ class SyncPlan:
     creates: tuple[dict[str, Any], ...] = ()
     updates: tuple[JobUpdate, ...] = ()
     deletes: tuple[JobDeletion, ...] = ()
-    events: tuple[Event, ...] = ()
+    events: tuple[WorkloadEvent, ...] = ()
     statuses: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -190,7 +190,7 @@ class _Round:
     creates: list[dict[str, Any]] = field(default_factory=list)
     updates: list[JobUpdate] = field(default_factory=list)
     deletes: list[JobDeletion] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[WorkloadEvent] = field(default_factory=list)
     managed: dict[str, list[str]] = field(default_factory=dict)  # policy -> workloads it manages
     unmanageable: dict[str, list[str]] = field(default_factory=dict)  # policy -> reasons
     overlaps: dict[str, list[str]] = field(default_factory=dict)  # loser -> "workload (winner)"
@@ -279,15 +279,16 @@ def _decide(
     for loser in choice.others:
         state.overlaps.setdefault(loser, []).append(f"{_describe(workload)} ({choice.policy})")
     gpus_per_pod = choice.spec.rank_mapping.gpus_per_pod
-    parallelism = infer_parallelism(workload, pods, gpus_per_pod=gpus_per_pod)
-    if isinstance(parallelism, str):
-        _unreadable(state, choice, workload, existing, parallelism)
+    try:
+        parallelism = infer_parallelism(workload, pods, gpus_per_pod=gpus_per_pod)
+    except UnreadableParallelismError as exc:
+        _unreadable(state, choice, workload, existing, str(exc))
         return
     _converge(state, choice, workload, parallelism, existing)
 
 
 def _unreadable(
-    state: _Round, choice: Choice, workload: Obj, existing: Obj | None, reason: str
+    state: _Round, choice: PolicyChoice, workload: Obj, existing: Obj | None, reason: str
 ) -> None:
     state.unmanageable.setdefault(choice.policy, []).append(reason)
     if existing is not None:
@@ -306,7 +307,11 @@ def _unreadable(
 
 
 def _converge(
-    state: _Round, choice: Choice, workload: Obj, parallelism: Parallelism, existing: Obj | None
+    state: _Round,
+    choice: PolicyChoice,
+    workload: Obj,
+    parallelism: Parallelism,
+    existing: Obj | None,
 ) -> None:
     desired = get_perseus_job(choice.policy, choice.spec, workload, parallelism)
     digest = spec_hash(desired)
@@ -420,7 +425,7 @@ def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> 
             _condition(
                 True,
                 "OtherPolicyWins",
-                f"more specific or higher-priority policies manage {_listed(losses)}",
+                f"more specific or higher-priority policies manage {listed(losses, _LISTED, '; ')}",
             )
             if losses
             else _condition(False, "NoOverlap", "")
@@ -435,7 +440,7 @@ def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> 
         message = f"manages {len(managed)} workloads with {len(jobs)} PerseusJobs"
         if unmanageable := state.unmanageable.get(name):
             message += f"; {len(unmanageable)} without a readable parallelism: "
-            message += _listed(unmanageable)
+            message += listed(unmanageable, _LISTED, "; ")
     conditions = [
         _stamped(PolicyConditionType.ACCEPTED, accepted, previous, generation, state.now),
         _stamped(PolicyConditionType.OVERLAPPING, overlapping, previous, generation, state.now),
@@ -457,11 +462,12 @@ def _stamped(
     now: str,
 ) -> dict[str, Any]:
     """The condition, with the transition time it had while its status stays the same."""
-    before = next(
-        (c for c in previous.get("conditions") or () if c.get("type") == kind.value), None
+    before: Mapping[str, Any] = next(
+        (c for c in previous.get("conditions") or () if c.get("type") == kind.value), {}
     )
-    same = before is not None and before.get("status") == condition["status"]
-    stamp = before.get("lastTransitionTime") if same and before is not None else now
+    stamp = transition_time(
+        condition["status"], before.get("status"), before.get("lastTransitionTime"), now
+    )
     out: dict[str, Any] = {"type": kind.value, **condition, "lastTransitionTime": stamp}
     if isinstance(generation, int):
         out["observedGeneration"] = generation
@@ -492,11 +498,6 @@ def _gpus(job: Obj) -> int:
         )
     except (TypeError, ValueError):
         return 1
-
-
-def _listed(items: Sequence[str]) -> str:
-    shown = "; ".join(items[:_LISTED])
-    return shown + (f"; and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
 # -- objects ---------------------------------------------------------------------------------------
@@ -552,8 +553,10 @@ def _involved(workload: Obj) -> dict[str, str]:
     }
 
 
-def _event(workload: Obj, kind: Literal["Normal", "Warning"], reason: str, message: str) -> Event:
-    return Event(_involved(workload), kind, reason, message)
+def _event(
+    workload: Obj, kind: Literal["Normal", "Warning"], reason: str, message: str
+) -> WorkloadEvent:
+    return WorkloadEvent(_involved(workload), kind, reason, message)
 
 
 def _describe(workload: Obj) -> str:

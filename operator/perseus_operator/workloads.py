@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from perseus_api.errors import ApiError
 from perseus_api.job import (
     LabelSelector,
     LabelSelectorRequirement,
@@ -38,6 +37,15 @@ from perseus_api.job import (
     Workload,
     WorkloadKind,
 )
+from perseus_operator.objects import (
+    INTEGER,
+    containers_of,
+    get_path,
+    labels_of,
+    listed,
+    training_container,
+)
+from perseus_operator.objects import PYTORCH_CONTAINER as PYTORCH_CONTAINER  # re-exported
 
 Pod = Mapping[str, Any]
 
@@ -48,7 +56,6 @@ PYTORCH_REPLICA_TYPE: Final = "training.kubeflow.org/replica-type"
 PYTORCH_REPLICA_INDEX: Final = "training.kubeflow.org/replica-index"
 # The training operator sets both on the ``pytorch`` container; torchrun reads PET_NODE_RANK.
 PYTORCH_RANK_ENVS: Final = ("PET_NODE_RANK", "RANK")
-PYTORCH_CONTAINER: Final = "pytorch"
 
 JOBSET_NAME: Final = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_REPLICATED_JOB: Final = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -58,13 +65,15 @@ COMPLETION_INDEX: Final = "batch.kubernetes.io/job-completion-index"
 # torchrun's node count; when a pod states it, a short workload is an error, not a wait.
 NNODES_ENV: Final = "PET_NNODES"
 
-_INTEGER = re.compile(r"[0-9]+")
 _METADATA_FIELD = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
 _LISTED_NAMES = 5
 
 
-class WorkloadError(ApiError):
-    """The workload's pods cannot run the declared parallelism; the message says what to fix."""
+class WorkloadError(Exception):
+    """The workload's pods cannot run the declared parallelism; the message says what to fix.
+
+    A mismatch between the job's spec and the cluster, not malformed data: not an
+    :class:`~perseus_api.errors.ApiError` (a ``ValueError``)."""
 
 
 @dataclass(frozen=True)
@@ -153,36 +162,16 @@ def _satisfies(req: LabelSelectorRequirement, labels: Mapping[str, str]) -> bool
 # -- pod fields ------------------------------------------------------------------------------------
 
 
-def _get(obj: object, *path: str) -> Any:
-    for key in path:
-        if not isinstance(obj, Mapping):
-            return None
-        obj = obj.get(key)
-    return obj
-
-
 def _name(pod: Pod) -> str:
-    name = _get(pod, "metadata", "name")
+    name = get_path(pod, "metadata", "name")
     return name if isinstance(name, str) and name else "<unnamed pod>"
-
-
-def _labels(pod: Pod) -> Mapping[str, Any]:
-    labels = _get(pod, "metadata", "labels")
-    return labels if isinstance(labels, Mapping) else {}
 
 
 def _label_or_annotation(pod: Pod, key: str) -> Any:
     # JobSet and indexed Jobs write their indexes as annotations, and also as labels in
     # recent versions: take whichever is there.
-    value = _labels(pod).get(key)
-    return value if value is not None else _get(pod, "metadata", "annotations", key)
-
-
-def _containers(pod: Pod) -> list[Mapping[str, Any]]:
-    containers = _get(pod, "spec", "containers")
-    if not isinstance(containers, list):
-        return []
-    return [c for c in containers if isinstance(c, Mapping)]
+    value = labels_of(pod).get(key)
+    return value if value is not None else get_path(pod, "metadata", "annotations", key)
 
 
 def _container_name(container: Mapping[str, Any]) -> str:
@@ -191,22 +180,13 @@ def _container_name(container: Mapping[str, Any]) -> str:
 
 
 def _node(pod: Pod) -> str | None:
-    node = _get(pod, "spec", "nodeName")
+    node = get_path(pod, "spec", "nodeName")
     return node if isinstance(node, str) and node else None
 
 
 def _phase(pod: Pod) -> str | None:
-    phase = _get(pod, "status", "phase")
+    phase = get_path(pod, "status", "phase")
     return phase if isinstance(phase, str) else None
-
-
-def _training_container(pod: Pod) -> Mapping[str, Any] | None:
-    # The training operator requires the container named "pytorch"; elsewhere the
-    # training container comes first by convention.
-    containers = _containers(pod)
-    named = [c for c in containers if c.get("name") == PYTORCH_CONTAINER]
-    candidates = named or containers
-    return candidates[0] if candidates else None
 
 
 def _gpu_container(pod: Pod) -> str | None:
@@ -215,9 +195,9 @@ def _gpu_container(pod: Pod) -> str | None:
     takes the GPUs of all the pod's containers)."""
     requesting = [
         c
-        for c in _containers(pod)
+        for c in containers_of(pod)
         if any(
-            _get(c, "resources", section, GPU_RESOURCE) not in (None, 0, "0")
+            get_path(c, "resources", section, GPU_RESOURCE) not in (None, 0, "0")
             for section in ("limits", "requests")
         )
     ]
@@ -225,12 +205,12 @@ def _gpu_container(pod: Pod) -> str | None:
         return _container_name(requesting[0])
     if requesting:
         return None
-    training = _training_container(pod)
+    training = training_container(pod)
     return None if training is None else _container_name(training)
 
 
 def _uid(pod: Pod) -> str | None:
-    uid = _get(pod, "metadata", "uid")
+    uid = get_path(pod, "metadata", "uid")
     return uid if isinstance(uid, str) and uid else None
 
 
@@ -255,10 +235,10 @@ def _env_value(pod: Pod, container: Mapping[str, Any] | None, variable: str) -> 
     if source is None:
         value = entry.get("value", "")
         return value if isinstance(value, str) else str(value)
-    field = _METADATA_FIELD.fullmatch(str(_get(source, "fieldRef", "fieldPath") or ""))
+    field = _METADATA_FIELD.fullmatch(str(get_path(source, "fieldRef", "fieldPath") or ""))
     if field is None:
         return None
-    value = _get(pod, "metadata", field.group(1), field.group(2))
+    value = get_path(pod, "metadata", field.group(1), field.group(2))
     return None if value is None else str(value)
 
 
@@ -267,24 +247,18 @@ def _parse_index(value: object, pod: str, source: str, fix: str) -> int:
     if value is None:
         raise WorkloadError(f"pod {pod} has no {source}; {fix}")
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(text, str) or not _INTEGER.fullmatch(text.strip()):
+    if not isinstance(text, str) or not INTEGER.fullmatch(text.strip()):
         raise WorkloadError(f"pod {pod}: {source} is {value!r}, not a non-negative integer; {fix}")
     return int(text)
-
-
-def _listed(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:_LISTED_NAMES])
-    hidden = len(names) - _LISTED_NAMES
-    return f"{shown}, and {hidden} more" if hidden > 0 else shown
 
 
 def gpus_of(pod: Pod) -> int:
     """GPUs the pod's containers request (``nvidia.com/gpu``); init containers hold none
     while training runs."""
     total = 0
-    for container in _containers(pod):
+    for container in containers_of(pod):
         for section in ("limits", "requests"):
-            value = _get(container, "resources", section, GPU_RESOURCE)
+            value = get_path(container, "resources", section, GPU_RESOURCE)
             if value is not None:
                 total += _parse_index(
                     value,
@@ -321,7 +295,7 @@ def node_rank(
 
 def _is_master(pod: Pod) -> bool:
     # Old training operators wrote "Master", recent ones "master".
-    return str(_labels(pod).get(PYTORCH_REPLICA_TYPE, "")).lower() == "master"
+    return str(labels_of(pod).get(PYTORCH_REPLICA_TYPE, "")).lower() == "master"
 
 
 def _pytorch_node_rank(pod: Pod, *, has_master: bool) -> int:
@@ -346,7 +320,7 @@ def _pytorch_node_rank(pod: Pod, *, has_master: bool) -> int:
 
 
 def _pytorch_label_rank(pod: Pod, *, has_master: bool) -> int | None:
-    labels = _labels(pod)
+    labels = labels_of(pod)
     replica_type = labels.get(PYTORCH_REPLICA_TYPE)
     if replica_type is None or labels.get(PYTORCH_REPLICA_INDEX) is None:
         return None
@@ -373,7 +347,7 @@ def _pytorch_label_rank(pod: Pod, *, has_master: bool) -> int | None:
 
 
 def _pytorch_env_rank(pod: Pod) -> tuple[str, int] | None:
-    container = _training_container(pod)
+    container = training_container(pod)
     found: list[tuple[str, int]] = []
     for variable in PYTORCH_RANK_ENVS:
         value = _env_value(pod, container, variable)
@@ -415,13 +389,13 @@ def _pods_node_rank(pod: Pod, mapping: RankMapping) -> int:
     name = _name(pod)
     if mapping.node_rank_label is not None:
         return _parse_index(
-            _labels(pod).get(mapping.node_rank_label),
+            labels_of(pod).get(mapping.node_rank_label),
             name,
             f"label {mapping.node_rank_label}",
             "label every training pod with its node rank, or unset rankMapping.nodeRankLabel",
         )
     variable = mapping.node_rank_env
-    holder = next((c for c in _containers(pod) if _env_entry(c, variable) is not None), None)
+    holder = next((c for c in containers_of(pod) if _env_entry(c, variable) is not None), None)
     value = _env_value(pod, holder, variable)
     if holder is not None and value is not None:
         return _parse_index(
@@ -449,7 +423,7 @@ def resolve_ranks(
 ) -> Resolution:
     """Every training rank's pod, node and GPU, or what the workload still waits for."""
     # Pods being deleted are replaced (e.g. a JobSet restart); their node ranks repeat.
-    live = [p for p in pods if _get(p, "metadata", "deletionTimestamp") is None]
+    live = [p for p in pods if get_path(p, "metadata", "deletionTimestamp") is None]
     training, waiting = _training_pods(live, workload, mapping)
     if waiting is not None:
         return Resolution(waiting=waiting)
@@ -467,7 +441,7 @@ def resolve_ranks(
             "per pod; fix spec.parallelism or rankMapping.gpusPerPod"
         )
     expected = parallelism.world_size // per_pod
-    declared = _declared_nodes(training)
+    declared = _fixed_node_count(training)
     if declared is not None and declared != expected:
         raise WorkloadError(
             f"{_size_mismatch(declared, per_pod, asked)}; the pods set {NNODES_ENV}={declared}"
@@ -484,7 +458,7 @@ def resolve_ranks(
     if unscheduled:
         return Resolution(
             waiting=f"{len(unscheduled)} of {expected} pods are not scheduled yet: "
-            f"{_listed(unscheduled)}"
+            f"{listed(unscheduled, _LISTED_NAMES)}"
         )
     return Resolution(ranks=_placements(ranked, per_pod, parallelism, mapping.order))
 
@@ -521,7 +495,8 @@ def _training_pods(
         # Initializers run (and finish) before the training pods are even created.
         names = sorted(map(_name, pods))
         return [], (
-            f"no pod requests {GPU_RESOURCE} yet (found {len(names)}: {_listed(names)}); "
+            f"no pod requests {GPU_RESOURCE} yet (found {len(names)}: "
+            f"{listed(names, _LISTED_NAMES)}); "
             "set rankMapping.gpusPerPod if the training pods get GPUs another way"
         )
     if len(jobs) > 1:
@@ -562,13 +537,15 @@ def _gpus_per_pod(pods: Sequence[Pod], mapping: RankMapping) -> int:
     return next(iter(first_with))
 
 
-def _declared_nodes(pods: Sequence[Pod]) -> int | None:
+def _fixed_node_count(pods: Sequence[Pod]) -> int | None:
     """The node count the pods give torchrun, when they all agree on a fixed one (an
-    elastic ``min:max`` range fixes none)."""
+    elastic ``min:max`` range fixes none). Never an error: resolving ranks only uses it to
+    tell a short workload from one still starting (``policies._stated_node_count``, which
+    infers the parallelism, says instead why the pods' statements cannot be used)."""
     counts = set()
     for pod in pods:
-        value = _env_value(pod, _training_container(pod), NNODES_ENV)
-        if value is not None and _INTEGER.fullmatch(value.strip()):
+        value = _env_value(pod, training_container(pod), NNODES_ENV)
+        if value is not None and INTEGER.fullmatch(value.strip()):
             counts.add(int(value))
     return counts.pop() if len(counts) == 1 else None
 
@@ -584,8 +561,8 @@ def _node_ranks(
         if len(holders) > 1:
             names = sorted(map(_name, holders))
             raise WorkloadError(
-                f"pods {_listed(names)} all have node rank {rank}; every training pod needs "
-                "its own node rank"
+                f"pods {listed(names, _LISTED_NAMES)} all have node rank {rank}; every training "
+                "pod needs its own node rank"
             )
     stray = sorted(rank for rank in by_rank if rank >= expected)
     if stray:
@@ -666,7 +643,7 @@ def workload_end(kind: WorkloadKind, workload: Mapping[str, Any]) -> WorkloadEnd
     kind Pods, which has no object). Its pods may be gone by then (``cleanPodPolicy``, a TTL),
     so this is read before them."""
     types = _END_CONDITIONS.get(kind)
-    conditions = _get(workload, "status", "conditions")
+    conditions = get_path(workload, "status", "conditions")
     if types is None or not isinstance(conditions, list):
         return None
     succeeded, failed = types
@@ -677,7 +654,7 @@ def workload_end(kind: WorkloadKind, workload: Mapping[str, Any]) -> WorkloadEnd
             why = ": ".join(
                 str(part) for part in (condition.get("reason"), condition.get("message")) if part
             )
-            name = _get(workload, "metadata", "name") or "?"
+            name = get_path(workload, "metadata", "name") or "?"
             return WorkloadEnd(f"{kind.value} {name} failed" + (f" ({why})" if why else ""))
         if condition.get("type") == succeeded:
             return WorkloadEnd(None)
@@ -689,20 +666,20 @@ def workload_failed(pods: Sequence[Pod]) -> str | None:
     failed = sorted((_name(p), _failure(p)) for p in pods if _phase(p) == "Failed")
     if not failed:
         return None
-    listed = _listed([f"{name} ({why})" if why else name for name, why in failed])
-    return f"pod {listed} failed" if len(failed) == 1 else f"{len(failed)} pods failed: {listed}"
+    names = listed([f"{name} ({why})" if why else name for name, why in failed], _LISTED_NAMES)
+    return f"pod {names} failed" if len(failed) == 1 else f"{len(failed)} pods failed: {names}"
 
 
 def _failure(pod: Pod) -> str:
     """The pod's own reason (e.g. Evicted), else its first container that exited badly."""
-    reason, message = _get(pod, "status", "reason"), _get(pod, "status", "message")
+    reason, message = get_path(pod, "status", "reason"), get_path(pod, "status", "message")
     if reason:
         return f"{reason}: {message}" if message else str(reason)
-    statuses = _get(pod, "status", "containerStatuses")
+    statuses = get_path(pod, "status", "containerStatuses")
     for status in statuses if isinstance(statuses, list) else []:
-        terminated = _get(status, "state", "terminated")
-        code = _get(terminated, "exitCode")
+        terminated = get_path(status, "state", "terminated")
+        code = get_path(terminated, "exitCode")
         if code not in (None, 0):
-            why = _get(terminated, "reason")
+            why = get_path(terminated, "reason")
             return f"{why}, exit code {code}" if why else f"exit code {code}"
     return ""

@@ -28,8 +28,9 @@ from perseus_api.policy import (
 )
 from perseus_operator.policies import (
     MAX_JOB_NAME,
-    Choice,
     PodGroup,
+    PolicyChoice,
+    UnreadableParallelismError,
     choose_policy,
     get_perseus_job,
     group_pods,
@@ -415,7 +416,7 @@ def test_the_most_specific_policy_wins_and_the_others_are_named() -> None:
         "elsewhere": policy(namespaceSelector={"matchLabels": {"tier": "prod"}}),
     }
     choice = choose_policy(policies, NAMESPACES["ml"], pytorch_job())
-    assert isinstance(choice, Choice)
+    assert isinstance(choice, PolicyChoice)
     assert choice.policy == "llm-gpt"
     assert choice.others == ("llm-team", "cluster-wide")
     assert choice.entry.kind == WorkloadKind.PYTORCH_JOB  # the entry that selected it
@@ -718,9 +719,9 @@ TRAINER = "spec/replicatedJobs/1/template/spec/template/spec/containers/0"
 def test_parallelism_that_cannot_be_read_says_why(
     workload: Obj, pods: list[Obj] | None, reason: str
 ) -> None:
-    result = infer_parallelism(workload, pods)
-    assert isinstance(result, str), result
-    assert reason in result
+    with pytest.raises(UnreadableParallelismError) as info:
+        infer_parallelism(workload, pods)
+    assert reason in str(info.value)
 
 
 # -- the PerseusJob --------------------------------------------------------------------------------
@@ -742,7 +743,6 @@ def test_the_perseus_job_of_a_pytorch_job_validates_and_is_owned_by_it() -> None
     )
     workload = pytorch_job()
     parallelism = infer_parallelism(workload)
-    assert isinstance(parallelism, Parallelism)
     body = get_perseus_job("research", spec, workload, parallelism)
     assert body["apiVersion"] == "perseus.energy/v1alpha1" and body["kind"] == "PerseusJob"
     assert body["metadata"] == {
@@ -783,14 +783,12 @@ def test_the_perseus_jobs_of_a_jobset_and_of_labelled_pods() -> None:
     spec = policy(policy={"mode": "Intrinsic"}, rankMapping={"gpusPerPod": 8})
     workload = jobset()
     parallelism = infer_parallelism(workload)
-    assert isinstance(parallelism, Parallelism)
     job = _validated(get_perseus_job("research", spec, workload, parallelism))
     assert (job.workload.kind, job.workload.name) == (WorkloadKind.JOB_SET, "bloom")
     assert job.policy.mode == Mode.INTRINSIC
 
     group = pods_workload()
     parallelism = infer_parallelism(group.workload, group.pods, gpus_per_pod=8)
-    assert isinstance(parallelism, Parallelism)
     body = get_perseus_job("research", spec, group.workload, parallelism)
     assert body["metadata"]["name"] == "mistral"
     assert body["metadata"]["ownerReferences"] == [

@@ -13,7 +13,7 @@ import pytest
 from perseus_api.job import WorkloadKind
 from perseus_operator.kube import KubeError
 from perseus_operator.policy_controller import PolicyController, get_event
-from perseus_operator.policy_sync import Event
+from perseus_operator.policy_sync import WorkloadEvent
 from workload_objects import NAMESPACES, pytorch_job
 
 Obj = dict[str, Any]
@@ -186,7 +186,7 @@ def test_run_keeps_going_after_a_failed_round_and_wakes_on_demand() -> None:
 
 
 def test_event_objects() -> None:
-    event = Event(
+    event = WorkloadEvent(
         {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",

@@ -1,0 +1,47 @@
+"""Kubernetes API conventions that the operator and the node agents both follow: times as
+RFC 3339 strings, and when a condition's ``lastTransitionTime`` moves.
+
+One module, so that a job's conditions, a policy's and a node plan's report move alike, and
+every reader takes the same times (``metav1.Time`` writes whole seconds, UTC, with a ``Z``;
+``metav1.MicroTime`` adds microseconds; both parse here).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+__all__ = ["now_rfc3339", "parse_rfc3339", "rfc3339", "transition_time"]
+
+_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def now_rfc3339() -> str:
+    """The current time as ``metav1.Time`` writes it (``2026-12-02T05:40:00Z``)."""
+    return datetime.now(tz=UTC).strftime(_FORMAT)
+
+
+def rfc3339(unix_s: float) -> str:
+    """``unix_s`` (seconds since the epoch) as ``metav1.Time`` writes it; fractions dropped."""
+    return datetime.fromtimestamp(unix_s, tz=UTC).strftime(_FORMAT)
+
+
+def parse_rfc3339(value: object) -> datetime | None:
+    """The time ``value`` states (a time without a zone is taken as UTC); ``None`` when
+    ``value`` is not a string or not a time."""
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def transition_time(
+    status: str, previous_status: str | None, previous_time: str | None, now: str
+) -> str:
+    """A condition's ``lastTransitionTime``: the previous one's while the condition's status
+    stays ``previous_status``, ``now`` when it changes (or there was none)."""
+    if status == previous_status and previous_time:
+        return previous_time
+    return now
