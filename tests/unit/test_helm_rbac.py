@@ -275,6 +275,10 @@ def test_only_the_kube_modules_create_api_clients() -> None:
             if path.name == "kube.py":
                 continue
             text = path.read_text()
+            if path == REPO_ROOT / "operator/perseus_api/kube_client.py":
+                # The shared configuration loader: it builds an ApiClient and calls nothing.
+                assert "_api(" not in text and "Api(" not in text.replace("ApiClient(", "")
+                continue
             if "from kubernetes" in text or "import kubernetes" in text:
                 offenders.append(str(path.relative_to(REPO_ROOT)))
     assert offenders == []
