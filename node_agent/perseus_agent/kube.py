@@ -1260,3 +1260,26 @@ class NodeLabelSource:
                 except Exception:
                     log.exception("error while handling label %s=%s", self.label, value)
             self._stop.wait(self._interval_s)
+
+
+POD_LIST_TIMEOUT_S: Final = 5.0
+"""Listing a node's pods runs on the TCP listener's accept path: it must fail fast."""
+
+
+def node_pod_lister(api: Any, node_name: str) -> Callable[[], list[dict[str, Any]]]:
+    """A function listing this node's pods (API JSON; for :mod:`perseus_agent.tcp_server`'s
+    address book). Needs RBAC: ``list`` on ``pods`` in all namespaces."""
+
+    def list_pods() -> list[dict[str, Any]]:
+        response = api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node_name}",
+            _preload_content=False,
+            _request_timeout=POD_LIST_TIMEOUT_S,
+        )
+        try:
+            items = json.loads(response.data).get("items") or []
+        finally:
+            _close(response)
+        return [item for item in items if isinstance(item, dict)]
+
+    return list_pods
