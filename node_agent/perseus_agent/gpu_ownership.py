@@ -289,6 +289,7 @@ class KubeletOwnership:
             for a in p.assignments
             if a.pod_uid is not None and a.pod is not None
         }
+        uid: str | None
         if session.verified_pod is not None:  # a TCP peer: its address told the pod
             uid, told_by = session.verified_pod[2], "address"
         else:

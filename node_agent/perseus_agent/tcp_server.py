@@ -165,9 +165,11 @@ class PodAddressBook:
         with self._lock:
             now = self._clock()
             listed_at = self._listed_at
-            if listed_at is None or now - listed_at >= self.max_age_s:
-                self.refresh()
-            elif ip not in self._by_ip and now - listed_at >= self.min_refresh_s:
+            if (
+                listed_at is None
+                or now - listed_at >= self.max_age_s
+                or (ip not in self._by_ip and now - listed_at >= self.min_refresh_s)
+            ):
                 self.refresh()
             found = list(self._by_ip.get(ip, ()))
             error = self._error
@@ -264,7 +266,11 @@ class TcpServer(LocalServer):
 
     @property
     def url(self) -> str:
-        return f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
+        return (
+            f"tcp://[{self.host}]:{self.port}"
+            if ":" in self.host
+            else f"tcp://{self.host}:{self.port}"
+        )
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

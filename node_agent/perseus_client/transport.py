@@ -47,7 +47,11 @@ class AgentAddress:
         if self.port is None:
             return self.host_or_path
         host = self.host_or_path
-        return f"{TCP_SCHEME}[{host}]:{self.port}" if ":" in host else f"{TCP_SCHEME}{host}:{self.port}"
+        return (
+            f"{TCP_SCHEME}[{host}]:{self.port}"
+            if ":" in host
+            else f"{TCP_SCHEME}{host}:{self.port}"
+        )
 
 
 def parse_address(text: str) -> AgentAddress:

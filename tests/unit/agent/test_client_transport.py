@@ -37,7 +37,14 @@ def test_ipv6_addresses_are_bracketed() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["tcp://$(PERSEUS_HOST_IP):7460x", "tcp://10.0.0.5", "tcp://:7460", "http://a:1", "unix://", ""],
+    [
+        "tcp://$(PERSEUS_HOST_IP):7460x",
+        "tcp://10.0.0.5",
+        "tcp://:7460",
+        "http://a:1",
+        "unix://",
+        "",
+    ],
 )
 def test_a_malformed_address_says_what_is_expected(text: str) -> None:
     with pytest.raises(transport.AddressError, match="agent address"):

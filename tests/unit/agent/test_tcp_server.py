@@ -54,7 +54,9 @@ class Clock:
         return self.now
 
 
-def _book(pods: list[dict[str, Any]], clock: Clock | None = None) -> tuple[PodAddressBook, list[int]]:
+def _book(
+    pods: list[dict[str, Any]], clock: Clock | None = None
+) -> tuple[PodAddressBook, list[int]]:
     calls: list[int] = []
 
     def list_pods() -> list[dict[str, Any]]:
@@ -147,7 +149,9 @@ class Recorder:
         self.hellos: list[tuple[ClientSession, dict[str, Any]]] = []
         self.steps: list[int] = []
 
-    def hello(self, session: ClientSession, msg: HelloRequest, received_ns: int) -> Mapping[str, Any]:
+    def hello(
+        self, session: ClientSession, msg: HelloRequest, received_ns: int
+    ) -> Mapping[str, Any]:
         self.hellos.append((session, dict(msg)))
         return {"node": "gpu-node-1", "managed": False, "granularity": None, "gpus": []}
 
@@ -157,7 +161,9 @@ class Recorder:
     def step_end(self, session: ClientSession, msg: Any, received_ns: int) -> None:
         pass
 
-    def instruction_begin(self, session: ClientSession, msg: Any, received_ns: int) -> Mapping[str, Any]:
+    def instruction_begin(
+        self, session: ClientSession, msg: Any, received_ns: int
+    ) -> Mapping[str, Any]:
         return {"sm_clock_mhz": 1410}
 
     def instruction_end(self, session: ClientSession, msg: Any, received_ns: int) -> None:
@@ -183,7 +189,9 @@ def served() -> Iterator[tuple[TcpServer, Recorder, list[dict[str, Any]]]]:
 def _client(server: TcpServer, **kwargs: Any) -> PerseusClient:
     env = {transport.ADDRESS_ENV: f"tcp://127.0.0.1:{server.port}"}
     address = transport.address_from_env(env)
-    return PerseusClient(str(address), rank=0, local_rank=0, gpu_uuids=[], retry_interval_s=0.0, **kwargs)
+    return PerseusClient(
+        str(address), rank=0, local_rank=0, gpu_uuids=[], retry_interval_s=0.0, **kwargs
+    )
 
 
 def test_a_client_reaches_the_agent_over_tcp_as_the_pod_of_its_address(
@@ -197,7 +205,7 @@ def test_a_client_reaches_the_agent_over_tcp_as_the_pod_of_its_address(
         assert client.on_instruction_begin("forward", 0) == 1410
     finally:
         client.close()
-    (session, hello), = recorder.hellos
+    ((session, hello),) = recorder.hellos
     # The hello named no pod: the agent filled in the address's, and the ownership check
     # gets the pod UID from the address as it gets it from the cgroup on the Unix socket.
     assert (hello["namespace"], hello["pod"]) == ("team-a", "llm-worker-0")
