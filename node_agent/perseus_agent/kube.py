@@ -1266,13 +1266,18 @@ POD_LIST_TIMEOUT_S: Final = 5.0
 """Listing a node's pods runs on the TCP listener's accept path: it must fail fast."""
 
 
-def node_pod_lister(api: Any, node_name: str) -> Callable[[], list[dict[str, Any]]]:
-    """A function listing this node's pods (API JSON; for :mod:`perseus_agent.tcp_server`'s
-    address book). Needs RBAC: ``list`` on ``pods`` in all namespaces."""
+class NodePodLister:
+    """Lists this node's pods (API JSON), for the TCP listener's address book
+    (:mod:`perseus_agent.tcp_server`). Needs RBAC: ``list`` on ``pods`` in all namespaces (the
+    field selector cannot be required by RBAC)."""
 
-    def list_pods() -> list[dict[str, Any]]:
-        response = api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node_name}",
+    def __init__(self, api: Any, node_name: str) -> None:
+        self._api = api
+        self.node_name = node_name
+
+    def __call__(self) -> list[dict[str, Any]]:
+        response = self._api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node_name}",
             _preload_content=False,
             _request_timeout=POD_LIST_TIMEOUT_S,
         )
@@ -1281,5 +1286,3 @@ def node_pod_lister(api: Any, node_name: str) -> Callable[[], list[dict[str, Any
         finally:
             _close(response)
         return [item for item in items if isinstance(item, dict)]
-
-    return list_pods

@@ -851,13 +851,13 @@ class _Agent:
         return server
 
     def _start_tcp_server(self, handler: ClientHandler, api_client: Any) -> _Server:
-        from perseus_agent.kube import core_v1_api, node_pod_lister
+        from perseus_agent.kube import NodePodLister, core_v1_api
         from perseus_agent.tcp_server import PodAddressBook, TcpServer
 
         assert self.config.tcp_address is not None
         host, port = self.config.tcp_address
         book = PodAddressBook(
-            self.config.node_name, node_pod_lister(core_v1_api(api_client), self.config.node_name)
+            self.config.node_name, NodePodLister(core_v1_api(api_client), self.config.node_name)
         )
         server = TcpServer(host, port, handler, book.resolve)
         try:

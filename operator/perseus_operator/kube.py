@@ -607,14 +607,14 @@ class PerseusJobLister:
     def __init__(self, api_client: Any, timeout_s: float = 5.0) -> None:
         from kubernetes import client
 
-        self._api = client.CustomObjectsApi(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
         self.timeout_s = timeout_s
 
     def __call__(self, namespace: str) -> list[dict[str, Any]]:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            response = self._api.list_namespaced_custom_object(
+            response = self._custom.list_namespaced_custom_object(
                 resources.GROUP,
                 resources.VERSION,
                 namespace,
