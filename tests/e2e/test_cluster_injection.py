@@ -107,7 +107,9 @@ def _hostpath_pod() -> dict[str, Any]:
     pod = _training_pod("llm-worker-hostpath")
     pod["spec"]["securityContext"] = {"supplementalGroups": [2940]}
     pod["spec"]["volumes"] = [{"name": "perseus", "hostPath": {"path": "/run/perseus"}}]
-    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "perseus", "mountPath": "/run/perseus"}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "perseus", "mountPath": "/run/perseus"}
+    ]
     return pod
 
 
@@ -171,7 +173,13 @@ def test_a_managed_pod_in_a_baseline_namespace_is_injected_and_reaches_the_agent
 ) -> None:
     labels = {"pod-security.kubernetes.io/enforce": "baseline"}
     cluster.plane.apply(
-        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE, "labels": labels}}]
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": NAMESPACE, "labels": labels},
+            }
+        ]
     )
     job = perseus_job(JOB, NAMESPACE, "unused", stages=2, dp=1, microbatches=4)
     job["spec"]["workload"] = {"kind": "PyTorchJob", "name": JOB}
@@ -246,7 +254,9 @@ def test_a_managed_pod_in_a_baseline_namespace_is_injected_and_reaches_the_agent
         )
 
         # A process of that pod speaking for another pod is refused.
-        impostor = PerseusClient(pod="llm-worker-9", local_rank=0, gpu_uuids=[], retry_interval_s=0.0)
+        impostor = PerseusClient(
+            pod="llm-worker-9", local_rank=0, gpu_uuids=[], retry_interval_s=0.0
+        )
         try:
             impostor.on_step_begin(1)
             assert not impostor.connected

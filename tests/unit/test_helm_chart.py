@@ -491,9 +491,7 @@ def test_agent_flags_are_what_the_agent_accepts() -> None:
         # The kubelet expands $(HOST_IP) (status.hostIP) in the arguments.
         expanded = [a.replace("$(HOST_IP)", "10.0.0.5") for a in container["args"]]
         if any("$(HOST_IP)" in a for a in container["args"]):
-            assert env_of(container)["HOST_IP"] == {
-                "fieldRef": {"fieldPath": "status.hostIP"}
-            }
+            assert env_of(container)["HOST_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
         args = build_parser().parse_args([*expanded, "--node-name=n1"])
         config = _check_args(args)
         assert not config.standalone  # plans come from the API

@@ -50,10 +50,15 @@ def test_new_pods_are_sent_to_the_operator_and_never_refused_by_default() -> Non
     operator = _operator()
     ports = {p["name"]: p["containerPort"] for p in operator["container"]["ports"]}
     assert ports["webhook"] == 9443
-    assert service["spec"]["selector"] == render().one("Deployment")["spec"]["selector"]["matchLabels"]
-    assert render({"injection": {"failurePolicy": "Fail"}}).one(
-        "MutatingWebhookConfiguration"
-    )["webhooks"][0]["failurePolicy"] == "Fail"
+    assert (
+        service["spec"]["selector"] == render().one("Deployment")["spec"]["selector"]["matchLabels"]
+    )
+    assert (
+        render({"injection": {"failurePolicy": "Fail"}}).one("MutatingWebhookConfiguration")[
+            "webhooks"
+        ][0]["failurePolicy"]
+        == "Fail"
+    )
 
 
 def test_the_operator_serves_the_webhook_with_the_agents_port(tmp_path: Path) -> None:
@@ -120,14 +125,20 @@ def test_a_provided_secret_is_used_as_it_is_and_cert_manager_fills_the_bundle() 
 def test_without_injection_nothing_of_it_is_rendered(values: dict[str, Any]) -> None:
     rendered = render(values)
     assert rendered.of_kind("MutatingWebhookConfiguration") == []
-    assert not [s for s in rendered.of_kind("Service") if s["metadata"]["name"].endswith("-webhook")]
+    assert not [
+        s for s in rendered.of_kind("Service") if s["metadata"]["name"].endswith("-webhook")
+    ]
     args = _operator(values)["container"]["args"]
     assert not [a for a in args if a.startswith("--webhook")]
 
 
 def test_extra_namespace_selection_narrows_the_default() -> None:
-    values = {"injection": {"namespaceSelector": {"matchLabels": {"perseus.energy/enabled": "true"}}}}
-    selector = render(values).one("MutatingWebhookConfiguration")["webhooks"][0]["namespaceSelector"]
+    values = {
+        "injection": {"namespaceSelector": {"matchLabels": {"perseus.energy/enabled": "true"}}}
+    }
+    selector = render(values).one("MutatingWebhookConfiguration")["webhooks"][0][
+        "namespaceSelector"
+    ]
     assert selector["matchLabels"] == {"perseus.energy/enabled": "true"}
     assert selector["matchExpressions"][0]["key"] == "kubernetes.io/metadata.name"
 

@@ -54,9 +54,6 @@ def _workload_calls(verb: str, method: str) -> list[Call]:
 
 # Client methods of operator/perseus_operator/kube.py -> the calls they make.
 OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
-    "list_namespaced_custom_object": [
-        Call("list", GROUP, JOB_PLURAL, False, "PerseusJobLister (the pod injection webhook)")
-    ],
     "list_namespaced_pod": [Call("list", "", "pods", False, "KubeClient.list_pods")],
     "get_namespaced_custom_object": _workload_calls("get", "get_workload"),
     "read_namespaced_config_map": [
@@ -75,6 +72,7 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     "list_namespaced_custom_object": [
         Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.list_node_plans"),
         Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policies)"),
+        Call("list", GROUP, JOB_PLURAL, False, "PerseusJobLister (the pod injection webhook)"),
         *_workload_calls("list", "list_workloads (policies)"),
     ],
     "list_cluster_custom_object": [
