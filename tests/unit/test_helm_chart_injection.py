@@ -149,3 +149,14 @@ def test_the_values_are_checked() -> None:
         with pytest.raises(Exception, match="/injection"):
             validate_values({"injection": bad})
     assert not lint({"injection": {"failurePolicy": "Fail"}}).get("errors")
+
+
+def test_a_namespaced_operator_is_asked_about_its_namespaces_only() -> None:
+    values = {"operator": {"watchNamespaces": ["ml", "research"]}}
+    hook = render(values).one("MutatingWebhookConfiguration")["webhooks"][0]
+    expressions = hook["namespaceSelector"]["matchExpressions"]
+    assert {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "In",
+        "values": ["ml", "research"],
+    } in (expressions)
