@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,7 @@ class OperatorProcess:
         metrics_port: int = 0,
         policy_interval_s: float = 15.0,
         extra_env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
@@ -113,7 +114,7 @@ class OperatorProcess:
         env.pop("KUBECONFIG", None)
         liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness],
+            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness, *args],
             env=env,
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
