@@ -602,6 +602,6 @@ class PerseusJobLister:
                 _request_timeout=self.timeout_s,
             )
         except ApiException as exc:
-            raise KubeError(_api_message(exc), exc.status) from None
+            raise KubeError(describe_api_error(exc), exc.status) from None
         items = _json(response).get("items") or []
         return [item for item in items if isinstance(item, dict)]
