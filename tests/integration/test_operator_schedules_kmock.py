@@ -28,7 +28,7 @@ from operator_harness import (
     profile_of,
 )
 from perseus_api import resources
-from perseus_api.profile import parse_profile
+from perseus_api.profile import Measurements, Profile, parse_profile
 from perseus_api.schedule import Schedule, Step, gpu_computation_order
 from perseus_operator.profile_source import PIPELINE_KEY, PROFILE_KEY
 from perseus_planner.model_stages import derive_profile
@@ -69,6 +69,20 @@ def torch_order(schedule: str, stage: int, virtual_stages: int) -> list[Step] | 
     ]
 
 
+def emulated_truth(sched: Schedule, virtual_stages: int) -> Profile:
+    """The emulated GPUs' profile: the bundled GPT-3 one's first P stages in the schedule's
+    form, each model stage slower than the one before and the backward split 0.6/0.4, so that
+    a chunk or a half measured as another would show."""
+    derived = derive_profile(profile_of(P), sched, virtual_stages, input_fraction=0.6)
+    measurements = {
+        (stage, name): Measurements(
+            m.frequencies_mhz, m.times_s * (1 + 0.15 * stage), m.energies_j * (1 + 0.15 * stage)
+        )
+        for (stage, name), m in derived.measurements.items()
+    }
+    return Profile(derived.source, derived.num_stages, measurements)
+
+
 def listed(stage_plan: dict[str, Any], stage: int) -> list[Step]:
     """A node plan's per-GPU instruction list as computations (model stage: the GPU's own
     when the plan names none)."""
@@ -105,9 +119,7 @@ def test_a_job_of_the_schedule_profiles_and_runs(
     core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
     wait_for = operator.wait_for
     sched = Schedule.parse(schedule)
-    planner_order = {
-        s: gpu_computation_order(sched, P, M, s, virtual_stages) for s in range(P)
-    }
+    planner_order = {s: gpu_computation_order(sched, P, M, s, virtual_stages) for s in range(P)}
     torch_orders = {s: torch_order(schedule, s, virtual_stages) for s in range(P)}
     for s in range(P):  # the planner's order is torch's (where torch is installed)
         assert torch_orders[s] in (None, planner_order[s]), s
@@ -130,8 +142,7 @@ def test_a_job_of_the_schedule_profiles_and_runs(
     def plans() -> list[dict[str, Any]]:
         return [obj["spec"] for obj in server.objects(PLANS).values()]
 
-    # The emulated GPUs run the bundled GPT-3 profile's first P stages, in the schedule's form.
-    truth = derive_profile(profile_of(P), sched, virtual_stages)
+    truth = emulated_truth(sched, virtual_stages)
     order_of = {s: torch_orders[s] or planner_order[s] for s in range(P)}.__getitem__
     with ScheduleAgents(
         custom, NS, "llm", truth, order_of, tmp_path / "agents", gpus_per_node=1
@@ -147,8 +158,11 @@ def test_a_job_of_the_schedule_profiles_and_runs(
 
         status = wait_for(
             "Running",
-            lambda: agents.errors
-            or (job().get("status", {}).get("phase") == "Running" and job()["status"]),
+            lambda: (
+                agents.errors
+                or (job().get("status", {}).get("phase") == "Running" and job()["status"])
+            ),
+            timeout_s=90,  # ~10-20 s here; the margin is for a loaded machine
         )
         assert not agents.errors, (agents.errors, job().get("status"))
 
@@ -196,16 +210,17 @@ def test_a_job_of_the_schedule_profiles_and_runs(
                 for c in job()["status"].get("conditions", [])
             ),
         )
-        clamped = []
+        slowed = 0
         for spec in running:
             node = agents.nodes[spec["node"]]
             assert node.applier.metrics.error_count("schedule_mismatch") == 0
             for a in spec["assignments"]:
                 planned = spec["plans"][a["plan"]]["stages"][a["stage"]]["instructions"]
-                given = node.clocks[a["rank"]]
-                clamped.append(given != [i["frequency_mhz"] for i in planned])
-                assert len(set(given)) > 1 or len({i["frequency_mhz"] for i in planned}) == 1
-        assert not any(clamped)  # every computation got its planned clock
+                clocks = [i["frequency_mhz"] for i in planned]
+                # The last iteration: every computation at its own planned clock.
+                assert node.clocks[a["rank"]] == clocks, a["stage"]
+                slowed += sum(c < CLAMP["maxMHz"] for c in clocks)
+        assert slowed > 0  # computations off the critical path run slower
         assert not agents.errors, agents.errors
 
     log = operator.stop()
