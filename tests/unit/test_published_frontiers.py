@@ -16,11 +16,13 @@ from perseus_planner.bundled import BUNDLED_PROFILES
 
 # The A100 files are reproduced to ~4e-8 relative energy; 1e-6 leaves room but no more.
 A100_RTOL = 1e-6
-# lowtime 0.3.0 itself, run on this machine on bloom+a40 mb12, reproduces the published
-# energies only to 1.595e-6 relative, and our frontier equals lowtime's to ~1e-15; the published
-# file came from a different scipy/numpy whose curve_fit converged to slightly different
-# cost-model coefficients.
-A40_RTOL = 2e-6
+# The A40 files are not reproduced as closely by the artifact's own solver: lowtime 0.3.0, run on
+# bloom+a40 mb12, misses the published energies by 1.595e-6 relative on the machine of earlier
+# rounds and by 3.375e-6 on a fresh one of the same kind (AMD EPYC, AVX2, no AVX-512; same numpy
+# 2.4.6 and scipy 1.17.1), where our frontier equals lowtime's to 2.9e-9 and misses the files by
+# 3.375e-6 (mb12) and 3.672e-6 (mb24). curve_fit's convergence on these profiles moves with the
+# CPU's floating-point kernels (SIMD exp, BLAS), so the tolerance is the worst of those, ~1.4x.
+A40_RTOL = 5e-6
 
 
 def read_published(gpu: str, model: str, microbatches: int) -> tuple[list[float], list[float]]:
