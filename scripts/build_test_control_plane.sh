@@ -31,8 +31,8 @@
 #       # PERSEUS_TRAINING_OPERATOR_BIN=... PERSEUS_TRAINING_OPERATOR_MANIFESTS=...
 #   scripts/build_test_control_plane.sh --only kwok,kube-scheduler
 #       # build/reuse only those (names: etcd kube-apiserver kube-controller-manager
-#       # helm kube-scheduler kwok training-operator); --env still prints every
-#       # binary that is in the cache
+#       # helm kube-scheduler kwok training-operator, the default; and, only when
+#       # named, jobset trainer); --env still prints every binary in the cache
 #       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
 #       # and warns "unrecognized environment variable" about ETCD_BIN)
 #
@@ -42,6 +42,8 @@
 #   HELM_VERSION       helm.sh/helm/v3 version        (default v3.22.0)
 #   KWOK_VERSION       sigs.k8s.io/kwok version       (default v0.8.0)
 #   TRAINING_OPERATOR_VERSION  github.com/kubeflow/training-operator (default v1.8.1)
+#   JOBSET_VERSION     sigs.k8s.io/jobset (--only jobset; default v0.8.2)
+#   TRAINER_VERSION    github.com/kubeflow/trainer/v2 (--only trainer; default v2.0.0)
 #   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
 #   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   BUILD_NICE         nice level for the builds      (default 10)
@@ -57,13 +59,18 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 TRAINING_OPERATOR_VERSION="${TRAINING_OPERATOR_VERSION:-v1.8.1}"
+JOBSET_VERSION="${JOBSET_VERSION:-v0.8.2}"  # the one trainer v2.0.0's go.mod requires
+TRAINER_VERSION="${TRAINER_VERSION:-v2.0.0}"
 CACHE="${PERSEUS_K8S_CACHE:-$HOME/.cache/perseus-k8s}"
 BUILD_NICE="${BUILD_NICE:-10}"
 BUILD_PARALLEL="${BUILD_PARALLEL:-1}"
 
-ALL_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator"
+DEFAULT_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator"
+# Built only when named in --only: no test runs them yet (see scripts/control_plane.md).
+EXTRA_NAMES="jobset trainer"
+ALL_NAMES="$DEFAULT_NAMES $EXTRA_NAMES"
 PRINT_ENV=0
-ONLY="$ALL_NAMES"
+ONLY="$DEFAULT_NAMES"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --env) PRINT_ENV=1 ;;
@@ -74,7 +81,7 @@ while [[ $# -gt 0 ]]; do
         [[ " $ALL_NAMES " == *" $name "* ]] \
           || { echo "--only: unknown name '$name' (known: $ALL_NAMES)" >&2; exit 2; }
       done ;;
-    -h|--help) sed -n '2,52p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -113,14 +120,20 @@ KWOK_BIN="$CACHE/kwok-$KWOK_VERSION/kwok"
 KWOK_STAGES="$CACHE/kwok-$KWOK_VERSION/stages"
 TRAINING_OPERATOR_BIN="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/training-operator"
 TRAINING_OPERATOR_MANIFESTS="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/manifests"
+JOBSET_BIN="$CACHE/jobset-$JOBSET_VERSION/jobset"
+TRAINER_BIN="$CACHE/trainer-$TRAINER_VERSION/trainer-controller-manager"
 LOG_DIR="$CACHE/logs"
 mkdir -p "$CACHE" "$LOG_DIR"
 
-# One build at a time per cache directory.
-exec 9>"$CACHE/.lock"
-if command -v flock >/dev/null 2>&1; then
-  flock 9
-fi
+# One build at a time per binary, taken only to build (a lookup of cached binaries never
+# waits for a build of others): the four original binaries share "$CACHE/.lock", as before.
+lock_for() {  # lock_for NAME: hold the build lock of NAME on fd 9 until unlock
+  local file="$CACHE/.lock-$1"
+  case "$1" in etcd|kube-apiserver|kube-controller-manager|helm) file="$CACHE/.lock" ;; esac
+  exec 9>"$file"
+  if command -v flock >/dev/null 2>&1; then flock 9; fi
+}
+unlock() { exec 9>&-; }
 
 # Go environment for the builds: static binaries, no VCS stamping (the module
 # cache has no .git), module mode, workspace off.
@@ -327,9 +340,11 @@ check_bin() {  # check_bin PATH ARGS... : binary exists and runs
 # timed NAME VERSION FUNC ARGS...: run a build, log its wall time to build-times.log.
 timed() {
   local name="$1" version="$2"; shift 2
+  lock_for "$name"
   local t1=$SECONDS
   "$@"
   local took=$((SECONDS - t1))
+  unlock
   echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $name $version built in $took s (nice $BUILD_NICE, -p $BUILD_PARALLEL, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))" \
     >>"$LOG_DIR/build-times.log"
   log "$name $version built in $took s"
@@ -413,6 +428,27 @@ if wanted training-operator; then
   fi
 fi
 
+# Opt-in: JobSet's controller and Kubeflow Trainer v2's (a TrainJob runs as a JobSet).
+if wanted jobset; then
+  if check_bin "$JOBSET_BIN" -h; then
+    log "jobset $JOBSET_VERSION: cached"
+  else
+    timed jobset "$JOBSET_VERSION" build_module jobset sigs.k8s.io/jobset "$JOBSET_VERSION" \
+      sigs.k8s.io/jobset "$JOBSET_BIN"
+    check_bin "$JOBSET_BIN" -h || die "built $JOBSET_BIN but '$JOBSET_BIN -h' fails"
+  fi
+fi
+if wanted trainer; then
+  if check_bin "$TRAINER_BIN" -h; then
+    log "trainer $TRAINER_VERSION: cached"
+  else
+    timed trainer "$TRAINER_VERSION" build_module trainer github.com/kubeflow/trainer/v2 \
+      "$TRAINER_VERSION" github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
+      "$TRAINER_BIN"
+    check_bin "$TRAINER_BIN" -h || die "built $TRAINER_BIN but '$TRAINER_BIN -h' fails"
+  fi
+fi
+
 # show NAME BIN VERSION-ARGS...: one line per binary in the cache.
 show() {
   local name="$1" bin="$2"; shift 2
@@ -444,3 +480,5 @@ emit PERSEUS_KWOK_BIN "$KWOK_BIN"
 emit PERSEUS_KWOK_STAGES "$KWOK_STAGES"
 emit PERSEUS_TRAINING_OPERATOR_BIN "$TRAINING_OPERATOR_BIN"
 emit PERSEUS_TRAINING_OPERATOR_MANIFESTS "$TRAINING_OPERATOR_MANIFESTS"
+emit PERSEUS_JOBSET_BIN "$JOBSET_BIN"
+emit PERSEUS_TRAINER_BIN "$TRAINER_BIN"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"  # named in i
 # Hard-coded in the operator (pkg/cert): where the Secret would be mounted.
 CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
 PYTORCH_WEBHOOK_PATH = "/validate-kubeflow-org-v1-pytorchjob"
+READY_TIMEOUT_S = 60.0
 
 
 def pytorch_job_crd(manifests: Path) -> dict[str, Any]:
@@ -91,6 +94,8 @@ def _certificates(workdir: Path) -> dict[str, str]:
         "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "3650",
         "-extfile", str(d / "ext.cnf"), "-out", str(d / "tls.crt"),
     )  # fmt: skip
+    for key in ("ca.key", "tls.key"):  # the rotator parses PKCS #1 keys only
+        openssl("rsa", "-in", str(d / key), "-traditional", "-out", str(d / key))
     return {name: (d / name).read_text() for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}
 
 
@@ -119,6 +124,7 @@ def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) 
             _webhook_configuration(manifests, port, certs["ca.crt"]),
         ]
     )
+    probe_port = free_port()
     plane.spawn(
         "training-operator",
         [
@@ -129,8 +135,20 @@ def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) 
             f"--webhook-service-name={SERVICE}",
             f"--webhook-secret-name={SECRET}",
             f"--metrics-bind-address=127.0.0.1:{free_port()}",
-            f"--health-probe-bind-address=127.0.0.1:{free_port()}",
+            f"--health-probe-bind-address=127.0.0.1:{probe_port}",
             "--leader-elect=false",
         ],
         env={**os.environ, "MY_POD_NAMESPACE": NAMESPACE},
+    )
+    # Ready once its webhook serves (certificates checked, CA injected): before that the API
+    # server refuses every PyTorchJob write (the webhook's failurePolicy is Fail).
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}/readyz", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(
+        f"training-operator not ready in {READY_TIMEOUT_S} s:\n{plane.log('training-operator')}"
     )

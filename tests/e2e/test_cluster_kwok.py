@@ -328,9 +328,9 @@ def expected_ranks(node_rank: int) -> list[dict[str, int]]:
         ranks.append(
             {
                 "rank": rank,
-                "localRank": local,
-                "tpRank": rank % TENSOR_PARALLEL,
-                "dpRank": rest % DATA_PARALLEL,
+                "local_rank": local,
+                "tp_rank": rank % TENSOR_PARALLEL,
+                "dp_rank": rest % DATA_PARALLEL,
                 "stage": rest // DATA_PARALLEL,
             }
         )
@@ -400,10 +400,10 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
         for name, node in on.items():
             assignments = sorted(by_node[node]["assignments"], key=lambda a: a["rank"])
             assert {a["pod"] for a in assignments} == {name}, (node, assignments)
-            assert {a["podUid"] for a in assignments} == {pods[name].metadata.uid}
+            assert {a["pod_uid"] for a in assignments} == {pods[name].metadata.uid}
             assert {a["container"] for a in assignments} == {PYTORCH_CONTAINER}
             got = [
-                {k: a[k] for k in ("rank", "localRank", "tpRank", "dpRank", "stage")}
+                {k: a[k] for k in ("rank", "local_rank", "tp_rank", "dp_rank", "stage")}
                 for a in assignments
             ]
             assert got == expected_ranks(node_rank_of[name]), (name, node, got)
