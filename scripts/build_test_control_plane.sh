@@ -47,7 +47,7 @@
 #   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
 #   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   BUILD_NICE         nice level for the builds      (default 10)
-#   BUILD_PARALLEL     go build -p value              (default 1; raise on big machines)
+#   BUILD_PARALLEL     go build -p value              (default: the cores, 1 on <= 2 cores)
 #
 # Build output goes to <cache>/logs/*.log, each build's wall time to
 # <cache>/logs/build-times.log; on failure the tail of the log (the
@@ -63,7 +63,10 @@ JOBSET_VERSION="${JOBSET_VERSION:-v0.8.2}"  # the one trainer v2.0.0's go.mod re
 TRAINER_VERSION="${TRAINER_VERSION:-v2.0.0}"
 CACHE="${PERSEUS_K8S_CACHE:-$HOME/.cache/perseus-k8s}"
 BUILD_NICE="${BUILD_NICE:-10}"
-BUILD_PARALLEL="${BUILD_PARALLEL:-1}"
+# One build at a time; each compiles on every core where there are more than two (CI), on
+# one where there are two (a shared development machine).
+CORES="$(nproc 2>/dev/null || echo 1)"
+if [[ "$CORES" -gt 2 ]]; then BUILD_PARALLEL="${BUILD_PARALLEL:-$CORES}"; else BUILD_PARALLEL="${BUILD_PARALLEL:-1}"; fi
 
 DEFAULT_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator"
 # Built only when named in --only: no test runs them yet (see scripts/control_plane.md).
