@@ -370,6 +370,9 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
         env = {e.name: e.value for e in trainer.env or []}
         assert env["RANK"] == env["PET_NODE_RANK"] == str(node_rank_of[name]), (name, env)
         assert env["PET_NNODES"] == "3", (name, env)
+        # Workers wait for the Master in an init container, which KWOK reports finished.
+        init = [c.name for c in pod.spec.init_containers or []]
+        assert init == ([] if replica_type == "master" else ["init-pytorch"]), (name, init)
     assert sorted(node_rank_of.values()) == [0, 1, 2]
 
     operator = OperatorProcess(cluster.operator_kubeconfig)
