@@ -83,7 +83,8 @@ GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 STAGES, DATA_PARALLEL, TENSOR_PARALLEL, MICROBATCHES = 2, 3, 2, 4
 TIMEOUT_S = 120.0
 SCHEDULER = "default-scheduler"  # the scheduler's name in the events it writes
-# The test's own KWOK stage: a Running pod annotated so ends as a finished container does.
+# The test's own KWOK stage: a Running pod annotated Succeeded or Failed ends so, as if its
+# containers had exited 0 or 1.
 FINISH_ANNOTATION = "perseus.test/finish"
 FINISH_STAGE: dict[str, Any] = {
     "apiVersion": "kwok.x-k8s.io/v1alpha1",
@@ -98,27 +99,28 @@ FINISH_STAGE: dict[str, Any] = {
                 {
                     "key": f'.metadata.annotations["{FINISH_ANNOTATION}"]',
                     "operator": "In",
-                    "values": ["Succeeded"],
+                    "values": ["Succeeded", "Failed"],
                 },
             ]
         },
         "next": {
-            "statusTemplate": """{{ $now := Now }}
+            "statusTemplate": f"""{{{{ $now := Now }}}}
+{{{{ $phase := index .metadata.annotations "{FINISH_ANNOTATION}" }}}}
 containerStatuses:
-{{ range .spec.containers }}
-- image: {{ .image | Quote }}
-  name: {{ .name | Quote }}
+{{{{ range .spec.containers }}}}
+- image: {{{{ .image | Quote }}}}
+  name: {{{{ .name | Quote }}}}
   ready: false
   restartCount: 0
   started: false
   state:
     terminated:
-      exitCode: 0
-      finishedAt: {{ $now | Quote }}
-      reason: Completed
-      startedAt: {{ $now | Quote }}
-{{ end }}
-phase: Succeeded
+      exitCode: {{{{ if eq $phase "Failed" }}}}1{{{{ else }}}}0{{{{ end }}}}
+      finishedAt: {{{{ $now | Quote }}}}
+      reason: {{{{ if eq $phase "Failed" }}}}Error{{{{ else }}}}Completed{{{{ end }}}}
+      startedAt: {{{{ $now | Quote }}}}
+{{{{ end }}}}
+phase: {{{{ $phase }}}}
 """
         },
     },
@@ -270,13 +272,13 @@ def test_agent_daemonset_is_scheduled_onto_the_gpu_nodes_only(kwok_cluster: Clus
     assert set(on) <= scheduled, (sorted(on), sorted(scheduled))
 
 
-def pytorch_job() -> dict[str, Any]:
-    """A Master and two Workers, four GPUs each, tolerating the GPU nodes' taint."""
+def pytorch_job(name: str, workers: int, restart_policy: str) -> dict[str, Any]:
+    """A Master and ``workers`` Workers, four GPUs each, tolerating the GPU nodes' taint."""
 
     def replica(replicas: int) -> dict[str, Any]:
         return {
             "replicas": replicas,
-            "restartPolicy": "OnFailure",
+            "restartPolicy": restart_policy,
             "template": {
                 "spec": {
                     "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists"}],
@@ -295,27 +297,54 @@ def pytorch_job() -> dict[str, Any]:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": JOB, "namespace": NAMESPACE},
-        "spec": {"pytorchReplicaSpecs": {"Master": replica(1), "Worker": replica(2)}},
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"pytorchReplicaSpecs": {"Master": replica(1), "Worker": replica(workers)}},
     }
 
 
-def perseus_job() -> dict[str, Any]:
+def perseus_job(name: str, data_parallel: int) -> dict[str, Any]:
     return {
         "apiVersion": resources.API_VERSION,
         "kind": "PerseusJob",
-        "metadata": {"name": JOB, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
-            "workload": {"kind": "PyTorchJob", "name": JOB},
+            "workload": {"kind": "PyTorchJob", "name": name},
             "parallelism": {
                 "pipelineStages": STAGES,
-                "dataParallel": DATA_PARALLEL,
+                "dataParallel": data_parallel,
                 "tensorParallel": TENSOR_PARALLEL,
                 "microbatches": MICROBATCHES,
             },
             "policy": {"blockingPowerWatts": 80.0},
         },
     }
+
+
+def node_plans(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.custom.list_namespaced_custom_object(
+        resources.GROUP,
+        resources.VERSION,
+        NAMESPACE,
+        resources.NODE_PLAN_PLURAL,
+        label_selector=f"{resources.JOB_LABEL}={job}",
+    )["items"]
+    return items
+
+
+def job_status(cluster: Cluster, job: str) -> dict[str, Any]:
+    found = cluster.custom.get_namespaced_custom_object(
+        resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", job
+    )
+    return dict(found.get("status") or {})
+
+
+def pytorch_job_condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any] | None:
+    """The PyTorchJob's condition ``kind`` when True, as the training-operator wrote it."""
+    found = cluster.custom.get_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", job
+    )
+    conditions = (found.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind and c["status"] == "True"), None)
 
 
 def expected_ranks(node_rank: int) -> list[dict[str, int]]:
@@ -343,7 +372,7 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
     cluster = training_operator
     core, custom = cluster.core, cluster.custom
     custom.create_namespaced_custom_object(
-        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job()
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job(JOB, 2, "OnFailure")
     )
     selector = f"{PYTORCH_JOB_NAME}={JOB}"
 
@@ -378,26 +407,13 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
     operator = OperatorProcess(cluster.operator_kubeconfig)
     try:
         custom.create_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job()
+            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job(JOB, 3)
         )
-
-        def node_plans() -> list[dict[str, Any]]:
-            items: list[dict[str, Any]] = custom.list_namespaced_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                NAMESPACE,
-                resources.NODE_PLAN_PLURAL,
-                label_selector=f"{resources.JOB_LABEL}={JOB}",
-            )["items"]
-            return items
-
         plans = operator.wait_for(
-            "a node plan on each GPU node", lambda: len(node_plans()) == 3 and node_plans()
+            "a node plan on each GPU node",
+            lambda: len(found := node_plans(cluster, JOB)) == 3 and found,
         )
-        job = custom.get_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", JOB
-        )
-        assert job["status"]["nodes"] == GPU_NODES, job["status"]
+        assert job_status(cluster, JOB)["nodes"] == GPU_NODES
         by_node = {p["spec"]["node"]: p["spec"] for p in plans}
         assert sorted(by_node) == GPU_NODES
         for name, node in on.items():
@@ -416,32 +432,57 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
             core.patch_namespaced_pod(
                 name, NAMESPACE, {"metadata": {"annotations": {FINISH_ANNOTATION: "Succeeded"}}}
             )
-
-        def pytorch_job_condition() -> dict[str, Any] | None:
-            found = custom.get_namespaced_custom_object(
-                "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", JOB
-            )
-            conditions = (found.get("status") or {}).get("conditions") or []
-            return next(
-                (c for c in conditions if c["type"] == "Succeeded" and c["status"] == "True"),
-                None,
-            )
-
-        succeeded = wait(cluster, "the PyTorchJob Succeeded", pytorch_job_condition)
+        succeeded = wait(
+            cluster,
+            "the PyTorchJob Succeeded",
+            lambda: pytorch_job_condition(cluster, JOB, "Succeeded"),
+        )
         assert succeeded["reason"] == "PyTorchJobSucceeded", succeeded
         status = operator.wait_for(
             "the PerseusJob Completed",
-            lambda: (
-                (
-                    s := custom.get_namespaced_custom_object(
-                        resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", JOB
-                    )["status"]
-                ).get("phase")
-                == "Completed"
-                and s
-            ),
+            lambda: (s := job_status(cluster, JOB)).get("phase") == "Completed" and s,
         )
         assert "finished" in status["message"], status
-        operator.wait_for("its node plans released", lambda: node_plans() == [])
+        operator.wait_for("its node plans released", lambda: node_plans(cluster, JOB) == [])
+    finally:
+        print(operator.stop()[-3000:])
+
+
+def test_real_pytorchjob_failure_fails_the_job(training_operator: Cluster) -> None:
+    """The Master's container exits 1 under restartPolicy Never: the training-operator marks
+    the PyTorchJob Failed, and the PerseusJob fails with its reason, plans released."""
+    cluster, job = training_operator, "gpt-kwok-fails"
+    cluster.custom.create_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job(job, 1, "Never")
+    )
+    operator = OperatorProcess(cluster.operator_kubeconfig)
+    try:
+        cluster.custom.create_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job(job, 2)
+        )
+        operator.wait_for(
+            "a node plan on each of its 2 nodes", lambda: len(node_plans(cluster, job)) == 2
+        )
+        (master,) = cluster.core.list_namespaced_pod(
+            NAMESPACE,
+            label_selector=f"{PYTORCH_JOB_NAME}={job},{PYTORCH_REPLICA_TYPE}=master",
+        ).items
+        cluster.core.patch_namespaced_pod(
+            master.metadata.name,
+            NAMESPACE,
+            {"metadata": {"annotations": {FINISH_ANNOTATION: "Failed"}}},
+        )
+        failed = wait(
+            cluster, "the PyTorchJob Failed", lambda: pytorch_job_condition(cluster, job, "Failed")
+        )
+        status = operator.wait_for(
+            "the PerseusJob Failed",
+            lambda: (s := job_status(cluster, job)).get("phase") == "Failed" and s,
+        )
+        assert status["message"].startswith(f"PyTorchJob {job} failed ({failed['reason']}"), (
+            status,
+            failed,
+        )
+        operator.wait_for("its node plans released", lambda: node_plans(cluster, job) == [])
     finally:
         print(operator.stop()[-3000:])
