@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build (or reuse from cache) a kube-apiserver, a kube-controller-manager (for
 # its garbage collector and workload controllers), an etcd, the helm CLI, a
-# kube-scheduler, KWOK's controller (fake nodes and pod phases) and Kubeflow's
-# training-operator for end-to-end tests that run a real control plane on
+# kube-scheduler, KWOK's controller (fake nodes and pod phases), Kubeflow's
+# training-operator, JobSet's controller and Kubeflow Trainer v2 for end-to-end tests that run a real control plane on
 # 127.0.0.1 and install the chart with `helm`.
 #
 # All are built from Go modules with the local Go toolchain (no registry
@@ -18,6 +18,8 @@
 #   $PERSEUS_K8S_CACHE/kwok-<KWOK_VERSION>/stages/*.yaml
 #   $PERSEUS_K8S_CACHE/training-operator-<TRAINING_OPERATOR_VERSION>/training-operator
 #   $PERSEUS_K8S_CACHE/training-operator-<TRAINING_OPERATOR_VERSION>/manifests/*.yaml
+#   $PERSEUS_K8S_CACHE/jobset-<JOBSET_VERSION>/{jobset,manifests/*.yaml}
+#   $PERSEUS_K8S_CACHE/trainer-<TRAINER_VERSION>/{trainer-controller-manager,manifests/*.yaml}
 #
 # (default cache: ~/.cache/perseus-k8s). A second run with the same versions
 # only checks that the binaries exist and run, and prints their paths.
@@ -29,10 +31,12 @@
 #       # PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=... PERSEUS_HELM_BIN=...
 #       # PERSEUS_KUBE_SCHEDULER_BIN=... PERSEUS_KWOK_BIN=... PERSEUS_KWOK_STAGES=...
 #       # PERSEUS_TRAINING_OPERATOR_BIN=... PERSEUS_TRAINING_OPERATOR_MANIFESTS=...
+#       # PERSEUS_JOBSET_BIN=... PERSEUS_JOBSET_MANIFESTS=... PERSEUS_TRAINER_BIN=...
+#       # PERSEUS_TRAINER_MANIFESTS=...
 #   scripts/build_test_control_plane.sh --only kwok,kube-scheduler
 #       # build/reuse only those (names: etcd kube-apiserver kube-controller-manager
-#       # helm kube-scheduler kwok training-operator, the default; and, only when
-#       # named, jobset trainer); --env still prints every binary in the cache
+#       # helm kube-scheduler kwok training-operator jobset trainer; default: all);
+#       # --env still prints every binary in the cache
 #       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
 #       # and warns "unrecognized environment variable" about ETCD_BIN)
 #
@@ -42,8 +46,8 @@
 #   HELM_VERSION       helm.sh/helm/v3 version        (default v3.22.0)
 #   KWOK_VERSION       sigs.k8s.io/kwok version       (default v0.8.0)
 #   TRAINING_OPERATOR_VERSION  github.com/kubeflow/training-operator (default v1.8.1)
-#   JOBSET_VERSION     sigs.k8s.io/jobset (--only jobset; default v0.8.2)
-#   TRAINER_VERSION    github.com/kubeflow/trainer/v2 (--only trainer; default v2.0.0)
+#   JOBSET_VERSION     sigs.k8s.io/jobset             (default v0.8.2)
+#   TRAINER_VERSION    github.com/kubeflow/trainer/v2 (default v2.0.0)
 #   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
 #   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   BUILD_NICE         nice level for the builds      (default 10)
@@ -68,12 +72,9 @@ BUILD_NICE="${BUILD_NICE:-10}"
 CORES="$(nproc 2>/dev/null || echo 1)"
 if [[ "$CORES" -gt 2 ]]; then BUILD_PARALLEL="${BUILD_PARALLEL:-$CORES}"; else BUILD_PARALLEL="${BUILD_PARALLEL:-1}"; fi
 
-DEFAULT_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator"
-# Built only when named in --only: no test runs them yet (see scripts/control_plane.md).
-EXTRA_NAMES="jobset trainer"
-ALL_NAMES="$DEFAULT_NAMES $EXTRA_NAMES"
+ALL_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator jobset trainer"
 PRINT_ENV=0
-ONLY="$DEFAULT_NAMES"
+ONLY="$ALL_NAMES"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --env) PRINT_ENV=1 ;;
@@ -84,7 +85,7 @@ while [[ $# -gt 0 ]]; do
         [[ " $ALL_NAMES " == *" $name "* ]] \
           || { echo "--only: unknown name '$name' (known: $ALL_NAMES)" >&2; exit 2; }
       done ;;
-    -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -124,7 +125,9 @@ KWOK_STAGES="$CACHE/kwok-$KWOK_VERSION/stages"
 TRAINING_OPERATOR_BIN="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/training-operator"
 TRAINING_OPERATOR_MANIFESTS="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/manifests"
 JOBSET_BIN="$CACHE/jobset-$JOBSET_VERSION/jobset"
+JOBSET_MANIFESTS="$CACHE/jobset-$JOBSET_VERSION/manifests"
 TRAINER_BIN="$CACHE/trainer-$TRAINER_VERSION/trainer-controller-manager"
+TRAINER_MANIFESTS="$CACHE/trainer-$TRAINER_VERSION/manifests"
 LOG_DIR="$CACHE/logs"
 mkdir -p "$CACHE" "$LOG_DIR"
 
@@ -431,24 +434,52 @@ if wanted training-operator; then
   fi
 fi
 
-# Opt-in: JobSet's controller and Kubeflow Trainer v2's (a TrainJob runs as a JobSet).
+# JobSet's controller and Kubeflow Trainer v2's (a TrainJob runs as a JobSet); trainer after
+# jobset: the same k8s and controller-runtime packages, in the Go build cache by then.
+# copy_manifests DEST SRC-DIR RELATIVE-PATH...: a module's manifests, for the tests to apply.
+copy_manifests() {
+  local dest="$1" src="$2"; shift 2
+  mkdir -p "$dest"
+  local f
+  for f in "$@"; do
+    [[ -f "$src/$f" ]] || die "no $f in $src"
+    cp "$src/$f" "$dest/$(echo "$f" | tr / _)"
+  done
+  chmod u+w "$dest"/*.yaml
+}
 if wanted jobset; then
-  if check_bin "$JOBSET_BIN" -h; then
+  if check_bin "$JOBSET_BIN" -h && [[ -f "$JOBSET_MANIFESTS/config_components_webhook_manifests.yaml" ]]; then
     log "jobset $JOBSET_VERSION: cached"
   else
     timed jobset "$JOBSET_VERSION" build_module jobset sigs.k8s.io/jobset "$JOBSET_VERSION" \
       sigs.k8s.io/jobset "$JOBSET_BIN"
     check_bin "$JOBSET_BIN" -h || die "built $JOBSET_BIN but '$JOBSET_BIN -h' fails"
+    copy_manifests "$JOBSET_MANIFESTS" "$(module_dir sigs.k8s.io/jobset "$JOBSET_VERSION")" \
+      config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml \
+      config/components/webhook/manifests.yaml
   fi
 fi
 if wanted trainer; then
-  if check_bin "$TRAINER_BIN" -h; then
+  if check_bin "$TRAINER_BIN" -h && [[ -f "$TRAINER_MANIFESTS/podgroups.yaml" ]]; then
     log "trainer $TRAINER_VERSION: cached"
   else
     timed trainer "$TRAINER_VERSION" build_module trainer github.com/kubeflow/trainer/v2 \
       "$TRAINER_VERSION" github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
       "$TRAINER_BIN"
     check_bin "$TRAINER_BIN" -h || die "built $TRAINER_BIN but '$TRAINER_BIN -h' fails"
+    src="$(module_dir github.com/kubeflow/trainer/v2 "$TRAINER_VERSION")"
+    copy_manifests "$TRAINER_MANIFESTS" "$src" \
+      manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml \
+      manifests/base/crds/trainer.kubeflow.org_trainingruntimes.yaml \
+      manifests/base/crds/trainer.kubeflow.org_clustertrainingruntimes.yaml \
+      manifests/base/webhook/manifests.yaml manifests/base/runtimes/torch_distributed.yaml
+    # Its coscheduling plugin watches scheduler-plugins' PodGroups: their CRD, from the
+    # version its go.mod requires.
+    plugins="$(sed -n 's|^[[:space:]]*sigs.k8s.io/scheduler-plugins \(v[^[:space:]]*\).*|\1|p' "$src/go.mod")"
+    [[ -n "$plugins" ]] || die "no sigs.k8s.io/scheduler-plugins in $src/go.mod"
+    cp "$(module_dir sigs.k8s.io/scheduler-plugins "$plugins")/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" \
+      "$TRAINER_MANIFESTS/podgroups.yaml"
+    chmod u+w "$TRAINER_MANIFESTS/podgroups.yaml"
   fi
 fi
 
@@ -484,4 +515,6 @@ emit PERSEUS_KWOK_STAGES "$KWOK_STAGES"
 emit PERSEUS_TRAINING_OPERATOR_BIN "$TRAINING_OPERATOR_BIN"
 emit PERSEUS_TRAINING_OPERATOR_MANIFESTS "$TRAINING_OPERATOR_MANIFESTS"
 emit PERSEUS_JOBSET_BIN "$JOBSET_BIN"
+emit PERSEUS_JOBSET_MANIFESTS "$JOBSET_MANIFESTS"
 emit PERSEUS_TRAINER_BIN "$TRAINER_BIN"
+emit PERSEUS_TRAINER_MANIFESTS "$TRAINER_MANIFESTS"

@@ -64,29 +64,52 @@ def _webhook_configuration(manifests: Path, port: int, ca_pem: str) -> dict[str,
     return dict(configuration)
 
 
-def _certificates(workdir: Path) -> dict[str, str]:
-    """A CA (valid for the rotator's CA name) and a serving certificate it signed, for ten
-    years (the rotator replaces certificates expiring within 90 days)."""
-    d = workdir / "training-operator-certs"
-    d.mkdir(exist_ok=True)
+# Every webhook server here reads the same hard-coded directory (the training-operator's and
+# Trainer v2's), so one serving certificate names all their services, signed by one CA that
+# each one's rotator accepts under its own CA name.
+CA_NAMES = ("training-operator-ca", "kubeflow-trainer-ca")
+SERVICE_NAMES = (
+    f"{SERVICE}.{NAMESPACE}.svc",
+    "kubeflow-trainer-controller-manager.kubeflow-system.svc",
+)
 
+
+def webhook_certificates(workdir: Path) -> dict[str, str]:
+    """A CA and a serving certificate it signed (for the services and 127.0.0.1), for ten
+    years (the rotators replace certificates expiring within 90 days); made once per
+    ``workdir``, and written to :data:`CERT_DIR` as the kubelet would mount them."""
+    d = workdir / "webhook-certs"
+    names = ("ca.crt", "ca.key", "tls.crt", "tls.key")
+    if not (d / "tls.crt").exists():
+        d.mkdir(exist_ok=True)
+        _make_certificates(d)
+    certs = {name: (d / name).read_text() for name in names}
+    CERT_DIR.mkdir(parents=True, exist_ok=True)
+    for name in ("tls.crt", "tls.key"):
+        (CERT_DIR / name).write_text(certs[name])
+    return certs
+
+
+def _make_certificates(d: Path) -> None:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True)
 
+    ca_sans = ",".join(f"DNS:{name}" for name in CA_NAMES)
     openssl(
         "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
         "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"),
-        "-subj", "/O=training-operator/CN=training-operator-ca",
-        "-addext", "subjectAltName=DNS:training-operator-ca",
+        "-subj", "/O=perseus-test/CN=perseus-test-webhook-ca",
+        "-addext", f"subjectAltName={ca_sans}",
         "-addext", "basicConstraints=critical,CA:TRUE",
         "-addext", "keyUsage=critical,keyCertSign,digitalSignature,keyEncipherment",
     )  # fmt: skip
     openssl(
         "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "tls.key"),
-        "-out", str(d / "tls.csr"), "-subj", f"/CN={SERVICE}.{NAMESPACE}.svc",
+        "-out", str(d / "tls.csr"), "-subj", f"/CN={SERVICE_NAMES[0]}",
     )  # fmt: skip
+    sans = ",".join([*(f"DNS:{name}" for name in SERVICE_NAMES), "IP:127.0.0.1"])
     (d / "ext.cnf").write_text(
-        f"subjectAltName=DNS:{SERVICE}.{NAMESPACE}.svc,IP:127.0.0.1\n"
+        f"subjectAltName={sans}\n"
         "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
     )
     openssl(
@@ -94,9 +117,20 @@ def _certificates(workdir: Path) -> dict[str, str]:
         "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "3650",
         "-extfile", str(d / "ext.cnf"), "-out", str(d / "tls.crt"),
     )  # fmt: skip
-    for key in ("ca.key", "tls.key"):  # the rotator parses PKCS #1 keys only
+    for key in ("ca.key", "tls.key"):  # the rotators parse PKCS #1 keys only
         openssl("rsa", "-in", str(d / key), "-traditional", "-out", str(d / key))
-    return {name: (d / name).read_text() for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}
+
+
+def wait_ready(plane: ControlPlane, name: str, probe_port: int) -> None:
+    """Until ``name``'s ``/readyz`` answers 200; fails with its log."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}/readyz", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"{name} not ready in {READY_TIMEOUT_S} s:\n{plane.log(name)}")
 
 
 def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) -> None:
@@ -107,10 +141,7 @@ def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) 
     crd = pytorch_job_crd(manifests)
     plane.apply([crd])
     wait_established(plane, crd["metadata"]["name"])
-    certs = _certificates(plane.workdir)
-    CERT_DIR.mkdir(parents=True, exist_ok=True)
-    for name in ("tls.crt", "tls.key"):
-        (CERT_DIR / name).write_text(certs[name])
+    certs = webhook_certificates(plane.workdir)
     port = free_port()
     plane.apply(
         [
@@ -142,13 +173,4 @@ def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) 
     )
     # Ready once its webhook serves (certificates checked, CA injected): before that the API
     # server refuses every PyTorchJob write (the webhook's failurePolicy is Fail).
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}/readyz", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(
-        f"training-operator not ready in {READY_TIMEOUT_S} s:\n{plane.log('training-operator')}"
-    )
+    wait_ready(plane, "training-operator", probe_port)

@@ -49,10 +49,14 @@ from control_plane import (
     binaries,
     optional_binary,
 )
+from kubeflow_trainer import start_jobset, start_trainer
 from operator_harness import OperatorProcess
 from perseus_api import resources
 from perseus_operator.workloads import (
+    COMPLETION_INDEX,
     GPU_RESOURCE,
+    JOBSET_JOB_INDEX,
+    JOBSET_NAME,
     PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,
     PYTORCH_REPLICA_INDEX,
@@ -148,7 +152,8 @@ def kwok_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         *found,
         # The API server taints every new Node not-ready (TaintNodesByCondition); the node
         # lifecycle controller lifts it once KWOK reports the node Ready, as for a kubelet.
-        controllers=("garbagecollector", "daemonset", "nodelifecycle"),
+        # The job controller for Trainer v2's TrainJob (a JobSet of batch Jobs).
+        controllers=("garbagecollector", "daemonset", "nodelifecycle", "job"),
         # KWOK's heartbeats come every 20-45 s: a loaded machine must not make nodes NotReady.
         controller_manager_flags=("--node-monitor-grace-period=180s",),
         scheduler=scheduler,
@@ -180,6 +185,23 @@ def training_operator(kwok_cluster: Cluster) -> Cluster:
         for v in ("PERSEUS_TRAINING_OPERATOR_BIN", "PERSEUS_TRAINING_OPERATOR_MANIFESTS")
     )
     start_training_operator(kwok_cluster.plane, binary, manifests)
+    return kwok_cluster
+
+
+@pytest.fixture(scope="module")
+def trainer(kwok_cluster: Cluster) -> Cluster:
+    """JobSet's and Trainer v2's controllers, CRDs and webhooks on ``kwok_cluster``."""
+    jobset, jobset_manifests, trainer, trainer_manifests = (
+        found_or_require(v)
+        for v in (
+            "PERSEUS_JOBSET_BIN",
+            "PERSEUS_JOBSET_MANIFESTS",
+            "PERSEUS_TRAINER_BIN",
+            "PERSEUS_TRAINER_MANIFESTS",
+        )
+    )
+    start_jobset(kwok_cluster.plane, jobset, jobset_manifests)
+    start_trainer(kwok_cluster.plane, trainer, trainer_manifests)
     return kwok_cluster
 
 
@@ -222,7 +244,14 @@ def wait(cluster: Cluster, what: str, check: Any, timeout_s: float = TIMEOUT_S) 
         time.sleep(0.2)
     logs = "\n".join(
         f"---- {name} ----\n{cluster.plane.log(name)[-4000:]}"
-        for name in ("kube-scheduler", "kwok", "kube-controller-manager", "training-operator")
+        for name in (
+            "kube-scheduler",
+            "kwok",
+            "kube-controller-manager",
+            "training-operator",
+            "jobset",
+            "trainer",
+        )
     )
     pytest.fail(f"timed out waiting for {what}\n{logs}")
 
@@ -347,7 +376,7 @@ def pytorch_job_condition(cluster: Cluster, job: str, kind: str) -> dict[str, An
     return next((c for c in conditions if c["type"] == kind and c["status"] == "True"), None)
 
 
-def expected_ranks(node_rank: int) -> list[dict[str, int]]:
+def expected_ranks(node_rank: int, data_parallel: int = 3) -> list[dict[str, int]]:
     """The ranks of the pod with ``node_rank`` under the default tp-dp-pp order, computed
     here independently of the operator's code: rank = node rank x GPUs + local GPU."""
     ranks = []
@@ -359,8 +388,8 @@ def expected_ranks(node_rank: int) -> list[dict[str, int]]:
                 "rank": rank,
                 "local_rank": local,
                 "tp_rank": rank % TENSOR_PARALLEL,
-                "dp_rank": rest % DATA_PARALLEL,
-                "stage": rest // DATA_PARALLEL,
+                "dp_rank": rest % data_parallel,
+                "stage": rest // data_parallel,
             }
         )
     return ranks
@@ -483,6 +512,89 @@ def test_real_pytorchjob_failure_fails_the_job(training_operator: Cluster) -> No
             status,
             failed,
         )
+        operator.wait_for("its node plans released", lambda: node_plans(cluster, job) == [])
+    finally:
+        print(operator.stop()[-3000:])
+
+
+def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(trainer: Cluster) -> None:
+    """A TrainJob on the torch-distributed runtime: Trainer v2 makes a JobSet, JobSet a batch
+    Job, the job controller its indexed pods; the operator ranks them by what those wrote."""
+    cluster, job = trainer, "llama-kwok"
+    toleration = {"key": GPU_RESOURCE, "operator": "Exists"}
+    body = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": job, "namespace": NAMESPACE},
+        "spec": {
+            "runtimeRef": {"name": "torch-distributed"},
+            "trainer": {"numNodes": 2, "resourcesPerNode": {"limits": {GPU_RESOURCE: GPUS}}},
+            "podSpecOverrides": [{"targetJobs": [{"name": "node"}], "tolerations": [toleration]}],
+        },
+    }
+    cluster.custom.create_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", NAMESPACE, "trainjobs", body
+    )
+    selector = f"{JOBSET_NAME}={job}"
+
+    def training_pods() -> dict[str, str] | None:
+        pods = cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+        on = running_on(pods)
+        return on if len(on) == 2 and len(pods) == 2 else None
+
+    on = wait(cluster, "the TrainJob's 2 pods Running", training_pods)
+    assert len(set(on.values())) == 2 and set(on.values()) <= set(GPU_NODES), on
+    pods = {
+        p.metadata.name: p
+        for p in cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+    }
+    node_rank_of = {
+        name: int(p.metadata.labels[JOBSET_JOB_INDEX]) * 2
+        + int(p.metadata.annotations[COMPLETION_INDEX])
+        for name, p in pods.items()
+    }
+    assert sorted(node_rank_of.values()) == [0, 1], node_rank_of
+    operator = OperatorProcess(cluster.operator_kubeconfig)
+    try:
+        body = perseus_job(job, 2)
+        body["spec"]["workload"] = {"kind": "TrainJob", "name": job}
+        cluster.custom.create_namespaced_custom_object(
+            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", body
+        )
+        plans = operator.wait_for(
+            "a node plan on each of its 2 nodes",
+            lambda: len(found := node_plans(cluster, job)) == 2 and found,
+        )
+        by_node = {p["spec"]["node"]: p["spec"] for p in plans}
+        for name, node in on.items():
+            assignments = sorted(by_node[node]["assignments"], key=lambda a: a["rank"])
+            assert {a["pod"] for a in assignments} == {name}, (node, assignments)
+            got = [
+                {k: a[k] for k in ("rank", "local_rank", "tp_rank", "dp_rank", "stage")}
+                for a in assignments
+            ]
+            assert got == expected_ranks(node_rank_of[name], data_parallel=2), (name, got)
+        for name in pods:
+            cluster.core.patch_namespaced_pod(
+                name, NAMESPACE, {"metadata": {"annotations": {FINISH_ANNOTATION: "Succeeded"}}}
+            )
+
+        def train_job_complete() -> dict[str, Any] | None:
+            found = cluster.custom.get_namespaced_custom_object(
+                "trainer.kubeflow.org", "v1alpha1", NAMESPACE, "trainjobs", job
+            )
+            conditions = (found.get("status") or {}).get("conditions") or []
+            return next(
+                (c for c in conditions if c["type"] == "Complete" and c["status"] == "True"),
+                None,
+            )
+
+        complete = wait(cluster, "the TrainJob Complete", train_job_complete)
+        status = operator.wait_for(
+            "the PerseusJob Completed",
+            lambda: (s := job_status(cluster, job)).get("phase") == "Completed" and s,
+        )
+        assert "finished" in status["message"], (status, complete)
         operator.wait_for("its node plans released", lambda: node_plans(cluster, job) == [])
     finally:
         print(operator.stop()[-3000:])
