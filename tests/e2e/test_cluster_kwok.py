@@ -1,14 +1,16 @@
-"""Real scheduling and a real training operator: the chart's agents and a PyTorchJob on fake
-GPU nodes, and the operator's rank resolution on what the training-operator writes.
+"""Real scheduling and real training controllers: the chart's agents, a PyTorchJob and a
+TrainJob on fake GPU nodes, and the operator's rank resolution on what those controllers write.
 
 Set-up, a control plane of its own (``control_plane.py``): kube-apiserver, etcd,
-kube-controller-manager's garbage collector and DaemonSet controller, kube-scheduler, KWOK's
-controller and Kubeflow's training-operator v1.8.1 with its PyTorchJob CRD and validating
-webhook (``training_operator.py``); the chart installed as in the other end-to-end tests.
-Nodes: three GPU nodes as the GPU Operator leaves them (``nvidia.com/gpu: 4`` capacity, its
-``nvidia.com/gpu.*`` labels, the ``nvidia.com/gpu=present:NoSchedule`` taint) and one CPU
-node, all faked by KWOK: no kubelet runs a container, KWOK's stages move the pods the
-scheduler bound through their phases.
+kube-controller-manager's garbage collector, DaemonSet, node lifecycle and job controllers,
+kube-scheduler, KWOK's controller; Kubeflow's training-operator v1.8.1 with its PyTorchJob CRD
+and validating webhook (``training_operator.py``); JobSet v0.8.2 and Kubeflow Trainer v2.0.0
+with theirs and the ``torch-distributed`` runtime (``kubeflow_trainer.py``); the chart
+installed as in the other end-to-end tests. Nodes: three GPU nodes as the GPU Operator leaves
+them (``nvidia.com/gpu: 4`` capacity, its ``nvidia.com/gpu.*`` labels, the
+``nvidia.com/gpu=present:NoSchedule`` taint) and one CPU node, all faked by KWOK: no kubelet
+runs a container, KWOK's stages move the pods the scheduler bound through their phases, and
+the test's own stage ends the pods it annotates, Succeeded or Failed.
 
 1. The chart's agent DaemonSet: the DaemonSet controller and the scheduler put one agent pod
    on each GPU node (its node selector and toleration), none on the CPU node; KWOK runs them.
@@ -16,10 +18,15 @@ scheduler bound through their phases.
    pods and Services by the training-operator, scheduled one per GPU node by the GPU requests,
    Running by KWOK; a PerseusJob on it is resolved by the operator to the pods' nodes and
    (dp, pp, tp) ranks from the controller's labels and variables, and it writes each node's
-   plan. Then KWOK completes the pods (the test annotates them), the training-operator marks
-   the PyTorchJob Succeeded, and the PerseusJob is Completed with its node plans gone.
+   plan. KWOK completes the pods, the training-operator marks the PyTorchJob Succeeded, and
+   the PerseusJob is Completed with its node plans gone.
+3. A PyTorchJob whose Master exits 1 (restartPolicy Never): Failed by the training-operator,
+   the PerseusJob Failed with its reason, plans gone.
+4. A TrainJob: Trainer makes a JobSet, JobSet an indexed batch Job, the job controller its
+   pods; ranked by job index and completion index; completed, TrainJob Complete, the
+   PerseusJob Completed.
 
-No node agent runs here (the other end-to-end tests run them as processes), so the job stays
+No node agent runs here (the other end-to-end tests run them as processes), so each job stays
 in Profiling until its workload ends.
 """
 
