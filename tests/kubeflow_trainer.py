@@ -12,7 +12,6 @@ off, it reads the files). The kube-controller-manager must run its ``job`` contr
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +119,6 @@ def start_trainer(plane: ControlPlane, binary: Path, manifests: Path) -> None:
             "--metrics-bind-address=0",
             "--leader-elect=false",
         ],
-        env=dict(os.environ),
     )
     wait_ready(plane, "trainer", probe)
     plane.apply(_docs(manifests / "manifests_base_runtimes_torch_distributed.yaml"))
