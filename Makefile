@@ -44,9 +44,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# The end-to-end tests need a kube-apiserver, a kube-controller-manager, an etcd and helm, built
-# from Go modules on first use (~8 min on 2 cores, measured cold, plus ~5 min for helm) and cached
-# in ~/.cache/perseus-k8s; without them those tests skip, saying why (CI sets
+# The end-to-end tests need a kube-apiserver, a kube-controller-manager, an etcd, helm,
+# kube-scheduler, KWOK, the training-operator, JobSet and Trainer v2, built from Go modules on
+# first use (~50 min on 2 loaded cores, measured cold: scripts/control_plane.md) and cached in ~/.cache/perseus-k8s; without them those tests skip, saying why (CI sets
 # PERSEUS_REQUIRE_E2E=1: they fail instead). The real-torch
 # tests likewise skip without torch (`make torch`), and fail under PERSEUS_REQUIRE_E2E=1 or
 # PERSEUS_REQUIRE_TORCH=1.

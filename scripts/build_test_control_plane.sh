@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build (or reuse from cache) a kube-apiserver, a kube-controller-manager (for
-# its garbage collector), an etcd and the helm CLI for end-to-end tests that
-# run a real control plane on 127.0.0.1 and install the chart with `helm`.
+# its garbage collector and workload controllers), an etcd, the helm CLI, a
+# kube-scheduler, KWOK's controller (fake nodes and pod phases), Kubeflow's
+# training-operator, JobSet's controller and Kubeflow Trainer v2 for end-to-end tests that run a real control plane on
+# 127.0.0.1 and install the chart with `helm`.
 #
 # All are built from Go modules with the local Go toolchain (no registry
 # ships the binaries). Binaries are cached OUTSIDE the repository, keyed by
@@ -11,15 +13,30 @@
 #   $PERSEUS_K8S_CACHE/kube-controller-manager-<K8S_VERSION>/kube-controller-manager
 #   $PERSEUS_K8S_CACHE/etcd-<ETCD_VERSION>/etcd
 #   $PERSEUS_K8S_CACHE/helm-<HELM_VERSION>/helm
+#   $PERSEUS_K8S_CACHE/kube-scheduler-<K8S_VERSION>/kube-scheduler
+#   $PERSEUS_K8S_CACHE/kwok-<KWOK_VERSION>/kwok
+#   $PERSEUS_K8S_CACHE/kwok-<KWOK_VERSION>/stages/*.yaml
+#   $PERSEUS_K8S_CACHE/training-operator-<TRAINING_OPERATOR_VERSION>/training-operator
+#   $PERSEUS_K8S_CACHE/training-operator-<TRAINING_OPERATOR_VERSION>/manifests/*.yaml
+#   $PERSEUS_K8S_CACHE/jobset-<JOBSET_VERSION>/{jobset,manifests/*.yaml}
+#   $PERSEUS_K8S_CACHE/trainer-<TRAINER_VERSION>/{trainer-controller-manager,manifests/*.yaml}
 #
 # (default cache: ~/.cache/perseus-k8s). A second run with the same versions
 # only checks that the binaries exist and run, and prints their paths.
 #
 # Usage:
-#   scripts/build_test_control_plane.sh            # build/reuse both, print paths
+#   scripts/build_test_control_plane.sh            # build/reuse all, print paths
 #   eval "$(scripts/build_test_control_plane.sh --env)"
 #       # ... and print shell exports PERSEUS_ETCD_BIN=... PERSEUS_KUBE_APISERVER_BIN=...
 #       # PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=... PERSEUS_HELM_BIN=...
+#       # PERSEUS_KUBE_SCHEDULER_BIN=... PERSEUS_KWOK_BIN=... PERSEUS_KWOK_STAGES=...
+#       # PERSEUS_TRAINING_OPERATOR_BIN=... PERSEUS_TRAINING_OPERATOR_MANIFESTS=...
+#       # PERSEUS_JOBSET_BIN=... PERSEUS_JOBSET_MANIFESTS=... PERSEUS_TRAINER_BIN=...
+#       # PERSEUS_TRAINER_MANIFESTS=...
+#   scripts/build_test_control_plane.sh --only kwok,kube-scheduler
+#       # build/reuse only those (names: etcd kube-apiserver kube-controller-manager
+#       # helm kube-scheduler kwok training-operator jobset trainer; default: all);
+#       # --env still prints every binary in the cache
 #       # (not ETCD_BIN: etcd reads every ETCD_* environment variable as a flag
 #       # and warns "unrecognized environment variable" about ETCD_BIN)
 #
@@ -27,30 +44,53 @@
 #   K8S_VERSION        k8s.io/kubernetes version      (default v1.36.3)
 #   ETCD_VERSION       go.etcd.io/etcd/server/v3 ver. (default v3.6.16)
 #   HELM_VERSION       helm.sh/helm/v3 version        (default v3.22.0)
+#   KWOK_VERSION       sigs.k8s.io/kwok version       (default v0.8.0)
+#   TRAINING_OPERATOR_VERSION  github.com/kubeflow/training-operator (default v1.8.1)
+#   JOBSET_VERSION     sigs.k8s.io/jobset             (default v0.8.2)
+#   TRAINER_VERSION    github.com/kubeflow/trainer/v2 (default v2.0.0)
 #   PERSEUS_K8S_CACHE  cache directory                (default ~/.cache/perseus-k8s)
 #   GO                 go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   BUILD_NICE         nice level for the builds      (default 10)
-#   BUILD_PARALLEL     go build -p value              (default 1; raise on big machines)
+#   BUILD_PARALLEL     go build -p value              (default: the cores, 1 on <= 2 cores)
 #
-# Build output goes to <cache>/logs/*.log; on failure the tail of the log (the
+# Build output goes to <cache>/logs/*.log, each build's wall time to
+# <cache>/logs/build-times.log; on failure the tail of the log (the
 # exact compiler/go-command error) is printed and the script exits non-zero.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+TRAINING_OPERATOR_VERSION="${TRAINING_OPERATOR_VERSION:-v1.8.1}"
+JOBSET_VERSION="${JOBSET_VERSION:-v0.8.2}"  # the one trainer v2.0.0's go.mod requires
+TRAINER_VERSION="${TRAINER_VERSION:-v2.0.0}"
 CACHE="${PERSEUS_K8S_CACHE:-$HOME/.cache/perseus-k8s}"
 BUILD_NICE="${BUILD_NICE:-10}"
-BUILD_PARALLEL="${BUILD_PARALLEL:-1}"
+# One build at a time; each compiles on every core where there are more than two (CI), on
+# one where there are two (a shared development machine).
+CORES="$(nproc 2>/dev/null || echo 1)"
+if [[ "$CORES" -gt 2 ]]; then BUILD_PARALLEL="${BUILD_PARALLEL:-$CORES}"; else BUILD_PARALLEL="${BUILD_PARALLEL:-1}"; fi
 
+ALL_NAMES="etcd kube-apiserver kube-controller-manager helm kube-scheduler kwok training-operator jobset trainer"
 PRINT_ENV=0
-for arg in "$@"; do
-  case "$arg" in
+ONLY="$ALL_NAMES"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
     --env) PRINT_ENV=1 ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+    --only)
+      [[ $# -ge 2 ]] || { echo "--only needs a comma-separated list of: $ALL_NAMES" >&2; exit 2; }
+      ONLY="${2//,/ }"; shift
+      for name in $ONLY; do
+        [[ " $ALL_NAMES " == *" $name "* ]] \
+          || { echo "--only: unknown name '$name' (known: $ALL_NAMES)" >&2; exit 2; }
+      done ;;
+    -h|--help) sed -n '2,58p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
+  shift
 done
+wanted() { [[ " $ONLY " == *" $1 "* ]]; }
 
 if [[ -z "${GO:-}" ]]; then
   if command -v go >/dev/null 2>&1; then GO="$(command -v go)"
@@ -70,19 +110,36 @@ STAGING_VERSION="v0.${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"
   || die "ETCD_VERSION must look like v3.MINOR.PATCH, got '$ETCD_VERSION'"
 [[ "$HELM_VERSION" =~ ^v3\.[0-9]+\.[0-9]+$ ]] \
   || die "HELM_VERSION must look like v3.MINOR.PATCH, got '$HELM_VERSION'"
+[[ "$KWOK_VERSION" =~ ^v[0-9]+\.[0-9]+\.[0-9]+$ ]] \
+  || die "KWOK_VERSION must look like vMAJOR.MINOR.PATCH, got '$KWOK_VERSION'"
+[[ "$TRAINING_OPERATOR_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
+  || die "TRAINING_OPERATOR_VERSION must look like v1.MINOR.PATCH, got '$TRAINING_OPERATOR_VERSION'"
 
 APISERVER_BIN="$CACHE/kube-apiserver-$K8S_VERSION/kube-apiserver"
 KCM_BIN="$CACHE/kube-controller-manager-$K8S_VERSION/kube-controller-manager"
 ETCD_BIN="$CACHE/etcd-$ETCD_VERSION/etcd"
 HELM_BIN="$CACHE/helm-$HELM_VERSION/helm"
+SCHEDULER_BIN="$CACHE/kube-scheduler-$K8S_VERSION/kube-scheduler"
+KWOK_BIN="$CACHE/kwok-$KWOK_VERSION/kwok"
+KWOK_STAGES="$CACHE/kwok-$KWOK_VERSION/stages"
+TRAINING_OPERATOR_BIN="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/training-operator"
+TRAINING_OPERATOR_MANIFESTS="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION/manifests"
+JOBSET_BIN="$CACHE/jobset-$JOBSET_VERSION/jobset"
+JOBSET_MANIFESTS="$CACHE/jobset-$JOBSET_VERSION/manifests"
+TRAINER_BIN="$CACHE/trainer-$TRAINER_VERSION/trainer-controller-manager"
+TRAINER_MANIFESTS="$CACHE/trainer-$TRAINER_VERSION/manifests"
 LOG_DIR="$CACHE/logs"
 mkdir -p "$CACHE" "$LOG_DIR"
 
-# One build at a time per cache directory.
-exec 9>"$CACHE/.lock"
-if command -v flock >/dev/null 2>&1; then
-  flock 9
-fi
+# One build at a time per binary, taken only to build (a lookup of cached binaries never
+# waits for a build of others): the four original binaries share "$CACHE/.lock", as before.
+lock_for() {  # lock_for NAME: hold the build lock of NAME on fd 9 until unlock
+  local file="$CACHE/.lock-$1"
+  case "$1" in etcd|kube-apiserver|kube-controller-manager|helm) file="$CACHE/.lock" ;; esac
+  exec 9>"$file"
+  if command -v flock >/dev/null 2>&1; then flock 9; fi
+}
+unlock() { exec 9>&-; }
 
 # Go environment for the builds: static binaries, no VCS stamping (the module
 # cache has no .git), module mode, workspace off.
@@ -240,55 +297,224 @@ EOF
   cd - >/dev/null
 }
 
+# build_module NAME MODULE VERSION PACKAGE BIN [LDFLAGS]: build PACKAGE (in MODULE at
+# VERSION) into BIN from a module of our own that requires it, so the tidy/build/log path and
+# the module cache are the same as for the other binaries. Replaces in MODULE's go.mod are
+# ignored for a dependency: none of the modules built this way has any (checked per version,
+# see scripts/control_plane.md).
+build_module() {
+  local name="$1" module="$2" version="$3" package="$4" bin="$5" ldflags="${6:-}"
+  local work="$CACHE/build/$name-$version"
+  local logfile="$LOG_DIR/$name-$version.log"
+  : >"$logfile"
+  log "building $name $version ($package); log: $logfile"
+  rm -rf "$work"; mkdir -p "$work"
+  cd "$work"
+  cat >go.mod <<EOF
+module perseus.local/$name-build
+
+go 1.26.0
+
+require $module $version
+EOF
+  cat >tools.go <<EOF
+//go:build tools
+
+package tools
+
+import _ "$package"
+EOF
+  run_logged "$logfile" "$GO" mod tidy
+  mkdir -p "$(dirname "$bin")"
+  run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath -ldflags "-s -w $ldflags" \
+    -o "$bin.tmp" "$package"
+  mv -f "$bin.tmp" "$bin"
+  cd - >/dev/null
+}
+
+# module_dir MODULE VERSION: the module's source in the module cache.
+module_dir() {
+  "$GO" mod download -json "$1@$2" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p'
+}
+
 check_bin() {  # check_bin PATH ARGS... : binary exists and runs
   local bin="$1"; shift
   [[ -x "$bin" ]] || return 1
   "$bin" "$@" >/dev/null 2>&1
 }
 
-t0=$SECONDS
-if check_bin "$ETCD_BIN" --version; then
-  log "etcd $ETCD_VERSION: cached"
-else
-  build_etcd
-  check_bin "$ETCD_BIN" --version || die "built $ETCD_BIN but '$ETCD_BIN --version' fails: $("$ETCD_BIN" --version 2>&1 || true)"
-  log "etcd $ETCD_VERSION built in $((SECONDS - t0)) s"
+# timed NAME VERSION FUNC ARGS...: run a build, log its wall time to build-times.log.
+timed() {
+  local name="$1" version="$2"; shift 2
+  lock_for "$name"
+  local t1=$SECONDS
+  "$@"
+  local took=$((SECONDS - t1))
+  unlock
+  echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $name $version built in $took s (nice $BUILD_NICE, -p $BUILD_PARALLEL, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))" \
+    >>"$LOG_DIR/build-times.log"
+  log "$name $version built in $took s"
+}
+
+if wanted etcd; then
+  if check_bin "$ETCD_BIN" --version; then
+    log "etcd $ETCD_VERSION: cached"
+  else
+    timed etcd "$ETCD_VERSION" build_etcd
+    check_bin "$ETCD_BIN" --version || die "built $ETCD_BIN but '$ETCD_BIN --version' fails: $("$ETCD_BIN" --version 2>&1 || true)"
+  fi
 fi
 
-for name in kube-apiserver kube-controller-manager; do
-  bin="$APISERVER_BIN"
-  [[ "$name" == kube-controller-manager ]] && bin="$KCM_BIN"
-  t1=$SECONDS
+# kube-scheduler after the other two: the Go build cache is warm from them.
+for name in kube-apiserver kube-controller-manager kube-scheduler; do
+  wanted "$name" || continue
+  case "$name" in
+    kube-apiserver) bin="$APISERVER_BIN" ;;
+    kube-controller-manager) bin="$KCM_BIN" ;;
+    kube-scheduler) bin="$SCHEDULER_BIN" ;;
+  esac
   if check_bin "$bin" --version; then
     log "$name $K8S_VERSION: cached"
   else
-    build_kubernetes "$name" "$bin"
+    timed "$name" "$K8S_VERSION" build_kubernetes "$name" "$bin"
     check_bin "$bin" --version || die "built $bin but '$bin --version' fails: $("$bin" --version 2>&1 || true)"
-    log "$name $K8S_VERSION built in $((SECONDS - t1)) s"
   fi
 done
 
-t1=$SECONDS
-if check_bin "$HELM_BIN" version --short; then
-  log "helm $HELM_VERSION: cached"
-else
-  build_helm
-  check_bin "$HELM_BIN" version --short || die "built $HELM_BIN but '$HELM_BIN version' fails: $("$HELM_BIN" version 2>&1 || true)"
-  log "helm $HELM_VERSION built in $((SECONDS - t1)) s"
+if wanted helm; then
+  if check_bin "$HELM_BIN" version --short; then
+    log "helm $HELM_VERSION: cached"
+  else
+    timed helm "$HELM_VERSION" build_helm
+    check_bin "$HELM_BIN" version --short || die "built $HELM_BIN but '$HELM_BIN version' fails: $("$HELM_BIN" version 2>&1 || true)"
+  fi
 fi
 
-log "etcd:                    $ETCD_BIN ($("$ETCD_BIN" --version 2>/dev/null | head -n1))"
-log "kube-apiserver:          $APISERVER_BIN ($("$APISERVER_BIN" --version 2>/dev/null | head -n1))"
-log "kube-controller-manager: $KCM_BIN ($("$KCM_BIN" --version 2>/dev/null | head -n1))"
-log "helm:                    $HELM_BIN ($("$HELM_BIN" version --short 2>/dev/null | head -n1))"
-if [[ "$PRINT_ENV" == 1 ]]; then
-  printf 'export PERSEUS_ETCD_BIN=%q\n' "$ETCD_BIN"
-  printf 'export PERSEUS_KUBE_APISERVER_BIN=%q\n' "$APISERVER_BIN"
-  printf 'export PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=%q\n' "$KCM_BIN"
-  printf 'export PERSEUS_HELM_BIN=%q\n' "$HELM_BIN"
-else
-  echo "PERSEUS_ETCD_BIN=$ETCD_BIN"
-  echo "PERSEUS_KUBE_APISERVER_BIN=$APISERVER_BIN"
-  echo "PERSEUS_KUBE_CONTROLLER_MANAGER_BIN=$KCM_BIN"
-  echo "PERSEUS_HELM_BIN=$HELM_BIN"
+if wanted kwok; then
+  if check_bin "$KWOK_BIN" --version && [[ -f "$KWOK_STAGES/node-heartbeat.yaml" ]]; then
+    log "kwok $KWOK_VERSION: cached"
+  else
+    timed kwok "$KWOK_VERSION" build_module kwok sigs.k8s.io/kwok "$KWOK_VERSION" \
+      sigs.k8s.io/kwok/cmd/kwok "$KWOK_BIN"
+    check_bin "$KWOK_BIN" --version || die "built $KWOK_BIN but '$KWOK_BIN --version' fails: $("$KWOK_BIN" --version 2>&1 || true)"
+    # The controller alone has no stages (kwokctl passes them): the module's own, as kwokctl
+    # uses them: nodes Ready at once and heartbeating (so the node lifecycle controller lifts
+    # the not-ready taint and keeps it off), pods Running once bound, deleted pods gone. (Its
+    # pod-complete only completes pods of batch Jobs; the tests add their own.)
+    src="$(module_dir sigs.k8s.io/kwok "$KWOK_VERSION")"
+    mkdir -p "$KWOK_STAGES"
+    for stage in node/fast/node-initialize node/heartbeat/node-heartbeat pod/fast/pod-ready \
+        pod/fast/pod-delete; do
+      [[ -f "$src/kustomize/stage/$stage.yaml" ]] || die "no kustomize/stage/$stage.yaml in $src"
+      cp "$src/kustomize/stage/$stage.yaml" "$KWOK_STAGES/"
+    done
+    chmod u+w "$KWOK_STAGES"/*.yaml
+  fi
 fi
+
+if wanted training-operator; then
+  # No --version flag: `-h` exits 0 once every flag (its own and controller-runtime's) is
+  # registered, which proves the binary starts.
+  if check_bin "$TRAINING_OPERATOR_BIN" -h && [[ -f "$TRAINING_OPERATOR_MANIFESTS/webhook.yaml" ]]; then
+    log "training-operator $TRAINING_OPERATOR_VERSION: cached"
+  else
+    timed training-operator "$TRAINING_OPERATOR_VERSION" build_module training-operator \
+      github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION" \
+      github.com/kubeflow/training-operator/cmd/training-operator.v1 "$TRAINING_OPERATOR_BIN"
+    check_bin "$TRAINING_OPERATOR_BIN" -h || die "built $TRAINING_OPERATOR_BIN but '$TRAINING_OPERATOR_BIN -h' fails: $("$TRAINING_OPERATOR_BIN" -h 2>&1 | tail -n 5 || true)"
+    # The real CRDs and validating webhook, from the same module: the tests install them as
+    # the operator's manifests do.
+    src="$(module_dir github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION")"
+    [[ -d "$src/manifests/base/crds" && -f "$src/manifests/base/webhook/manifests.yaml" ]] \
+      || die "no manifests/base/crds or manifests/base/webhook/manifests.yaml in $src"
+    mkdir -p "$TRAINING_OPERATOR_MANIFESTS"
+    cp "$src"/manifests/base/crds/kubeflow.org_*.yaml "$TRAINING_OPERATOR_MANIFESTS/"
+    cp "$src/manifests/base/webhook/manifests.yaml" "$TRAINING_OPERATOR_MANIFESTS/webhook.yaml"
+    chmod u+w "$TRAINING_OPERATOR_MANIFESTS"/*.yaml
+  fi
+fi
+
+# JobSet's controller and Kubeflow Trainer v2's (a TrainJob runs as a JobSet); trainer after
+# jobset: the same k8s and controller-runtime packages, in the Go build cache by then.
+# copy_manifests DEST SRC-DIR RELATIVE-PATH...: a module's manifests, for the tests to apply.
+copy_manifests() {
+  local dest="$1" src="$2"; shift 2
+  mkdir -p "$dest"
+  local f
+  for f in "$@"; do
+    [[ -f "$src/$f" ]] || die "no $f in $src"
+    cp "$src/$f" "$dest/$(echo "$f" | tr / _)"
+  done
+  chmod u+w "$dest"/*.yaml
+}
+if wanted jobset; then
+  if check_bin "$JOBSET_BIN" -h && [[ -f "$JOBSET_MANIFESTS/config_components_webhook_manifests.yaml" ]]; then
+    log "jobset $JOBSET_VERSION: cached"
+  else
+    timed jobset "$JOBSET_VERSION" build_module jobset sigs.k8s.io/jobset "$JOBSET_VERSION" \
+      sigs.k8s.io/jobset "$JOBSET_BIN"
+    check_bin "$JOBSET_BIN" -h || die "built $JOBSET_BIN but '$JOBSET_BIN -h' fails"
+    copy_manifests "$JOBSET_MANIFESTS" "$(module_dir sigs.k8s.io/jobset "$JOBSET_VERSION")" \
+      config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml \
+      config/components/webhook/manifests.yaml
+  fi
+fi
+if wanted trainer; then
+  if check_bin "$TRAINER_BIN" -h && [[ -f "$TRAINER_MANIFESTS/podgroups.yaml" ]]; then
+    log "trainer $TRAINER_VERSION: cached"
+  else
+    timed trainer "$TRAINER_VERSION" build_module trainer github.com/kubeflow/trainer/v2 \
+      "$TRAINER_VERSION" github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
+      "$TRAINER_BIN"
+    check_bin "$TRAINER_BIN" -h || die "built $TRAINER_BIN but '$TRAINER_BIN -h' fails"
+    src="$(module_dir github.com/kubeflow/trainer/v2 "$TRAINER_VERSION")"
+    copy_manifests "$TRAINER_MANIFESTS" "$src" \
+      manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml \
+      manifests/base/crds/trainer.kubeflow.org_trainingruntimes.yaml \
+      manifests/base/crds/trainer.kubeflow.org_clustertrainingruntimes.yaml \
+      manifests/base/webhook/manifests.yaml manifests/base/runtimes/torch_distributed.yaml
+    # Its coscheduling plugin watches scheduler-plugins' PodGroups: their CRD, from the
+    # version its go.mod requires.
+    plugins="$(sed -n 's|^[[:space:]]*sigs.k8s.io/scheduler-plugins \(v[^[:space:]]*\).*|\1|p' "$src/go.mod")"
+    [[ -n "$plugins" ]] || die "no sigs.k8s.io/scheduler-plugins in $src/go.mod"
+    cp "$(module_dir sigs.k8s.io/scheduler-plugins "$plugins")/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" \
+      "$TRAINER_MANIFESTS/podgroups.yaml"
+    chmod u+w "$TRAINER_MANIFESTS/podgroups.yaml"
+  fi
+fi
+
+# show NAME BIN VERSION-ARGS...: one line per binary in the cache.
+show() {
+  local name="$1" bin="$2"; shift 2
+  [[ -x "$bin" ]] || { log "$(printf '%-24s' "$name:") (not built)"; return 0; }
+  log "$(printf '%-24s' "$name:") $bin ($("$bin" "$@" 2>/dev/null | head -n1))"
+}
+show etcd "$ETCD_BIN" --version
+show kube-apiserver "$APISERVER_BIN" --version
+show kube-controller-manager "$KCM_BIN" --version
+show helm "$HELM_BIN" version --short
+show kube-scheduler "$SCHEDULER_BIN" --version
+show kwok "$KWOK_BIN" --version
+# (no version flag: the module version it was built from)
+[[ -x "$TRAINING_OPERATOR_BIN" ]] \
+  && log "$(printf '%-24s' training-operator:) $TRAINING_OPERATOR_BIN ($TRAINING_OPERATOR_VERSION)"
+
+# Every binary in the cache (built now or before); a test skips, with the reason, when the
+# variable it needs is unset.
+emit() {  # emit VARIABLE PATH
+  [[ -e "$2" ]] || return 0
+  if [[ "$PRINT_ENV" == 1 ]]; then printf 'export %s=%q\n' "$1" "$2"; else echo "$1=$2"; fi
+}
+emit PERSEUS_ETCD_BIN "$ETCD_BIN"
+emit PERSEUS_KUBE_APISERVER_BIN "$APISERVER_BIN"
+emit PERSEUS_KUBE_CONTROLLER_MANAGER_BIN "$KCM_BIN"
+emit PERSEUS_HELM_BIN "$HELM_BIN"
+emit PERSEUS_KUBE_SCHEDULER_BIN "$SCHEDULER_BIN"
+emit PERSEUS_KWOK_BIN "$KWOK_BIN"
+emit PERSEUS_KWOK_STAGES "$KWOK_STAGES"
+emit PERSEUS_TRAINING_OPERATOR_BIN "$TRAINING_OPERATOR_BIN"
+emit PERSEUS_TRAINING_OPERATOR_MANIFESTS "$TRAINING_OPERATOR_MANIFESTS"
+emit PERSEUS_JOBSET_BIN "$JOBSET_BIN"
+emit PERSEUS_JOBSET_MANIFESTS "$JOBSET_MANIFESTS"
+emit PERSEUS_TRAINER_BIN "$TRAINER_BIN"
+emit PERSEUS_TRAINER_MANIFESTS "$TRAINER_MANIFESTS"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,12 +134,17 @@ def api_client(kubeconfig: Path) -> Any:
     return kubernetes.client.ApiClient(configuration)
 
 
-def install_chart(plane: ControlPlane) -> str:
+def install_chart(
+    plane: ControlPlane, workload_crds: Sequence[dict[str, Any]] | None = None
+) -> str:
     """CRDs first (Established before anything uses them), then the rendered templates; the
-    release namespace."""
+    release namespace. The workload kinds' CRDs are stand-ins unless ``workload_crds`` are
+    given (e.g. the training operator's own)."""
     from helm_render import NAMESPACE, crds, render  # skips without helm-python-sdk
 
-    definitions = [*crds(), *(workload_crd(*kind) for kind in WORKLOAD_KINDS)]
+    if workload_crds is None:
+        workload_crds = [workload_crd(*kind) for kind in WORKLOAD_KINDS]
+    definitions = [*crds(), *workload_crds]
     plane.apply(definitions)
     for crd in definitions:
         wait_established(plane, crd["metadata"]["name"])

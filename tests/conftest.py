@@ -15,7 +15,7 @@ from perseus_planner.solver import build_problem
 
 # The end-to-end tests' Kubernetes control plane (a fixture module, not a second conftest.py:
 # test modules import helpers from this one as ``conftest``).
-pytest_plugins = ["cluster_harness"]
+pytest_plugins = ["cluster_harness", "kwok_cluster"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES_DIR = REPO_ROOT / "operator" / "perseus_planner" / "profiles"

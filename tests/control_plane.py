@@ -1,5 +1,7 @@
 """A real Kubernetes control plane on 127.0.0.1 for end-to-end tests: etcd, kube-apiserver and
-kube-controller-manager running only its garbage collector.
+kube-controller-manager running only its garbage collector; opt-in, more of its controllers,
+kube-scheduler and KWOK's controller (fake nodes: pods bound to them run through their phases
+as KWOK's stages say, with no kubelet).
 
 The binaries come from ``scripts/build_test_control_plane.sh`` (built from Go modules, cached
 outside the repository), found through ``PERSEUS_ETCD_BIN``, ``PERSEUS_KUBE_APISERVER_BIN`` and
@@ -7,7 +9,9 @@ outside the repository), found through ``PERSEUS_ETCD_BIN``, ``PERSEUS_KUBE_APIS
 ``make test`` does it). The apiserver runs with RBAC authorization and signs service-account
 tokens, so a process given :meth:`ControlPlane.service_account_kubeconfig` acts under that
 account's permissions only. The garbage collector deletes what an owner reference says goes
-with a deleted object, as in any cluster.
+with a deleted object, as in any cluster. The scheduler (``PERSEUS_KUBE_SCHEDULER_BIN``) acts
+as ``system:kube-scheduler`` under its bootstrap RBAC; KWOK (``PERSEUS_KWOK_BIN``, stages from
+``PERSEUS_KWOK_STAGES``) manages only the nodes annotated :data:`KWOK_NODE_ANNOTATION`.
 Findings behind the command lines are in ``scripts/control_plane.md``.
 """
 
@@ -43,6 +47,24 @@ AUDIT_POLICY: dict[str, Any] = {
     ],
 }
 KUBECTL = shutil.which("kubectl")
+# KWOK's own convention for the nodes it fakes (kwokctl's nodes carry it too).
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_NODE_VALUE = "fake"
+SCHEDULER_USER = "system:kube-scheduler"  # the bootstrap ClusterRoleBinding's subject
+
+
+def optional_binary(variable: str) -> Path | str:
+    """The executable ``variable`` names (a component only some tests run), or why not."""
+    value = os.environ.get(variable, "")
+    if not value:
+        return (
+            f"{variable} is not set: build it with "
+            '`eval "$(scripts/build_test_control_plane.sh --env)"` (make test does)'
+        )
+    path = Path(value)
+    if not os.access(path, os.X_OK) and not path.is_dir():
+        return f"{variable}={value} is neither an executable file nor a directory"
+    return path
 
 
 def binaries() -> tuple[Path, Path, Path] | str:
@@ -80,12 +102,24 @@ class ControlPlane:
         controller_manager: Path,
         *,
         controllers: Sequence[str] = ("garbagecollector",),
+        controller_manager_flags: Sequence[str] = (),
+        scheduler: Path | None = None,
+        kwok: Path | None = None,
+        kwok_stages: Sequence[Path | dict[str, Any]] = (),
     ) -> None:
         self.workdir = workdir
         self.etcd_bin = etcd
         self.apiserver_bin = apiserver
         self.controller_manager_bin = controller_manager
         self.controllers = list(controllers)
+        self.controller_manager_flags = list(controller_manager_flags)
+        self.scheduler_bin = scheduler
+        self.kwok_bin = kwok
+        # Stage files, or Stage objects (written to the workdir); KWOK runs only with some.
+        self.kwok_stages = list(kwok_stages)
+        if kwok is not None and not self.kwok_stages:
+            raise ValueError("KWOK needs stages: without them it moves no node or pod")
+        self.scheduler_token = secrets.token_hex(16)
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
@@ -108,7 +142,10 @@ class ControlPlane:
             check=True,
             capture_output=True,
         )
-        (d / "tokens.csv").write_text(f"{self.admin_token},admin,admin-uid,system:masters\n")
+        (d / "tokens.csv").write_text(
+            f"{self.admin_token},admin,admin-uid,system:masters\n"
+            f"{self.scheduler_token},{SCHEDULER_USER},scheduler-uid\n"
+        )
         (d / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         client_port, peer_port = free_port(), free_port()
         self._spawn(
@@ -159,13 +196,18 @@ class ControlPlane:
             done = self.kubectl("get", "--raw", "/readyz", check=False)
             if done.returncode == 0 and done.stdout.strip() == "ok":
                 self._start_garbage_collector()
+                if self.scheduler_bin is not None:
+                    self._start_scheduler(self.scheduler_bin)
+                if self.kwok_bin is not None:
+                    self._start_kwok(self.kwok_bin)
                 return
             time.sleep(0.2)
         raise RuntimeError(f"kube-apiserver not ready in {READY_TIMEOUT_S} s:\n{self.log()}")
 
     def _start_garbage_collector(self) -> None:
-        """Only the garbage collector of kube-controller-manager: nothing else (no scheduler,
-        no kubelets) acts on what the tests create, but owned objects go with their owners."""
+        """Only the garbage collector of kube-controller-manager by default: nothing else (no
+        scheduler, no kubelets) acts on what the tests create, but owned objects go with their
+        owners. Tests that need more (e.g. ``daemonset``) name them in ``controllers``."""
         self._spawn(
             "kube-controller-manager",
             [
@@ -174,13 +216,63 @@ class ControlPlane:
                 f"--controllers={','.join(self.controllers)}",
                 "--leader-elect=false",
                 "--secure-port=0",  # no health endpoint needed: nothing to serve
+                *self.controller_manager_flags,
             ],
         )
+        self._check_started("kube-controller-manager")
+
+    def _start_scheduler(self, binary: Path) -> None:
+        """kube-scheduler as ``system:kube-scheduler``, one instance (no leader election), no
+        serving port (nothing scrapes it)."""
+        kubeconfig = self.workdir / "scheduler.kubeconfig"
+        self._write_kubeconfig(kubeconfig, SCHEDULER_USER, self.scheduler_token)
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(binary),
+                f"--kubeconfig={kubeconfig}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--bind-address=127.0.0.1",
+            ],
+        )
+        self._check_started("kube-scheduler")
+
+    def _start_kwok(self, binary: Path) -> None:
+        """KWOK's controller on the nodes annotated :data:`KWOK_NODE_ANNOTATION` only (other
+        tests' bare Nodes stay as they are), with :attr:`kwok_stages`."""
+        configs = []
+        for i, stage in enumerate(self.kwok_stages):
+            if isinstance(stage, dict):
+                path = self.workdir / f"kwok-stage-{i}.yaml"
+                path.write_text(yaml.safe_dump(stage))
+                stage = path
+            configs.append(f"--config={stage}")
+        self._spawn(
+            "kwok",
+            [
+                str(binary),
+                f"--kubeconfig={self.admin_kubeconfig}",
+                *configs,
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_VALUE}",
+                # Its own server (fake kubelet endpoints, metrics) on a free local port.
+                f"--server-address=127.0.0.1:{free_port()}",
+                "--node-ip=127.0.0.1",
+                "--cidr=10.244.0.0/16",
+            ],
+        )
+        self._check_started("kwok")
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """Run another component (e.g. a workload controller) with the plane: its output goes
+        to :meth:`log` ``(name)``, and :meth:`stop` stops it first."""
+        self._spawn(name, argv, env)
+        self._check_started(name)
+
+    def _check_started(self, name: str) -> None:
         time.sleep(0.5)
         if self._procs[-1].poll() is not None:
-            raise RuntimeError(
-                f"kube-controller-manager exited:\n{self.log('kube-controller-manager')}"
-            )
+            raise RuntimeError(f"{name} exited:\n{self.log(name)}")
 
     def stop(self) -> None:
         # The controller manager, then the apiserver: stopped together, the apiserver keeps
@@ -208,10 +300,10 @@ class ControlPlane:
         path = self.workdir / f"{name}.log"
         return path.read_text(errors="replace")[-20000:] if path.exists() else ""
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         with (self.workdir / f"{name}.log").open("wb") as log:
             self._procs.append(
-                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
             )
 
     # -- identities ------------------------------------------------------------------------------
