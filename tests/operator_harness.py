@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import kubernetes
 import pytest
@@ -157,7 +157,46 @@ class OperatorProcess:
         pytest.fail(f"timed out waiting for {what}; operator output:\n{out[-20000:]}")
 
 
-class SimulatedAgents:
+class ReportLoop:
+    """Agents' status reports from a background thread: :meth:`_report_all` every
+    ``period_s`` while the context is entered; an error other than a plan deleted between
+    the list and the patch stops the loop and lands in :attr:`errors` for the test."""
+
+    period_s: float
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _report_all(self) -> None:
+        raise NotImplementedError
+
+    def _after_round(self) -> None:
+        """Called after each round of reports."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._report_all()
+            except kubernetes.client.ApiException:
+                pass  # a plan deleted between the list and the patch
+            except BaseException as exc:  # surfaced by the test
+                self.errors.append(exc)
+                return
+            self._after_round()
+            time.sleep(self.period_s)
+
+
+class SimulatedAgents(ReportLoop):
     """Every node's agent, played by a thread: for the node plans of ``jobs`` (all when None)
     in ``namespace`` it reports profiles while profiling, then the revision it applied and each
     rank's mean iteration time: ``t_min_s[job]`` times the replica's factor in ``slow``."""
@@ -179,29 +218,10 @@ class SimulatedAgents:
         self.t_min_s: dict[str, float] = {}
         self.slow: dict[int, float] = {}
         self.iterations = 100
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
-    def __enter__(self) -> SimulatedAgents:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._report_all()
-            except kubernetes.client.ApiException:
-                pass  # a plan deleted between the list and the patch
-            except BaseException as exc:  # surfaced by the test
-                self.errors.append(exc)
-                return
-            self.iterations += 1
-            time.sleep(self.period_s)
+    def _after_round(self) -> None:
+        self.iterations += 1
 
     def _report_all(self) -> None:
         plans = self.api.list_namespaced_custom_object(

@@ -15,14 +15,11 @@ tests), so a whole profiling sweep takes milliseconds and the measurements are e
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import kubernetes
-
+from operator_harness import ReportLoop
 from perseus_agent.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
@@ -158,7 +155,7 @@ class _Node:
         return any(p.done for p in report.profiling if p.rank == a.rank)
 
 
-class ScheduleAgents:
+class ScheduleAgents(ReportLoop):
     """The agents of every node of ``job`` in ``namespace``, in a thread (see the module).
 
     ``truth``: the emulated GPUs' profile, in the schedule's form (``P * V`` model stages for
@@ -181,28 +178,7 @@ class ScheduleAgents:
         self.truth, self.order_of, self.state_dir = truth, order_of, state_dir
         self.gpus_per_node, self.period_s = gpus_per_node, period_s
         self.nodes: dict[str, _Node] = {}
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ScheduleAgents:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._report_all()
-            except kubernetes.client.ApiException:
-                pass  # a plan deleted between the list and the patch
-            except BaseException as exc:  # surfaced by the test
-                self.errors.append(exc)
-                return
-            time.sleep(self.period_s)
+        super().__init__()
 
     def _report_all(self) -> None:
         objects = self.api.list_namespaced_custom_object(
