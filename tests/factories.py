@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from perseus_api.node_report import GpuProfilingReport, ProfileRow
 from perseus_api.schedule import stage_instruction_order
 
 
@@ -35,3 +37,30 @@ def pipeline_plan_fields(num_stages: int = 2, num_microbatches: int = 2) -> dict
             for s in range(num_stages)
         ],
     }
+
+
+def profiling_report(
+    stage: int,
+    rows: Sequence[Mapping[str, Any]] = (),
+    *,
+    done: bool = True,
+    blocking_power_w: float | None = None,
+    blocking_s: float = 0.0,
+) -> GpuProfilingReport:
+    """An agent's profiling report of the GPU of pipeline ``stage`` (``rows``: ProfileRow
+    fields, by name), as it appears in a node plan's ``status.profiling``."""
+    clocks = sorted({int(r["frequency_mhz"]) for r in rows}, reverse=True) or [1410]
+    return GpuProfilingReport(
+        uuid=f"GPU-{stage}",
+        index=stage,
+        stage=stage,
+        frequencies_mhz=clocks,
+        applied_mhz=list(clocks) if done else [None] * len(clocks),
+        frequency_index=len(clocks) if done else 0,
+        measured_iterations=1 if done else 0,
+        dropped_iterations=0,
+        done=done,
+        rows=[ProfileRow.model_validate(r) for r in rows],
+        blocking_power_w=blocking_power_w,
+        blocking_s=blocking_s,
+    )

@@ -214,6 +214,10 @@ class StatusCondition(_Wire):
     last_transition_time: str | None = Field(default=None, description="RFC 3339.")
 
 
+_LISTS: Final = frozenset(("conditions", "gpus", "ranks", "profiling"))
+"""The status's lists (one word each: spelled alike in both spellings)."""
+
+
 class NodePlanStatus(_Wire):
     """The whole ``status`` of a PerseusNodePlan, written by its node agent only.
 
@@ -243,11 +247,11 @@ class NodePlanStatus(_Wire):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        """A key written null is removed by the merge patch; read one that is not (a status
-        built by hand, or not yet merged) as absent too."""
+    def _null_is_empty(cls, data: Any) -> Any:
+        """A list written null is removed by the merge patch; read one that is not (a status
+        built by hand, or not yet merged) as empty too."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            return {k: v for k, v in data.items() if v is not None or k not in _LISTS}
         return data
 
     @classmethod
