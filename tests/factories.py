@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from perseus_api.node_report import GpuProfilingReport, ProfileRow
+from perseus_api.node_report import (
+    GpuProfilingReport,
+    GpuReport,
+    GpuStatus,
+    NodeReport,
+    ProfileRow,
+    RankReport,
+)
+from perseus_api.plan import Granularity
 from perseus_api.schedule import stage_instruction_order
 
 
@@ -64,3 +72,152 @@ def profiling_report(
         blocking_power_w=blocking_power_w,
         blocking_s=blocking_s,
     )
+
+
+# A node plan status as an agent before perseus_api.node_report wrote it (its report_status:
+# the NodeReport dumped by field name, plus the camelCase keys it always had), kept literally
+# so that it cannot follow the model.
+OLD_AGENT_STATUS: dict[str, Any] = {
+    "node": "n1",
+    "job": "gpt3",
+    "namespace": "ml",
+    "revision": 4,
+    "granularity": "Instruction",
+    "gpus": [
+        {
+            "uuid": "GPU-0",
+            "index": 0,
+            "plan": "tmin",
+            "stage": 1,
+            "dp_rank": 2,
+            "rank": 5,
+            "target_mhz": 1410,
+            "applied_mhz": 1395,
+            "status": "Clamped",
+            "message": "nearest supported clock",
+        }
+    ],
+    "ranks": [
+        {
+            "rank": 5,
+            "dp_rank": 2,
+            "pp_rank": 1,
+            "iterations": 12,
+            "last_iteration_s": 0.52,
+            "mean_iteration_s": 0.5,
+            "revision": 4,
+        }
+    ],
+    "profiling": [
+        {
+            "uuid": "GPU-0",
+            "index": 0,
+            "stage": 1,
+            "rank": 5,
+            "frequencies_mhz": [1410, 1200],
+            "applied_mhz": [1395, 1200],
+            "frequency_index": 2,
+            "measured_iterations": 6,
+            "dropped_iterations": 1,
+            "done": True,
+            "rows": [
+                {
+                    "stage": 1,
+                    "instruction": "forward",
+                    "frequency_mhz": 1395,
+                    "time_s": 0.01,
+                    "energy_j": 3.0,
+                    "samples": 3,
+                }
+            ],
+            "blocking_power_w": 80.0,
+            "blocking_s": 1.5,
+        }
+    ],
+    "observedRevision": 4,
+    "reportedAt": "2026-12-02T06:00:00.000+00:00",
+    "conditions": [
+        {
+            "type": "Applied",
+            "status": "True",
+            "reason": "Applied",
+            "message": "1 Clamped",
+            "lastTransitionTime": "2026-12-02T05:59:00Z",
+        }
+    ],
+}
+
+
+def node_report() -> NodeReport:
+    """The report OLD_AGENT_STATUS carries, built from the models as the agent does."""
+    return NodeReport(
+        node="n1",
+        job="gpt3",
+        namespace="ml",
+        revision=4,
+        granularity=Granularity.INSTRUCTION,
+        gpus=[
+            GpuReport(
+                uuid="GPU-0",
+                index=0,
+                plan="tmin",
+                stage=1,
+                dp_rank=2,
+                rank=5,
+                target_mhz=1410,
+                applied_mhz=1395,
+                status=GpuStatus.CLAMPED,
+                message="nearest supported clock",
+            )
+        ],
+        ranks=[
+            RankReport(
+                rank=5,
+                dp_rank=2,
+                pp_rank=1,
+                iterations=12,
+                last_iteration_s=0.52,
+                mean_iteration_s=0.5,
+                revision=4,
+            )
+        ],
+        profiling=[
+            GpuProfilingReport(
+                uuid="GPU-0",
+                index=0,
+                stage=1,
+                rank=5,
+                frequencies_mhz=[1410, 1200],
+                applied_mhz=[1395, 1200],
+                frequency_index=2,
+                measured_iterations=6,
+                dropped_iterations=1,
+                done=True,
+                rows=[
+                    ProfileRow(
+                        stage=1,
+                        instruction="forward",
+                        frequency_mhz=1395,
+                        time_s=0.01,
+                        energy_j=3.0,
+                        samples=3,
+                    )
+                ],
+                blocking_power_w=80.0,
+                blocking_s=1.5,
+            )
+        ],
+    )
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies the agent's status patch."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out

@@ -260,8 +260,7 @@ def test_conversions() -> None:
 
 
 def test_node_plan_status_is_the_agents_model_and_keeps_an_older_agents_keys() -> None:
-    from test_node_report import OLD_AGENT_STATUS, _merge_patch, _report
-
+    from factories import OLD_AGENT_STATUS, merge_patch, node_report
     from perseus_agent.kube import invalid_status, report_status
 
     status = _at(_open_api_schema(crd.get_node_plan_crd()), "status")
@@ -279,8 +278,8 @@ def test_node_plan_status_is_the_agents_model_and_keeps_an_older_agents_keys() -
             assert node.get("x-kubernetes-preserve-unknown-fields") is True, path
     # What the API server stores: the agents' merge patches applied.
     written = [
-        _merge_patch({}, report_status(_report())),
-        _merge_patch(OLD_AGENT_STATUS, invalid_status("spec.node is n2, not this node", None)),
+        merge_patch({}, report_status(node_report())),
+        merge_patch(OLD_AGENT_STATUS, invalid_status("spec.node is n2, not this node", None)),
         OLD_AGENT_STATUS,
     ]
     for document in written:

@@ -11,158 +11,20 @@ from typing import Any
 
 import pytest
 
+from factories import OLD_AGENT_STATUS, merge_patch, node_report
 from perseus_agent.kube import invalid_status, report_status, stopped_status
 from perseus_api import resources
 from perseus_api.node_report import (
     GpuProfilingReport,
-    GpuReport,
-    GpuStatus,
     NodePlanStatus,
     NodeReport,
-    ProfileRow,
-    RankReport,
     legacy_keys,
     status_document,
     wire_name,
 )
-from perseus_api.plan import Granularity
 from perseus_operator.node_status import node_plan_status
 
 SNAKE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)+$")
-
-# What an agent before the model wrote (its report_status: the NodeReport dumped by field name,
-# plus the camelCase keys it always had), kept literally so that it cannot follow the model.
-OLD_AGENT_STATUS: dict[str, Any] = {
-    "node": "n1",
-    "job": "gpt3",
-    "namespace": "ml",
-    "revision": 4,
-    "granularity": "Instruction",
-    "gpus": [
-        {
-            "uuid": "GPU-0",
-            "index": 0,
-            "plan": "tmin",
-            "stage": 1,
-            "dp_rank": 2,
-            "rank": 5,
-            "target_mhz": 1410,
-            "applied_mhz": 1395,
-            "status": "Clamped",
-            "message": "nearest supported clock",
-        }
-    ],
-    "ranks": [
-        {
-            "rank": 5,
-            "dp_rank": 2,
-            "pp_rank": 1,
-            "iterations": 12,
-            "last_iteration_s": 0.52,
-            "mean_iteration_s": 0.5,
-            "revision": 4,
-        }
-    ],
-    "profiling": [
-        {
-            "uuid": "GPU-0",
-            "index": 0,
-            "stage": 1,
-            "rank": 5,
-            "frequencies_mhz": [1410, 1200],
-            "applied_mhz": [1395, 1200],
-            "frequency_index": 2,
-            "measured_iterations": 6,
-            "dropped_iterations": 1,
-            "done": True,
-            "rows": [
-                {
-                    "stage": 1,
-                    "instruction": "forward",
-                    "frequency_mhz": 1395,
-                    "time_s": 0.01,
-                    "energy_j": 3.0,
-                    "samples": 3,
-                }
-            ],
-            "blocking_power_w": 80.0,
-            "blocking_s": 1.5,
-        }
-    ],
-    "observedRevision": 4,
-    "reportedAt": "2026-12-02T06:00:00.000+00:00",
-    "conditions": [
-        {
-            "type": "Applied",
-            "status": "True",
-            "reason": "Applied",
-            "message": "1 Clamped",
-            "lastTransitionTime": "2026-12-02T05:59:00Z",
-        }
-    ],
-}
-
-
-def _report() -> NodeReport:
-    """The report OLD_AGENT_STATUS carries, built from the models as the agent does."""
-    return NodeReport(
-        node="n1",
-        job="gpt3",
-        namespace="ml",
-        revision=4,
-        granularity=Granularity.INSTRUCTION,
-        gpus=[
-            GpuReport(
-                uuid="GPU-0",
-                index=0,
-                plan="tmin",
-                stage=1,
-                dp_rank=2,
-                rank=5,
-                target_mhz=1410,
-                applied_mhz=1395,
-                status=GpuStatus.CLAMPED,
-                message="nearest supported clock",
-            )
-        ],
-        ranks=[
-            RankReport(
-                rank=5,
-                dp_rank=2,
-                pp_rank=1,
-                iterations=12,
-                last_iteration_s=0.52,
-                mean_iteration_s=0.5,
-                revision=4,
-            )
-        ],
-        profiling=[
-            GpuProfilingReport(
-                uuid="GPU-0",
-                index=0,
-                stage=1,
-                rank=5,
-                frequencies_mhz=[1410, 1200],
-                applied_mhz=[1395, 1200],
-                frequency_index=2,
-                measured_iterations=6,
-                dropped_iterations=1,
-                done=True,
-                rows=[
-                    ProfileRow(
-                        stage=1,
-                        instruction="forward",
-                        frequency_mhz=1395,
-                        time_s=0.01,
-                        energy_j=3.0,
-                        samples=3,
-                    )
-                ],
-                blocking_power_w=80.0,
-                blocking_s=1.5,
-            )
-        ],
-    )
 
 
 def _keys(node: Any, path: str = "") -> Iterator[str]:
@@ -174,19 +36,6 @@ def _keys(node: Any, path: str = "") -> Iterator[str]:
     elif isinstance(node, list):
         for item in node:
             yield from _keys(item, f"{path}[].")
-
-
-def _merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies the agent's status patch."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _merge_patch(out.get(key), value)
-    return out
 
 
 def _plan(status: Any) -> dict[str, Any]:
@@ -206,7 +55,7 @@ def test_wire_names_are_camel_case_with_units_spelled_out() -> None:
 
 def test_an_old_agents_snake_case_status_and_a_new_one_read_alike() -> None:
     old = NodePlanStatus.model_validate(OLD_AGENT_STATUS)
-    new_document = report_status(_report())
+    new_document = report_status(node_report())
     new = NodePlanStatus.model_validate(new_document)
     assert new.model_dump(exclude={"reported_at", "conditions"}) == old.model_dump(
         exclude={"reported_at", "conditions"}
@@ -220,7 +69,7 @@ def test_an_old_agents_snake_case_status_and_a_new_one_read_alike() -> None:
 
 def test_the_agent_writes_no_snake_case_key() -> None:
     documents = [
-        report_status(_report()),
+        report_status(node_report()),
         invalid_status("broken", 3),
         stopped_status(3, reset_ok=True),
     ]
@@ -234,10 +83,10 @@ def test_the_agents_patch_over_an_old_agents_status_leaves_no_old_key() -> None:
     """A merge patch keeps what it does not name: each top-level key an old agent wrote is
     named (rewritten, or nulled), and the lists, replaced whole, carry only the new keys."""
     assert set(legacy_keys()) <= set(status_document(NodePlanStatus()))
-    for document in (report_status(_report()), invalid_status("broken", 3)):
-        merged = _merge_patch(OLD_AGENT_STATUS, document)
+    for document in (report_status(node_report()), invalid_status("broken", 3)):
+        merged = merge_patch(OLD_AGENT_STATUS, document)
         assert [k for k in _keys(merged) if SNAKE.match(k.rsplit(".", 1)[-1])] == []
-    stopped = _merge_patch(OLD_AGENT_STATUS, stopped_status(4, reset_ok=True))
+    stopped = merge_patch(OLD_AGENT_STATUS, stopped_status(4, reset_ok=True))
     assert NodePlanStatus.model_validate(stopped).gpus == []  # the old report is gone
     assert stopped["conditions"][0]["reason"] == resources.REASON_AGENT_STOPPED
     # An invalid spec's status keeps the last reportedAt, as before the model.
