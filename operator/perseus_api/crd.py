@@ -366,8 +366,8 @@ def _tolerate_older_agents(node: Mapping[str, Any]) -> dict[str, Any]:
     lacking ``targetMHz`` or ``meanIterationSeconds``. A one-word field (``stage``, ``rank``)
     is spelled alike in both, so it stays required. No defaults either: the API server would
     add ``dpRank: 0`` beside an older agent's ``dp_rank: 1``, and the camelCase key wins when
-    both are read (the models fill their defaults themselves). Kept while agents of the older spelling
-    may run (preserving unknown fields also lets a newer agent's additions through).
+    both are read (the models fill their defaults themselves). Kept while agents of the older
+    spelling may run (preserving unknown fields also lets a newer agent's additions through).
     """
     out: dict[str, Any] = {}
     for key, value in node.items():
