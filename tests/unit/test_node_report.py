@@ -127,9 +127,10 @@ def test_a_malformed_status_is_reported_once_not_crashed_on(
     status: Any, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     plan = _plan(status)
+    plan["metadata"]["resourceVersion"] = f"{id(status)}"
     with caplog.at_level(logging.WARNING, logger="perseus_operator.node_status"):
         assert node_plan_status(plan) == NodePlanStatus()
-        assert node_plan_status(plan) == NodePlanStatus()  # the same problem: not logged again
+        assert node_plan_status(plan) == NodePlanStatus()  # the same version: not logged again
     [record] = caplog.records
     assert record.getMessage().startswith("PerseusNodePlan ml/gpt3-n1: ")
     assert problem in record.getMessage()
@@ -140,3 +141,18 @@ def test_a_malformed_status_is_reported_once_not_crashed_on(
 def test_no_status_yet_is_an_empty_one() -> None:
     assert node_plan_status({"metadata": {"name": "x"}}) == NodePlanStatus()
     assert node_plan_status(_plan({})) == NodePlanStatus()
+
+
+def test_a_status_is_validated_once_per_object_version() -> None:
+    plan = _plan(OLD_AGENT_STATUS)
+    plan["metadata"]["resourceVersion"] = "41"
+    first = node_plan_status(plan)
+    assert node_plan_status(plan) is first  # the same version: not validated again
+    changed = {**plan, "metadata": {**plan["metadata"], "resourceVersion": "42"}}
+    changed["status"] = {**OLD_AGENT_STATUS, "observedRevision": 5}
+    assert node_plan_status(changed).observed_revision == 5
+    # Without a resourceVersion (a fake), every read validates what is there now.
+    unversioned = _plan(dict(OLD_AGENT_STATUS))
+    assert node_plan_status(unversioned).observed_revision == 4
+    unversioned["status"]["observedRevision"] = 6
+    assert node_plan_status(unversioned).observed_revision == 6
