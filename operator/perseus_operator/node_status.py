@@ -3,9 +3,9 @@ validated against :class:`~perseus_api.node_report.NodePlanStatus` by one functi
 
 Several steps of a reconcile read the same plans (progress, call-ins, the gathered profile;
 iterations, the Applied condition, straggler samples), and a finished profiling report holds
-hundreds of rows per GPU: a status is validated once per object version (its
-``uid`` and ``resourceVersion``, which changes with every write) and the result reused. An object without
-one (tests' fakes) is validated every time.
+hundreds of rows per GPU: a status is validated once per object version (its ``uid`` and
+``resourceVersion``, which changes with every write) and the result reused. An object without
+a ``resourceVersion`` (tests' fakes) is validated every time.
 
 A malformed status (an agent of another version, or one written by hand) is never a crash: it
 reads as no report at all (the plan's agent looks silent, which the job's phases already
