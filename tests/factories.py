@@ -95,7 +95,19 @@ OLD_AGENT_STATUS: dict[str, Any] = {
             "applied_mhz": 1395,
             "status": "Clamped",
             "message": "nearest supported clock",
-        }
+        },
+        {
+            "uuid": None,
+            "index": None,
+            "plan": "tmin",
+            "stage": 0,
+            "dp_rank": 2,
+            "rank": 4,
+            "target_mhz": 1410,
+            "applied_mhz": None,
+            "status": "Failed",
+            "message": "no GPU of this node is allocated to pod p0/c, local rank 1",
+        },
     ],
     "ranks": [
         {
@@ -141,7 +153,7 @@ OLD_AGENT_STATUS: dict[str, Any] = {
             "type": "Applied",
             "status": "True",
             "reason": "Applied",
-            "message": "1 Clamped",
+            "message": "1 Clamped, 1 Failed: GPU pod p0: no GPU of this node ...",
             "lastTransitionTime": "2026-12-02T05:59:00Z",
         }
     ],
@@ -168,7 +180,16 @@ def node_report() -> NodeReport:
                 applied_mhz=1395,
                 status=GpuStatus.CLAMPED,
                 message="nearest supported clock",
-            )
+            ),
+            GpuReport(
+                plan="tmin",
+                stage=0,
+                dp_rank=2,
+                rank=4,
+                target_mhz=1410,
+                status=GpuStatus.FAILED,
+                message="no GPU of this node is allocated to pod p0/c, local rank 1",
+            ),
         ],
         ranks=[
             RankReport(
@@ -211,9 +232,11 @@ def node_report() -> NodeReport:
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies the agent's status patch."""
+    """What the API server stores for a JSON merge patch (RFC 7386) of ``target``: as the RFC
+    says, and with the null fields of objects inside lists dropped too, as Kubernetes' merge
+    patch library does (null elements of a list are kept)."""
     if not isinstance(patch, Mapping):
-        return patch
+        return _pruned(patch)
     out = dict(target) if isinstance(target, Mapping) else {}
     for key, value in patch.items():
         if value is None:
@@ -221,3 +244,11 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[key] = merge_patch(out.get(key), value)
     return out
+
+
+def _pruned(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    return value

@@ -66,7 +66,8 @@ def wire_name(field: str) -> str:
 
 class _Wire(BaseModel):
     """camelCase on the wire; snake_case (an older agent's keys) is read too; unknown keys
-    (a newer agent's) are ignored."""
+    (a newer agent's) are ignored. Every nullable field defaults to null: the API server drops
+    null fields of the objects in a merge patch's lists, so a null is stored as absent."""
 
     model_config = ConfigDict(
         alias_generator=wire_name, populate_by_name=True, extra="ignore", frozen=True
@@ -87,14 +88,20 @@ class GpuStatus(StrEnum):
 class GpuReport(_Wire):
     """What was applied to one GPU of the plan."""
 
-    uuid: str | None = Field(description="The GPU's UUID; null if the GPU was not found.")
-    index: int | None = Field(description="The GPU's index; null if the GPU was not found.")
+    uuid: str | None = Field(
+        default=None, description="The GPU's UUID; null if the GPU was not found."
+    )
+    index: int | None = Field(
+        default=None, description="The GPU's index; null if the GPU was not found."
+    )
     plan: str
     stage: int
     dp_rank: int = 0
     rank: int | None = None
-    target_mhz: int | None = Field(description="Clock the plan asks for (now, for Instruction).")
-    applied_mhz: int | None = Field(description="Clock locked by the agent, if any.")
+    target_mhz: int | None = Field(
+        default=None, description="Clock the plan asks for (now, for Instruction)."
+    )
+    applied_mhz: int | None = Field(default=None, description="Clock locked by the agent, if any.")
     status: GpuStatus
     message: str = ""
 

@@ -101,6 +101,13 @@ def test_report_fields_are_nulled_when_nothing_is_applied() -> None:
     assert NodePlanStatus.model_validate(bad).conditions[0].reason == "InvalidSpec"
 
 
+def test_a_status_reads_the_same_once_the_api_server_dropped_its_null_fields() -> None:
+    for written in (OLD_AGENT_STATUS, report_status(node_report())):
+        stored = merge_patch({}, written)
+        assert "uuid" not in stored["gpus"][1]  # the API server drops it
+        assert NodePlanStatus.model_validate(stored) == NodePlanStatus.model_validate(written)
+
+
 def test_an_older_agents_profile_rows_without_stage_or_samples_are_the_reports() -> None:
     entry = {**OLD_AGENT_STATUS["profiling"][0]}
     entry["rows"] = [{k: v for k, v in entry["rows"][0].items() if k not in ("stage", "samples")}]
