@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import json
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -113,7 +115,11 @@ class FakeCluster:
         for (ns, _), p in sorted(self.node_plans.items()):
             if ns == namespace and p["metadata"]["labels"][resources.JOB_LABEL] == job:
                 obj = copy.deepcopy(p)
-                obj["metadata"].update(resourceVersion=str(self.writes), uid=f"uid-{ns}")
+                # Changes with every write, the agents' status writes too (tests set a status
+                # in place): the operator reads a status once per version.
+                content = json.dumps(p, sort_keys=True, default=str).encode()
+                version = f"{self.writes}-{hashlib.sha256(content).hexdigest()[:12]}"
+                obj["metadata"].update(resourceVersion=version, uid=f"uid-{ns}")
                 listed.append(obj)
         return listed
 
