@@ -167,8 +167,7 @@ class OperatorProcess:
 class SimulatedAgents:
     """Every node's agent, played by a thread: for the node plans of ``jobs`` (all when None)
     in ``namespace`` it reports profiles while profiling, then the revision it applied and each
-    rank's mean iteration time: ``t_min_s[job]`` times the replica's factor in ``slow``.
-    ``legacy``: they write the status as agents before perseus_api.node_report did."""
+    rank's mean iteration time: ``t_min_s[job]`` times the replica's factor in ``slow``."""
 
     def __init__(
         self,
@@ -178,10 +177,8 @@ class SimulatedAgents:
         *,
         jobs: Collection[str] | None = None,
         period_s: float = 0.2,
-        legacy: bool = False,
     ) -> None:
         self.api = api
-        self.legacy = legacy
         self.namespace = namespace
         self.profile = profile
         self.jobs = None if jobs is None else set(jobs)
@@ -248,9 +245,7 @@ class SimulatedAgents:
                             revision=spec["revision"],
                         )
                     )
-            status = agent_status(
-                spec["revision"], ranks=ranks, profiling=profiling, legacy=self.legacy
-            )
+            status = agent_status(spec["revision"], ranks=ranks, profiling=profiling)
             self.api.patch_namespaced_custom_object_status(
                 resources.GROUP,
                 resources.VERSION,
