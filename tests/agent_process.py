@@ -75,10 +75,14 @@ class Agent:
         log_level: str = "debug",
         pod_resources_socket: Path | None = None,
         emulated_profile: tuple[Path, float] | None = None,
+        tcp: bool = False,
     ) -> None:
         """In Kubernetes mode the agent asks the kubelet stand-in on ``pod_resources_socket``
         which GPUs the pods own; without one, ``--gpu-ownership=local-rank-index`` (there is no
-        kubelet: a pod's local rank r runs on GPU index r)."""
+        kubelet: a pod's local rank r runs on GPU index r). ``tcp``: it also listens on
+        127.0.0.1 (a free port: :attr:`tcp_port`) for the pods of the API's pod list."""
+        self.tcp = tcp
+        self.tcp_port: int | None = None
         self.num_gpus = num_gpus
         self.emulated_profile = emulated_profile
         """The emulated GPUs' profile CSV and blocking power (``None``: the bundled one)."""
@@ -118,6 +122,7 @@ class Agent:
                 "--gpu-ownership=local-rank-index"
                 if self.pod_resources_socket is None
                 else f"--pod-resources-socket={self.pod_resources_socket}",
+                *([f"--tcp-address=127.0.0.1:{self.tcp_port or 0}"] if self.tcp else []),
             ]
         )
         with self.log_file.open("wb") as log:
@@ -152,11 +157,17 @@ class Agent:
                 cwd=self.workdir,
             )
         pattern = re.compile(r"serving metrics on http://127\.0\.0\.1:(\d+)/metrics")
+        tcp_pattern = re.compile(r"serving training processes on tcp://127\.0\.0\.1:(\d+)")
 
         def started() -> bool:
             match = pattern.search(self.log)
             if match:
                 self.port = int(match.group(1))
+            if self.tcp:
+                tcp_match = tcp_pattern.search(self.log)
+                if tcp_match is None:
+                    return False
+                self.tcp_port = int(tcp_match.group(1))
             return match is not None and self.healthy()
 
         wait_for(started, "the agent to start", self)

@@ -145,7 +145,15 @@ def install_chart(plane: ControlPlane) -> str:
         wait_established(plane, crd["metadata"]["name"])
     plane.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
     # Hooks are not part of a release: helm runs them at their events (tests/e2e/test_helm_cli.py).
-    plane.apply([o for o in render().objects if not is_hook(o)])
+    # No operator pod serves the pod injection webhook's Service here: every labelled pod would
+    # wait out its timeout. tests/e2e/test_cluster_injection.py points it at an operator process.
+    plane.apply(
+        [
+            o
+            for o in render().objects
+            if not is_hook(o) and o["kind"] != "MutatingWebhookConfiguration"
+        ]
+    )
     return NAMESPACE
 
 

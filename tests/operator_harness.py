@@ -105,6 +105,7 @@ class OperatorProcess:
         metrics_port: int = 0,
         policy_interval_s: float = 15.0,
         extra_env: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
@@ -121,7 +122,7 @@ class OperatorProcess:
         env.pop("KUBECONFIG", None)
         liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness],
+            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness, *args],
             env=env,
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,

@@ -89,7 +89,7 @@ class PeerPod:
     name: str
     gpu_uuids: frozenset[str]
     how: str
-    """How the pod was told (for the log): ``cgroup`` or ``hello``."""
+    """How the pod was told (for the log): ``cgroup``, ``address`` (TCP) or ``hello``."""
 
 
 class Ownership(Protocol):
@@ -289,7 +289,12 @@ class KubeletOwnership:
             for a in p.assignments
             if a.pod_uid is not None and a.pod is not None
         }
-        uid = pod_uid_of_pid(session.peer_pid, self.proc_root) if session.peer_pid else None
+        uid: str | None
+        if session.verified_pod is not None:  # a TCP peer: its address told the pod
+            uid, told_by = session.verified_pod[2], "address"
+        else:
+            uid = pod_uid_of_pid(session.peer_pid, self.proc_root) if session.peer_pid else None
+            told_by = "cgroup"
         reported = hello.get("pod")
         if uid is not None:
             known = by_uid.get(uid)
@@ -302,7 +307,7 @@ class KubeletOwnership:
                     f"the process says it runs in pod {reported} but its cgroup is pod "
                     f"{namespace}/{name}'s",
                 )
-            how = "cgroup"
+            how = told_by
         else:
             namespace, reported_name, how = self._reported_pod(hello, plans, claimed)
             if reported_name is None:

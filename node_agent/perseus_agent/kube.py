@@ -1222,3 +1222,29 @@ class NodeLabelSource:
                 except Exception:
                     log.exception("error while handling label %s=%s", self.label, value)
             self._stop.wait(self._interval_s)
+
+
+POD_LIST_TIMEOUT_S: Final = 5.0
+"""Listing a node's pods runs on the TCP listener's accept path: it must fail fast."""
+
+
+class NodePodLister:
+    """Lists this node's pods (API JSON), for the TCP listener's address book
+    (:mod:`perseus_agent.tcp_server`). Needs RBAC: ``list`` on ``pods`` in all namespaces (the
+    field selector cannot be required by RBAC)."""
+
+    def __init__(self, api: Any, node_name: str) -> None:
+        self._api = api
+        self.node_name = node_name
+
+    def __call__(self) -> list[dict[str, Any]]:
+        response = self._api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node_name}",
+            _preload_content=False,
+            _request_timeout=POD_LIST_TIMEOUT_S,
+        )
+        try:
+            items = json.loads(response.data).get("items") or []
+        finally:
+            _close(response)
+        return [item for item in items if isinstance(item, dict)]

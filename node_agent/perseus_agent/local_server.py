@@ -66,7 +66,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -146,11 +146,19 @@ class ClientSession:
     hello: HelloRequest | None = None
     last_request_ns: int = 0
     """``time.monotonic_ns()`` of the last request received (of the accept before one)."""
+    address: str | None = None
+    """A TCP peer's IP address (``None`` on the Unix socket)."""
+    verified_pod: tuple[str, str, str] | None = None
+    """``(namespace, name, uid)`` of the pod the transport says the peer is (a TCP peer's
+    address: :mod:`perseus_agent.tcp_server`), whatever its hello claims."""
 
     @property
-    def peer(self) -> tuple[int | None, int | None]:
+    def peer(self) -> Hashable:
         """Whose connection this is, for the per-peer limits: ``(uid, pid)``, the pid ``None``
-        when unknown or 0 (a process outside the agent's PID namespace)."""
+        when unknown or 0 (a process outside the agent's PID namespace); a TCP peer's pod
+        address."""
+        if self.address is not None:
+            return ("address", self.address)
         return self.peer_uid, self.peer_pid or None
 
     @property
@@ -275,7 +283,7 @@ class _Connection:
         return self.session.hello is None
 
     @property
-    def peer(self) -> tuple[int | None, int | None]:
+    def peer(self) -> Hashable:
         return self.session.peer
 
     @property
@@ -626,10 +634,21 @@ class LocalServer:
                 return
             self._admit(sock)
 
-    def _admit(self, sock: socket.socket) -> None:
+    def _new_session(self, sock: socket.socket, now_ns: int) -> ClientSession:
+        """The session of a connection just accepted; raise :class:`RequestError` to refuse
+        it (another transport tells its peers apart differently)."""
         pid, uid, gid = _peer_credentials(sock)
+        return ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
+
+    def _admit(self, sock: socket.socket) -> None:
         now_ns = time.monotonic_ns()
-        session = ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
+        try:
+            session = self._new_session(sock, now_ns)
+        except RequestError as exc:
+            self._limit_log.warning("refuse_peer", "refusing a connection: %s", exc)
+            self._refuse_connection(sock, str(exc))
+            return
+        pid, uid = session.peer_pid, session.peer_uid
         cid = session.connection_id
         conn = _Connection(session, sock)
         with self._lock:

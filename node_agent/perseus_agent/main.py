@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the metrics server binds (default: 0.0.0.0)",
     )
     agent.add_argument(
+        "--tcp-address",
+        default="",
+        metavar="HOST:PORT",
+        help="also serve training processes over TCP here, the node's address "
+        "(e.g. $(HOST_IP):7460 with hostNetwork; Kubernetes mode only: peers are told by their "
+        "pod address, see perseus_agent.tcp_server); default: off",
+    )
+    agent.add_argument(
         "--socket-dir",
         type=Path,
         default=Path("/run/perseus"),
@@ -285,6 +293,7 @@ class _Config:
     metrics_port: int
     metrics_address: str
     socket_dir: Path
+    tcp_address: tuple[str, int] | None  # Kubernetes mode; None: Unix socket only
     standalone: bool
     plan_file: Path | None  # standalone mode
     kubeconfig: str | None  # Kubernetes mode; None: in-cluster
@@ -398,6 +407,18 @@ def _check_args(args: argparse.Namespace) -> _Config:
         raise _UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if not args.metrics_address:
         raise _UsageError("--metrics-address must not be empty")
+    tcp_address = None
+    if args.tcp_address:
+        from perseus_agent.tcp_server import parse_listen_address
+
+        if args.standalone:
+            raise _UsageError(
+                "--tcp-address needs Kubernetes mode (the agent tells TCP peers by their pods)"
+            )
+        try:
+            tcp_address = parse_listen_address(args.tcp_address)
+        except ValueError as exc:
+            raise _UsageError(f"--tcp-address: {exc}") from None
     if not (math.isfinite(args.report_interval) and args.report_interval > 0):
         raise _UsageError(
             f"--report-interval must be a positive number, got {args.report_interval}"
@@ -412,6 +433,7 @@ def _check_args(args: argparse.Namespace) -> _Config:
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         socket_dir=args.socket_dir,
+        tcp_address=tcp_address,
         standalone=args.standalone,
         plan_file=args.plan_file,
         kubeconfig=args.kubeconfig,
@@ -660,6 +682,8 @@ class _Agent:
                 assert applier is not None
                 handler = applier
             servers.append(self._start_local_server(handler))
+            if config.tcp_address is not None:
+                servers.append(self._start_tcp_server(handler, api_client))
 
             if jobs is not None:
                 assert writer is not None
@@ -828,6 +852,23 @@ class _Agent:
             raise _UsageError(f"--socket-dir {self.config.socket_dir}: {exc}") from None
         except AgentError as exc:
             raise _StartupError(str(exc)) from None
+        return server
+
+    def _start_tcp_server(self, handler: ClientHandler, api_client: Any) -> _Server:
+        from perseus_agent.kube import NodePodLister, core_v1_api
+        from perseus_agent.tcp_server import PodAddressBook, TcpServer
+
+        assert self.config.tcp_address is not None
+        host, port = self.config.tcp_address
+        book = PodAddressBook(
+            self.config.node_name, NodePodLister(core_v1_api(api_client), self.config.node_name)
+        )
+        server = TcpServer(host, port, handler, book.resolve)
+        try:
+            server.start()
+        except AgentError as exc:
+            raise _StartupError(str(exc)) from None
+        log.info("serving training processes on %s too", server.url)
         return server
 
     def _poll_plan(self, applier: PlanApplier) -> None:

@@ -45,7 +45,7 @@ from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any, Final
 
-from perseus_client import protocol
+from perseus_client import protocol, transport
 from perseus_client.protocol import ProtocolError, Reply
 
 logger = logging.getLogger("perseus_client")
@@ -92,8 +92,10 @@ class PerseusClient:
     """Connection of one training process to the node agent.
 
     Args:
-        socket_path: The agent's socket; default ``$PERSEUS_AGENT_SOCKET`` or
-            ``/run/perseus/agent.sock``.
+        socket_path: The agent's socket path, or ``tcp://HOST:PORT``; default
+            ``$PERSEUS_AGENT_ADDRESS``, else ``$PERSEUS_AGENT_SOCKET``, else
+            ``/run/perseus/agent.sock`` (:mod:`perseus_client.transport`). A malformed
+            address raises :class:`~perseus_client.transport.AddressError`.
         rank, local_rank: Default ``$RANK``, ``$LOCAL_RANK``.
         gpu_uuids: Default from ``$NVIDIA_VISIBLE_DEVICES`` / ``$CUDA_VISIBLE_DEVICES``.
         job, namespace, pod: Default ``$PERSEUS_JOB``, ``$POD_NAMESPACE``, ``$POD_NAME``.
@@ -139,9 +141,12 @@ class PerseusClient:
                 f"got {needs_protocol_version!r}"
             )
         env = os.environ
-        if socket_path is None:
-            socket_path = env.get(protocol.SOCKET_ENV) or protocol.DEFAULT_SOCKET_PATH
-        self.socket_path: str = os.fspath(socket_path)
+        self.address = (
+            transport.address_from_env(env)
+            if socket_path is None
+            else transport.parse_address(os.fspath(socket_path))
+        )
+        self.socket_path: str = str(self.address)
         self.rank = rank if rank is not None else _env_int(env, "RANK")
         self.local_rank = local_rank if local_rank is not None else _env_int(env, "LOCAL_RANK")
         self.gpu_uuids = list(gpu_uuids) if gpu_uuids is not None else gpu_uuids_from_env(env)
@@ -421,10 +426,10 @@ class PerseusClient:
         self._next_attempt = now + self.retry_interval_s
         deadline = now + self.connect_timeout_s
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock = transport.open_socket(self.address)
             try:
                 sock.settimeout(self.connect_timeout_s)
-                sock.connect(self.socket_path)
+                sock.connect(transport.target(self.address))
                 break
             except BlockingIOError as exc:
                 # EAGAIN: the agent's listen backlog is full, e.g. while it sheds a flood of

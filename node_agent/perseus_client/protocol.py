@@ -1,8 +1,9 @@
 """Wire protocol between a training process and the Perseus node agent.
 
-Transport: a Unix stream socket. Each message is one line of UTF-8 JSON ending
-in ``\\n``, at most :data:`MAX_MESSAGE_BYTES` bytes including the newline. The
-client sends one request and waits for its one reply before sending the next.
+Transport: a stream socket, Unix or TCP (:mod:`perseus_client.transport` says which).
+Each message is one line of UTF-8 JSON ending in ``\\n``, at most
+:data:`MAX_MESSAGE_BYTES` bytes including the newline. The client sends one request and
+waits for its one reply before sending the next.
 
 Requests (``op`` selects the kind)::
 

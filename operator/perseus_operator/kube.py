@@ -577,3 +577,31 @@ class HookApi:
             raise KubeError(describe_api_error(exc), exc.status) from None
         except OSError as exc:
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None
+
+
+class PerseusJobLister:
+    """The PerseusJobs of one namespace, for the pod injection webhook
+    (:mod:`perseus_operator.injection_server`). Blocking: it runs in the webhook's threads."""
+
+    def __init__(self, api_client: Any, timeout_s: float = 5.0) -> None:
+        from kubernetes import client
+
+        self._custom = client.CustomObjectsApi(api_client)
+        self.timeout_s = timeout_s
+
+    def __call__(self, namespace: str) -> list[dict[str, Any]]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            response = self._custom.list_namespaced_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                JOB_PLURAL,
+                _preload_content=False,
+                _request_timeout=self.timeout_s,
+            )
+        except ApiException as exc:
+            raise KubeError(describe_api_error(exc), exc.status) from None
+        items = _json(response).get("items") or []
+        return [item for item in items if isinstance(item, dict)]

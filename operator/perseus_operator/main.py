@@ -17,6 +17,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from perseus_api.extras import check_extra
 from perseus_operator.config import ConfigError, OperatorConfig
@@ -55,6 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
         "PerseusPolicy and PerseusJob and waits until the running operator has reset their "
         "GPUs; test checks the release (CRDs served, operator leading and renewing)",
     )
+    webhook = parser.add_argument_group("pod injection webhook (perseus_operator.injection)")
+    webhook.add_argument(
+        "--webhook-address",
+        default="",
+        metavar="HOST:PORT",
+        help="serve the mutating admission webhook that gives managed workloads' pods the "
+        "agent's address, on every replica (default: off)",
+    )
+    webhook.add_argument(
+        "--webhook-cert-dir",
+        type=Path,
+        default=Path("/etc/perseus/webhook-tls"),
+        metavar="DIR",
+        help="directory holding the webhook's tls.crt and tls.key (default: %(default)s)",
+    )
+    webhook.add_argument(
+        "--agent-tcp-port",
+        type=int,
+        default=7460,
+        metavar="PORT",
+        help="the agents' TCP port the webhook injects (default: %(default)s)",
+    )
     parser.add_argument(
         "--hook-timeout-s", type=float, default=300.0, help="limit of --hook (default: %(default)s)"
     )
@@ -70,6 +93,26 @@ def _elector(config: OperatorConfig) -> Elector:
     )
     identity = config.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     return Elector(store, identity, config.leader_election_timings())
+
+
+def _start_webhook(args: argparse.Namespace, config: OperatorConfig) -> None:
+    """Serve the injection webhook (before the election: standbys serve it too)."""
+    from perseus_operator.injection import InjectionConfig
+    from perseus_operator.injection_server import InjectionServer
+    from perseus_operator.kube import PerseusJobLister, load_api_client
+
+    host, sep, port = args.webhook_address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--webhook-address: expected HOST:PORT, got {args.webhook_address!r}")
+    kubeconfig = config.kubeconfig or os.environ.get("KUBECONFIG", "")
+    InjectionServer(
+        host.strip("[]"),
+        int(port),
+        args.webhook_cert_dir / "tls.crt",
+        args.webhook_cert_dir / "tls.key",
+        PerseusJobLister(load_api_client(kubeconfig)),
+        InjectionConfig(agent_port=args.agent_tcp_port),
+    ).start()
 
 
 def _lost(reason: str) -> None:
@@ -107,6 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import perseus_operator.handlers  # registers the handlers
 
     perseus_operator.handlers.watch_namespaces(args.namespace)
+    if args.webhook_address:
+        from perseus_operator.kube import KubeError
+
+        try:
+            _start_webhook(args, config)
+        except (OSError, ValueError, KubeError) as exc:
+            print(f"perseus-operator: error: pod injection webhook: {exc}", file=sys.stderr)
+            return 2
     elector = None
     if config.leader_election_namespace:
         elector = _elector(config)

@@ -81,15 +81,20 @@ def test_the_agent_follows_a_torch_schedule_without_a_mismatch(agent: Agent, sch
         return all(c == [float(STEPS)] for c in counts)
 
     wait_for(measured, f"{STEPS} iterations of each rank in the agent's metrics", agent)
+    assert_plan_followed(agent)
+    assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
+
+
+def assert_plan_followed(agent: Agent) -> None:
+    """The agent applied the plan without a schedule mismatch, and forward and backward ran at
+    different clocks: a change at least at every switch."""
     assert agent.metric("perseus_agent_apply_errors_total", reason="schedule_mismatch") in (
         [],
         [0.0],
     ), agent.log
     for gpu in ("0", "1"):
-        # Forward and backward run at different clocks: a change at least at every switch.
         changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
         assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
-    assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
 
 
 # Each chunk and each backward half at a clock of its own (supported by the emulated A100).
@@ -162,13 +167,7 @@ def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
             for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual_stages)
         ]
         assert begins == order * STEPS, rank
-    assert agent.metric("perseus_agent_apply_errors_total", reason="schedule_mismatch") in (
-        [],
-        [0.0],
-    ), agent.log
-    for gpu in ("0", "1"):
-        changes = agent.metric("perseus_gpu_clock_changes_total", gpu=gpu)
-        assert changes and changes[0] >= 2 * STEPS, (gpu, changes)
+    assert_plan_followed(agent)
 
 
 CLOCKS = [1410, 1005]

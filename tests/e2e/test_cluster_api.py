@@ -170,6 +170,7 @@ AGENT_MAY = [
     ("watch", "perseusnodeplans.perseus.energy", None),
     ("patch", "perseusnodeplans.perseus.energy/status", "ml"),
     ("get", "nodes", None),  # its node's GPU driver upgrade label
+    ("list", "pods", None),  # agent.tcp: its node's pods, to tell a TCP peer's pod
 ]
 AGENT_MAY_NOT = [
     ("list", "nodes", None),
@@ -178,7 +179,8 @@ AGENT_MAY_NOT = [
     ("delete", "perseusnodeplans.perseus.energy", "ml"),
     ("get", "perseusjobs.perseus.energy", "ml"),
     ("patch", "perseusjobs.perseus.energy/status", "ml"),
-    ("list", "pods", "ml"),
+    ("get", "pods", "ml"),
+    ("watch", "pods", "ml"),
     ("get", "secrets", "ml"),
     ("get", "configmaps", "ml"),
     ("patch", "nodes", None),

@@ -207,6 +207,7 @@ def test_every_object_is_labelled_and_namespaced_correctly() -> None:
         "ClusterRoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "MutatingWebhookConfiguration",
         "PerseusPolicy",
     }
     for obj in rendered.objects:
@@ -379,7 +380,7 @@ def test_operator_deployment() -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert container["resources"]["requests"] and container["resources"]["limits"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"metrics": 8080, "health": 8081}
+    assert ports == {"metrics": 8080, "health": 8081, "webhook": 9443}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     # A writable /tmp for the caches the read-only root cannot hold.
@@ -455,7 +456,10 @@ def test_agent_daemonset_runs_on_gpu_nodes_with_the_least_nvml_needs() -> None:
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    # The host network for the TCP transport (agent.tcp): pods reach it at the node's address.
+    assert pod.get("hostNetwork") is True and not pod.get("hostPID")
+    socket_only = render({"agent": {"tcp": {"enabled": False}}}).one("DaemonSet")
+    assert not socket_only["spec"]["template"]["spec"].get("hostNetwork")
 
 
 def test_agent_host_paths_hold_the_socket_and_the_reset_state() -> None:
@@ -484,7 +488,11 @@ def test_agent_flags_are_what_the_agent_accepts() -> None:
             continue
         container = agent_container(rendered)
         assert container["command"] == ["perseus-node-agent"]
-        args = build_parser().parse_args([*container["args"], "--node-name=n1"])
+        # The kubelet expands $(HOST_IP) (status.hostIP) in the arguments.
+        expanded = [a.replace("$(HOST_IP)", "10.0.0.5") for a in container["args"]]
+        if any("$(HOST_IP)" in a for a in container["args"]):
+            assert env_of(container)["HOST_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+        args = build_parser().parse_args([*expanded, "--node-name=n1"])
         config = _check_args(args)
         assert not config.standalone  # plans come from the API
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
@@ -573,7 +581,9 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
 def test_notes_tell_what_to_do_next() -> None:
     notes = render().notes
     assert "kind: PerseusJob" in notes
-    assert "supplementalGroups: [2940]" in notes
+    assert "PERSEUS_AGENT_ADDRESS=tcp://$(PERSEUS_HOST_IP):7460" in notes
+    assert "supplementalGroups" not in notes  # nothing to add by hand
+    assert "supplementalGroups: [2940]" in render({"injection": {"enabled": False}}).notes
     assert "metrics.serviceMonitor.enabled=true" in notes
     assert "grafana_dashboard=1" in notes
     emulated = render({"agent": {"backend": "emulated"}}).notes

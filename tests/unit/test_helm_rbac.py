@@ -72,6 +72,7 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     "list_namespaced_custom_object": [
         Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "KubeClient.list_node_plans"),
         Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policies)"),
+        Call("list", GROUP, JOB_PLURAL, False, "PerseusJobLister (the pod injection webhook)"),
         *_workload_calls("list", "list_workloads (policies)"),
     ],
     "list_cluster_custom_object": [
@@ -170,6 +171,8 @@ AGENT_CLIENT_CALLS: dict[str, list[Call]] = {
     ],
     # NodeLabelSource.run: its own node's GPU driver upgrade label.
     "read_node": [Call("get", "", "nodes", True, "NodeLabelSource.run")],
+    # NodePodLister (agent.tcp, on by default): which pod a TCP connection comes from.
+    "list_pod_for_all_namespaces": [Call("list", "", "pods", True, "NodePodLister")],
 }
 
 OPERATOR_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator"
@@ -275,6 +278,10 @@ def test_only_the_kube_modules_create_api_clients() -> None:
             if path.name == "kube.py":
                 continue
             text = path.read_text()
+            if path == REPO_ROOT / "operator/perseus_api/kube_client.py":
+                # The shared configuration loader: it builds an ApiClient and calls nothing.
+                assert "_api(" not in text and "Api(" not in text.replace("ApiClient(", "")
+                continue
             if "from kubernetes" in text or "import kubernetes" in text:
                 offenders.append(str(path.relative_to(REPO_ROOT)))
     assert offenders == []
@@ -310,6 +317,9 @@ def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
 def test_agent_rbac_is_exactly_its_calls() -> None:
     rendered = render()
     assert grants_of(rendered, AGENT_SA) == expected_grants(agent_calls())
+    # Without the TCP transport the agent tells pods by their pid: no pods to list.
+    socket_only = render({"agent": {"tcp": {"enabled": False}}})
+    assert not allows(grants_of(socket_only, AGENT_SA), "list", "", "pods", "ml")
 
 
 @pytest.mark.parametrize(
@@ -317,7 +327,8 @@ def test_agent_rbac_is_exactly_its_calls() -> None:
     [
         ("get", "", "secrets"),
         ("list", "", "secrets"),
-        ("list", "", "pods"),
+        ("get", "", "pods"),  # list only, its own node's (agent.tcp)
+        ("watch", "", "pods"),
         ("list", "", "nodes"),  # get only: its own node's upgrade label
         ("patch", "", "nodes"),
         ("get", "", "configmaps"),
@@ -453,6 +464,7 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
     applied, reported, changed and deleted, then the agent stops. Every request it made is
     allowed by the chart's RBAC, and the kinds of calls are exactly the listed ones."""
     import shutil
+    import socket
     import tempfile
 
     kubernetes = pytest.importorskip("kubernetes")
@@ -492,7 +504,7 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
         client.user_agent = "perseus-rbac-test"  # this test's own requests are told apart
         api = kubernetes.client.CustomObjectsApi(client)
         args = (GROUP, resources.VERSION, "ml", resources.NODE_PLAN_PLURAL)
-        agent = Agent(tmp_path, socket_dir / "run", num_gpus=1, kubeconfig=kubeconfig)
+        agent = Agent(tmp_path, socket_dir / "run", num_gpus=1, kubeconfig=kubeconfig, tcp=True)
 
         def status() -> dict[str, Any]:
             obj = server.objects(plural).get(("ml", f"gpt3-{NODE}")) or {}
@@ -500,6 +512,11 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
 
         try:
             agent.start()
+            assert agent.tcp_port is not None
+            # A TCP peer (no pod of the node has its address: refused) makes the agent list
+            # its node's pods.
+            with socket.create_connection(("127.0.0.1", agent.tcp_port), timeout=10) as peer:
+                assert b"not the address of a pod" in peer.makefile("rb").readline()
             api.create_namespaced_custom_object(*args, resources.node_plan_object(plan(1, 1005)))
             wait_for(lambda: status().get("observedRevision") == 1, "a report", agent)
             new = plan(2, 1200).model_dump(mode="json")

@@ -387,6 +387,56 @@ def test_the_peer_is_told_by_so_peercred_over_the_agent_socket(
     jobs.clear()
 
 
+def test_the_peer_is_told_by_its_address_over_the_agent_tcp_listener(
+    backend: EmulatedBackend, client: PodResourcesClient, tmp_path: Path
+) -> None:
+    # This test process plays pod a-0's training process, whose pod IP is 127.0.0.1 in the
+    # node's pod list (the listener binds loopback); no cgroup, no pid: the address decides.
+    from perseus_agent.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
+
+    pod = {
+        "metadata": {
+            "namespace": "ml",
+            "name": "a-0",
+            "uid": UID_A,
+            "labels": {CLIENT_LABEL: "true"},
+        },
+        "spec": {},
+        "status": {"phase": "Running", "podIP": "127.0.0.1"},
+    }
+    jobs = JobPlans(backend, ResetState(tmp_path), NODE, ownership=KubeletOwnership(client))
+    jobs.set_plan(("ml", "a"), node_plan("ml", "a", "a-0", UID_A, granularity="Instruction"))
+    jobs.set_plan(
+        ("team-b", "b"), node_plan("team-b", "b", "b-0", UID_B, granularity="Instruction")
+    )
+    server = TcpServer("127.0.0.1", 0, jobs, PodAddressBook(NODE, lambda: [pod]).resolve)
+    with server:
+        address = f"tcp://127.0.0.1:{server.port}"
+        # Speaking for b-0 (its name and GPU): refused, nothing locked.
+        impostor = PerseusClient(address, rank=1, local_rank=1, gpu_uuids=[uuid(0)], pod="b-0")
+        try:
+            impostor.on_step_begin(0)
+            assert not impostor.connected
+        finally:
+            impostor.close()
+        # b-0's GPU, naming no pod: the address says a-0, which was not allocated it.
+        greedy = PerseusClient(address, rank=1, local_rank=1, gpu_uuids=[uuid(0)])
+        try:
+            greedy.on_step_begin(0)
+            assert not greedy.connected
+        finally:
+            greedy.close()
+        assert locked(backend) == {}
+        perseus = PerseusClient(address, rank=1, local_rank=1, gpu_uuids=[uuid(5)])
+        try:
+            perseus.on_step_begin(0)
+            assert perseus.on_instruction_begin("forward", 0) == 915
+            assert locked(backend) == {5: 915}
+        finally:
+            perseus.close()
+    jobs.clear()
+
+
 def test_a_standalone_agent_refuses_gpus_named_by_process_only(
     backend: EmulatedBackend, tmp_path: Path
 ) -> None:

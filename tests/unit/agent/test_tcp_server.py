@@ -1,0 +1,239 @@
+"""The agent's TCP listener: peers told by their pod address, hellos held to that pod, and the
+real client reaching it from ``$PERSEUS_AGENT_ADDRESS``.
+
+The servers bind 127.0.0.1, so the test's pods have the address 127.0.0.1 in the pod lists the
+address book reads (as a kubelet would have written their status): the code under test is the
+same that maps a pod IP on a node."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from perseus_agent.local_server import ClientSession, RequestError
+from perseus_agent.tcp_server import (
+    CLIENT_LABEL,
+    PodAddressBook,
+    TcpServer,
+    parse_listen_address,
+    pod_addresses,
+)
+from perseus_client import transport
+from perseus_client.client import PerseusClient
+from perseus_client.protocol import HelloRequest, StepBeginRequest
+
+
+def _pod(
+    name: str,
+    ip: str | None = "127.0.0.1",
+    *,
+    namespace: str = "team-a",
+    labelled: bool = True,
+    host_network: bool = False,
+    phase: str = "Running",
+) -> dict[str, Any]:
+    labels = {CLIENT_LABEL: "true"} if labelled else {}
+    status: dict[str, Any] = {"phase": phase}
+    if ip is not None:
+        status["podIP"], status["podIPs"] = ip, [{"ip": ip}]
+    return {
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": labels},
+        "spec": {"nodeName": "gpu-node-1", "hostNetwork": host_network},
+        "status": status,
+    }
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _book(
+    pods: list[dict[str, Any]], clock: Clock | None = None
+) -> tuple[PodAddressBook, list[int]]:
+    calls: list[int] = []
+
+    def list_pods() -> list[dict[str, Any]]:
+        calls.append(1)
+        return pods
+
+    return PodAddressBook("gpu-node-1", list_pods, clock=clock or Clock()), calls
+
+
+def test_an_address_resolves_to_its_pod() -> None:
+    book, _ = _book([_pod("llm-0", "10.1.0.5"), _pod("llm-1", "10.1.0.6")])
+    found = book.resolve("10.1.0.6")
+    assert (found.namespace, found.name, found.uid) == ("team-a", "llm-1", "uid-llm-1")
+    assert book.resolve("::ffff:10.1.0.5").name == "llm-0"  # IPv4-mapped peer of a dual stack
+
+
+@pytest.mark.parametrize(
+    ("pods", "ip", "why"),
+    [
+        ([_pod("llm-0", "10.1.0.5")], "10.9.9.9", "is not the address of a pod on node gpu-node-1"),
+        ([_pod("agent", "10.0.0.1", host_network=True)], "10.0.0.1", "host network"),
+        ([_pod("web", "10.1.0.7", labelled=False)], "10.1.0.7", f"not labelled {CLIENT_LABEL}"),
+        ([_pod("old", "10.1.0.8", phase="Succeeded")], "10.1.0.8", "is not the address"),
+        ([_pod("a", "10.1.0.9"), _pod("b", "10.1.0.9")], "10.1.0.9", "several pods"),
+    ],
+)
+def test_peers_that_are_not_a_managed_pod_of_this_node_are_refused(
+    pods: list[dict[str, Any]], ip: str, why: str
+) -> None:
+    book, _ = _book(pods)
+    with pytest.raises(RequestError, match=why):
+        book.resolve(ip)
+
+
+def test_unknown_addresses_list_again_at_most_once_per_interval() -> None:
+    clock = Clock()
+    pods = [_pod("llm-0", "10.1.0.5")]
+    book, calls = _book(pods, clock)
+    book.resolve("10.1.0.5")
+    for _ in range(5):
+        with pytest.raises(RequestError):
+            book.resolve("10.1.0.6")
+    assert len(calls) == 1  # a flood of strangers costs no API calls
+    pods.append(_pod("llm-1", "10.1.0.6"))
+    clock.now += 1.0
+    assert book.resolve("10.1.0.6").name == "llm-1"
+    assert len(calls) == 2
+    clock.now += 30.0  # an old list is listed again even for a known address (IPs are reused)
+    pods[0] = _pod("other", "10.1.0.5")
+    assert book.resolve("10.1.0.5").name == "other"
+
+
+def test_a_failing_list_keeps_the_last_one_and_says_why() -> None:
+    clock = Clock()
+    state = {"fail": False}
+
+    def list_pods() -> list[dict[str, Any]]:
+        if state["fail"]:
+            raise OSError("connection refused")
+        return [_pod("llm-0", "10.1.0.5")]
+
+    book = PodAddressBook("gpu-node-1", list_pods, clock=clock)
+    book.resolve("10.1.0.5")
+    state["fail"] = True
+    clock.now += 31.0
+    assert book.resolve("10.1.0.5").name == "llm-0"
+    clock.now += 2.0
+    with pytest.raises(RequestError, match="connection refused"):
+        book.resolve("10.1.0.6")
+
+
+def test_pod_addresses_reads_every_ip_and_none_before_there_is_one() -> None:
+    dual = _pod("llm-0", "10.1.0.5")
+    dual["status"]["podIPs"].append({"ip": "fd00::5"})
+    assert [a.ip for a in pod_addresses(dual)] == ["10.1.0.5", "fd00::5"]
+    assert pod_addresses(_pod("pending", None)) == []
+
+
+@pytest.mark.parametrize("text", ["7460", "node:7460", "10.0.0.1:", "10.0.0.1:99999", ":7460"])
+def test_listen_addresses_are_checked(text: str) -> None:
+    with pytest.raises(ValueError, match="HOST"):
+        parse_listen_address(text)
+    assert parse_listen_address("[::1]:7460") == ("::1", 7460)
+
+
+class Recorder:
+    """The agent's handler, recording what reaches it."""
+
+    def __init__(self) -> None:
+        self.hellos: list[tuple[ClientSession, dict[str, Any]]] = []
+        self.steps: list[int] = []
+
+    def hello(
+        self, session: ClientSession, msg: HelloRequest, received_ns: int
+    ) -> Mapping[str, Any]:
+        self.hellos.append((session, dict(msg)))
+        return {"node": "gpu-node-1", "managed": False, "granularity": None, "gpus": []}
+
+    def step_begin(self, session: ClientSession, msg: StepBeginRequest, received_ns: int) -> None:
+        self.steps.append(msg["step"])
+
+    def step_end(self, session: ClientSession, msg: Any, received_ns: int) -> None:
+        pass
+
+    def instruction_begin(
+        self, session: ClientSession, msg: Any, received_ns: int
+    ) -> Mapping[str, Any]:
+        return {"sm_clock_mhz": 1410}
+
+    def instruction_end(self, session: ClientSession, msg: Any, received_ns: int) -> None:
+        pass
+
+    def disconnected(self, session: ClientSession) -> None:
+        pass
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[TcpServer, Recorder, list[dict[str, Any]]]]:
+    pods = [_pod("llm-worker-0", "127.0.0.1")]
+    book = PodAddressBook("gpu-node-1", lambda: pods, min_refresh_s=0.0)
+    recorder = Recorder()
+    server = TcpServer("127.0.0.1", 0, recorder, book.resolve)  # type: ignore[arg-type]
+    server.start()
+    try:
+        yield server, recorder, pods
+    finally:
+        server.stop()
+
+
+def _client(server: TcpServer, **kwargs: Any) -> PerseusClient:
+    env = {transport.ADDRESS_ENV: f"tcp://127.0.0.1:{server.port}"}
+    address = transport.address_from_env(env)
+    return PerseusClient(
+        str(address), rank=0, local_rank=0, gpu_uuids=[], retry_interval_s=0.0, **kwargs
+    )
+
+
+def test_a_client_reaches_the_agent_over_tcp_as_the_pod_of_its_address(
+    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+) -> None:
+    server, recorder, _ = served
+    client = _client(server)
+    try:
+        client.on_step_begin(3)
+        assert client.connected
+        assert client.on_instruction_begin("forward", 0) == 1410
+    finally:
+        client.close()
+    ((session, hello),) = recorder.hellos
+    # The hello named no pod: the agent filled in the address's, and the ownership check
+    # gets the pod UID from the address as it gets it from the cgroup on the Unix socket.
+    assert (hello["namespace"], hello["pod"]) == ("team-a", "llm-worker-0")
+    assert session.verified_pod == ("team-a", "llm-worker-0", "uid-llm-worker-0")
+    assert session.address == "127.0.0.1" and session.peer == ("address", "127.0.0.1")
+    assert recorder.steps == [3]
+
+
+def test_a_hello_speaking_for_another_pod_is_refused(
+    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+) -> None:
+    server, recorder, _ = served
+    client = _client(server, pod="someone-else", namespace="team-a")
+    try:
+        client.on_step_begin(1)
+        assert not client.connected
+    finally:
+        client.close()
+    assert recorder.hellos == []
+
+
+def test_a_connection_from_an_unmanaged_pod_is_refused_before_hello(
+    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+) -> None:
+    server, recorder, pods = served
+    pods[0] = _pod("web", "127.0.0.1", labelled=False)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        reply = sock.makefile("rb").readline()
+    assert b'"ok": false' in reply.replace(b'"ok":false', b'"ok": false')
+    assert CLIENT_LABEL.encode() in reply
+    assert recorder.hellos == []
