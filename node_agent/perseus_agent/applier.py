@@ -46,8 +46,8 @@ from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
 from perseus_api.node_report import ITERATION_WINDOW as _ITERATION_WINDOW
 
-# The report models are perseus_api's (the operator reads them); re-exported here, where the
-# agent builds them.
+# The report models are perseus_api's (the operator reads them too); re-exported here, where
+# the agent builds them.
 from perseus_api.node_report import (
     GpuProfilingReport,
     GpuReport,
@@ -78,7 +78,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
 
 _SESSION_LOG_BURST: Final = 64
 """Hello and disconnect lines per minute before they are summarised (a node runs a few dozen
