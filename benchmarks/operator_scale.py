@@ -217,7 +217,6 @@ class Cluster:
         self.writes: dict[tuple[str, str], list[PlanWrite]] = {}
         self.calls = 0
         self.versions = 0  # resourceVersion: the operator validates a status once per version
-        self.versions = 0  # the API server's resourceVersion: the operator reads a status once per
 
     # -- JobIO --
 
