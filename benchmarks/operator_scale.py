@@ -182,11 +182,14 @@ class StoredPlan:
     base_s: float
     """The plans' T_min: the pace the simulated ranks report."""
     status_json: str = "{}"
+    resource_version: int = 0
+    """Changes with every write, spec or status, as the API server's."""
 
     def text(self) -> str:
+        metadata = f'{self.metadata_json[:-1]},"resourceVersion":"{self.resource_version}"}}'
         return (
             f'{{"apiVersion":"{resources.API_VERSION}","kind":"{resources.NODE_PLAN_KIND}",'
-            f'"metadata":{self.metadata_json},"spec":{self.spec_json},'
+            f'"metadata":{metadata},"spec":{self.spec_json},'
             f'"status":{self.status_json}}}'
         )
 
@@ -213,6 +216,7 @@ class Cluster:
         self.on_node: dict[str, StoredPlan] = {}
         self.writes: dict[tuple[str, str], list[PlanWrite]] = {}
         self.calls = 0
+        self.versions = 0  # resourceVersion: the operator validates a status once per version
 
     # -- JobIO --
 
@@ -297,6 +301,7 @@ class Cluster:
             ],
             base_s=min(float(p["t_min_s"]) for p in spec["plans"].values()),
             status_json=previous.status_json if previous else "{}",  # status is a subresource
+            resource_version=self._next_version(),
         )
         by_name[name] = plan
         self.on_node[plan.node] = plan
@@ -324,6 +329,11 @@ class Cluster:
 
     def write_status(self, plan: StoredPlan, status: Mapping[str, Any]) -> None:
         plan.status_json = json.dumps(status)
+        plan.resource_version = self._next_version()
+
+    def _next_version(self) -> int:
+        self.versions += 1
+        return self.versions
 
 
 # --------------------------------------------------------------------------- simulation

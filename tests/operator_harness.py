@@ -31,6 +31,14 @@ import pytest
 
 from agent_process import REPO_ROOT, source_env
 from perseus_api import resources
+from perseus_api.node_report import (
+    GpuProfilingReport,
+    NodePlanStatus,
+    ProfileRow,
+    RankReport,
+    StatusCondition,
+    status_document,
+)
 from perseus_api.profile import Profile, parse_profile
 from perseus_operator.lifecycle import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
@@ -236,32 +244,29 @@ class SimulatedAgents(ReportLoop):
             spec = obj["spec"]
             if self.jobs is not None and spec["job"] not in self.jobs:
                 continue
-            status: dict[str, Any] = {
-                "observedRevision": spec["revision"],
-                "reportedAt": datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
-                "conditions": [{"type": "Applied", "status": "True", "reason": "Applied"}],
-            }
             t_min_s = self.t_min_s.get(spec["job"])
+            profiling: list[GpuProfilingReport] = []
+            ranks: list[RankReport] = []
             if spec.get("profiling"):
-                status["profiling"] = [profiled(a, self.profile) for a in spec["assignments"]]
+                profiling = [profiled_report(a, self.profile) for a in spec["assignments"]]
             elif t_min_s is not None:
                 expected = expected_iteration_s(obj)
-                status["ranks"] = []
                 for a in spec["assignments"]:
                     time_s = t_min_s * self.slow.get(a["dp_rank"], 1.0)
                     if a["rank"] in expected:
                         time_s *= expected[a["rank"]] / fastest_s[spec["job"]]
-                    status["ranks"].append(
-                        {
-                            "rank": a["rank"],
-                            "dp_rank": a["dp_rank"],
-                            "pp_rank": a["stage"],
-                            "iterations": self.iterations,
-                            "last_iteration_s": time_s,
-                            "mean_iteration_s": time_s,
-                            "revision": spec["revision"],
-                        }
+                    ranks.append(
+                        RankReport(
+                            rank=a["rank"],
+                            dp_rank=a["dp_rank"],
+                            pp_rank=a["stage"],
+                            iterations=self.iterations,
+                            last_iteration_s=time_s,
+                            mean_iteration_s=time_s,
+                            revision=spec["revision"],
+                        )
                     )
+            status = agent_status(spec["revision"], ranks=ranks, profiling=profiling)
             self.api.patch_namespaced_custom_object_status(
                 resources.GROUP,
                 resources.VERSION,
@@ -272,7 +277,36 @@ class SimulatedAgents(ReportLoop):
             )
 
 
-def profiled(assignment: Mapping[str, Any], profile: Profile) -> dict[str, Any]:
+def agent_status(
+    revision: int,
+    *,
+    ranks: Sequence[RankReport] = (),
+    profiling: Sequence[GpuProfilingReport] = (),
+    reported_at: str | None = None,
+    legacy: bool = False,
+) -> dict[str, Any]:
+    """The status a node agent writes for a plan at ``revision`` it applied (built from the
+    models, as the agent does). ``legacy``: as agents before perseus_api.node_report wrote it,
+    the report's keys in snake_case (an operator must read both during a rolling upgrade)."""
+    status = NodePlanStatus(
+        observed_revision=revision,
+        reported_at=reported_at or datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
+        conditions=[StatusCondition(type="Applied", status="True", reason="Applied")],
+        ranks=list(ranks),
+        profiling=list(profiling),
+    )
+    if not legacy:
+        return {k: v for k, v in status_document(status).items() if v is not None}
+    return {
+        "observedRevision": revision,
+        "reportedAt": status.reported_at,
+        "conditions": [c.model_dump(mode="json", by_alias=True) for c in status.conditions],
+        "ranks": [r.model_dump(mode="json") for r in ranks],
+        "profiling": [p.model_dump(mode="json") for p in profiling],
+    }
+
+
+def profiled_report(assignment: Mapping[str, Any], profile: Profile) -> GpuProfilingReport:
     """A finished profiling report of the assignment's GPU: the profile's rows of its stage."""
     stage = assignment["stage"]
     rows = []
@@ -280,24 +314,37 @@ def profiled(assignment: Mapping[str, Any], profile: Profile) -> dict[str, Any]:
         m = profile.get(stage, name)
         for clock, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True):
             rows.append(
-                {
-                    "stage": stage,
-                    "instruction": name,
-                    "frequency_mhz": int(clock),
-                    "time_s": float(t),
-                    "energy_j": float(e),
-                    "samples": 2,
-                }
+                ProfileRow(
+                    stage=stage,
+                    instruction=name,
+                    frequency_mhz=int(clock),
+                    time_s=float(t),
+                    energy_j=float(e),
+                    samples=2,
+                )
             )
-    return {
-        "stage": stage,
-        "index": assignment["local_rank"],  # as if the kubelet gave each pod GPUs 0..n-1
-        "rank": assignment["rank"],
-        "done": True,
-        "rows": rows,
-        "blocking_power_w": 80.0,
-        "blocking_s": 1.0,
-    }
+    clocks = sorted({r.frequency_mhz for r in rows}, reverse=True)
+    index = assignment["local_rank"]  # as if the kubelet gave each pod GPUs 0..n-1
+    return GpuProfilingReport(
+        uuid=f"GPU-{assignment.get('pod')}-{index}",
+        index=index,
+        stage=stage,
+        rank=assignment["rank"],
+        frequencies_mhz=clocks,
+        applied_mhz=list(clocks),
+        frequency_index=len(clocks),
+        measured_iterations=2 * len(clocks),
+        dropped_iterations=0,
+        done=True,
+        rows=rows,
+        blocking_power_w=80.0,
+        blocking_s=1.0,
+    )
+
+
+def profiled(assignment: Mapping[str, Any], profile: Profile) -> dict[str, Any]:
+    """:func:`profiled_report` as the agent writes it in ``status.profiling``."""
+    return profiled_report(assignment, profile).model_dump(mode="json", by_alias=True)
 
 
 def pod(app: str, index: int, namespace: str, gpus: int) -> dict[str, Any]:

@@ -35,18 +35,26 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from perseus_agent.errors import GpuError, PlanError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.log_limit import RateLimitedLog
-from perseus_agent.profiler import EnergySampler, ProfileRow, StageProfiler
+from perseus_agent.profiler import EnergySampler, StageProfiler
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
+from perseus_api.node_report import ITERATION_WINDOW as _ITERATION_WINDOW
+
+# The report models are perseus_api's (the operator reads them too); re-exported here, where
+# the agent builds them.
+from perseus_api.node_report import (
+    GpuProfilingReport,
+    GpuReport,
+    GpuStatus,
+    NodeReport,
+    RankReport,
+)
 from perseus_api.plan import Granularity, StagePlan
 
 if TYPE_CHECKING:
@@ -71,118 +79,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_ITERATION_WINDOW: Final = 20
-"""Iterations per rank kept for the report's mean iteration time."""
-
 _SESSION_LOG_BURST: Final = 64
 """Hello and disconnect lines per minute before they are summarised (a node runs a few dozen
 training processes; a flood of hellos must not become a flood of log lines)."""
 
 SamplerFactory = Callable[[GpuInfo, Callable[[], float]], EnergySampler]
 """Makes the energy sampler of a profiled GPU from the GPU and a reader of its counter."""
-
-
-class GpuStatus(StrEnum):
-    APPLIED = "Applied"
-    """The clock the plan asks for is in effect."""
-    CLAMPED = "Clamped"
-    """The GPU does not support the planned clock; the nearest supported one is in effect."""
-    FAILED = "Failed"
-    """The plan could not be applied to this GPU (see the message)."""
-    WAITING = "Waiting"
-    """Instruction granularity: waiting for the training process to call in."""
-
-
-class _Report(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GpuReport(_Report):
-    """What was applied to one GPU of the plan."""
-
-    uuid: str | None = Field(description="The GPU's UUID; null if the GPU was not found.")
-    index: int | None = Field(description="The GPU's index; null if the GPU was not found.")
-    plan: str
-    stage: int
-    dp_rank: int = 0
-    rank: int | None = None
-    target_mhz: int | None = Field(description="Clock the plan asks for (now, for Instruction).")
-    applied_mhz: int | None = Field(description="Clock locked by the agent, if any.")
-    status: GpuStatus
-    message: str = ""
-
-
-class RankReport(_Report):
-    """Iteration times of one training rank on this node, measured by the agent."""
-
-    rank: int
-    dp_rank: int | None = None
-    pp_rank: int | None = None
-    iterations: int = Field(description="Iterations measured since the rank called in.")
-    last_iteration_s: float
-    mean_iteration_s: float = Field(
-        description=f"Over the last {_ITERATION_WINDOW} iterations under ``revision``."
-    )
-    revision: int | None = Field(
-        default=None,
-        description="Node plan revision every iteration of the mean ran under (None: no plan). "
-        "The mean restarts with each revision, so it reflects the plan now in effect only.",
-    )
-
-
-class GpuProfilingReport(_Report):
-    """Progress and, once done, results of profiling one GPU (one stage)."""
-
-    uuid: str
-    index: int
-    stage: int
-    rank: int | None = Field(
-        default=None, description="Global rank of the training process the plan put here."
-    )
-    frequencies_mhz: list[int] = Field(description="The scheduled clocks, in order.")
-    applied_mhz: list[int | None] = Field(
-        description="The clock each scheduled one was measured at (another one when clamped); "
-        "null until reached."
-    )
-    frequency_index: int = Field(
-        description="Index of the clock being measured in frequencies_mhz; its length once "
-        "every clock is measured."
-    )
-    measured_iterations: int = Field(description="Measured iterations in the results so far.")
-    dropped_iterations: int = Field(
-        description="Iterations to measure that were incomplete or not covered by energy samples."
-    )
-    done: bool = Field(description="Every clock measured and every energy computed.")
-    rows: list[ProfileRow] = Field(
-        default_factory=list,
-        description="Once done: mean time and energy per (instruction, clock), the rows of "
-        "the profile CSV the planner reads.",
-    )
-    blocking_power_w: float | None = Field(
-        default=None,
-        description="Once done: power outside computations in measured iterations; null when "
-        "they spent too little time there to measure it.",
-    )
-    blocking_s: float = Field(
-        default=0.0,
-        description="Time outside computations over the measured iterations (the weight of "
-        "blocking_power_w when combining GPUs).",
-    )
-
-
-class NodeReport(_Report):
-    """The state of one node plan on this node, for the operator."""
-
-    node: str
-    job: str
-    namespace: str
-    revision: int
-    granularity: Granularity
-    gpus: list[GpuReport]
-    ranks: list[RankReport] = Field(default_factory=list)
-    profiling: list[GpuProfilingReport] = Field(
-        default_factory=list, description="Per profiled GPU, when the plan profiles."
-    )
 
 
 @dataclass

@@ -50,6 +50,7 @@ from perseus_api import kube_client, resources
 from perseus_api.conventions import now_rfc3339, transition_time
 from perseus_api.kube_client import describe_api_error, http_status
 from perseus_api.node_plan import GpuAssignment, NodePlan
+from perseus_api.node_report import NodePlanStatus, StatusCondition, status_document
 from perseus_api.plan import Granularity
 
 if TYPE_CHECKING:
@@ -587,8 +588,6 @@ def _job_name(plan: NodePlan) -> str:
 
 # -- status documents (pure) -----------------------------------------------------------------------
 
-_REPORT_FIELDS: Final = tuple(NodeReport.model_fields)
-
 
 def report_status(report: NodeReport, denied: Sequence[GpuReport] = ()) -> dict[str, Any]:
     """The ``status`` of a node plan applied as ``report`` says (plus GPUs ``denied`` to it)."""
@@ -604,25 +603,25 @@ def report_status(report: NodeReport, denied: Sequence[GpuReport] = ()) -> dict[
         condition = _condition(False, resources.REASON_FAILED, f"{summary}: {details}")
     else:
         condition = _condition(True, resources.REASON_APPLIED, summary)
-    return {
-        **report.model_dump(mode="json"),
-        resources.STATUS_OBSERVED_REVISION: report.revision,
+    status = NodePlanStatus.of_report(
+        report,
         # Changes with every periodic report, so that each is written: the operator tells a
         # live agent from a dead one by it.
-        resources.STATUS_REPORTED_AT: datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
-        "conditions": [condition],
-    }
+        reported_at=datetime.now(tz=UTC).isoformat(timespec="milliseconds"),
+        conditions=[condition],
+    )
+    return status_document(status)
 
 
 def invalid_status(
     message: str, revision: int | None, reason: str = resources.REASON_INVALID_SPEC
 ) -> dict[str, Any]:
-    """The ``status`` of a node plan that is not applied at all; ``message`` says why."""
-    return {
-        **dict.fromkeys(_REPORT_FIELDS),  # null: removes a previous report's fields
-        resources.STATUS_OBSERVED_REVISION: revision,
-        "conditions": [_condition(False, reason, message)],
-    }
+    """The ``status`` of a node plan that is not applied at all; ``message`` says why (the
+    report's fields are written null, which removes a previous report's)."""
+    status = NodePlanStatus(
+        observed_revision=revision, conditions=[_condition(False, reason, message)]
+    )
+    return status_document(status)
 
 
 def stopped_status(revision: int | None, *, reset_ok: bool) -> dict[str, Any]:
@@ -640,13 +639,13 @@ def stopped_status(revision: int | None, *, reset_ok: bool) -> dict[str, Any]:
     return invalid_status(message, revision, reason=resources.REASON_AGENT_STOPPED)
 
 
-def _condition(ok: bool, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "type": resources.CONDITION_APPLIED,
-        "status": "True" if ok else "False",
-        "reason": reason,
-        "message": message,
-    }
+def _condition(ok: bool, reason: str, message: str) -> StatusCondition:
+    return StatusCondition(
+        type=resources.CONDITION_APPLIED,
+        status="True" if ok else "False",
+        reason=reason,
+        message=message,
+    )
 
 
 def _with_transition_times(

@@ -61,11 +61,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal, cast
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Final, cast
 
 from perseus_agent.errors import GpuError
+from perseus_api.node_report import InstructionName, ProfileRow  # re-exported: the agent's rows
 
 __all__ = [
     "DEFAULT_SAMPLE_CAPACITY",
@@ -92,8 +91,6 @@ time stamp lies a little off the GPU's own edge."""
 MIN_TRIMMED_FRACTION: Final = 0.01
 """Least share of the measured iterations' time inside trimmed waits to measure blocking power
 there; below it, it is measured over all the time outside computations."""
-
-InstructionName = Literal["forward", "backward", "backward_input", "backward_weight"]
 
 PROFILE_COLUMNS: Final = ("stage", "instruction", "frequency", "time", "energy")
 _INSTRUCTIONS: Final[tuple[InstructionName, ...]] = (
@@ -251,23 +248,6 @@ class EnergySampler:
             t0, t1 = times[i - 1], times[i]
             e0, e1 = energies[i - 1], energies[i]
             return e0 + (e1 - e0) * ((t_ns - t0) / (t1 - t0))
-
-
-class ProfileRow(BaseModel):
-    """Median time and energy of one computation of a stage at one SM clock."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    stage: int = Field(
-        ge=0,
-        description="Model stage: the GPU's pipeline stage, plus chunk x stages when the "
-        "GPU runs several (virtual) stages.",
-    )
-    instruction: InstructionName
-    frequency_mhz: int = Field(gt=0, description="The SM clock in effect while measured.")
-    time_s: float = Field(description="Median time of one computation.")
-    energy_j: float = Field(description="Median energy of one computation.")
-    samples: int = Field(ge=1, description="Computations measured.")
 
 
 def _inner_waits(m: _Measured) -> list[tuple[int, int]]:

@@ -38,6 +38,7 @@ from perseus_api.job import (
     PerseusJobStatus,
 )
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import NodePlanStatus
 from perseus_api.policy import (
     POLICY_KIND,
     POLICY_PLURAL,
@@ -54,11 +55,6 @@ from perseus_api.resources import (
     NODE_PLAN_PLURAL,
     NODE_PLAN_SHORT_NAMES,
     NODE_PLAN_SINGULAR,
-    REASON_AGENT_STOPPED,
-    REASON_APPLIED,
-    REASON_FAILED,
-    REASON_INVALID_SPEC,
-    STATUS_OBSERVED_REVISION,
     VERSION,
 )
 
@@ -106,8 +102,9 @@ _POLICY_DESCRIPTION: Final = (
     "every training workload it selects (spec); what it manages (status)."
 )
 _NODE_PLAN_STATUS_DESCRIPTION: Final = (
-    "Written by the node agent only. Besides the fields below it holds the agent's report of "
-    "the GPUs and ranks of the plan, kept as written."
+    "Written by the node agent only: the revision it acted on, its Applied condition, and its "
+    "report of the plan's GPUs and ranks (absent when nothing is applied). Unknown fields are "
+    "kept: agents of an older version write the report's keys in snake_case."
 )
 
 # Pydantic keywords copied unchanged; any other keyword is an error (see _convert_keyword).
@@ -352,33 +349,43 @@ def get_job_crd() -> dict[str, Any]:
 
 
 def _node_plan_status_schema() -> dict[str, Any]:
-    """The agent's status: typed where the operator reads it, kept as written elsewhere (the
-    agent's report has no model in perseus_api, which does not depend on the agent)."""
-    reasons = ", ".join((REASON_APPLIED, REASON_FAILED, REASON_INVALID_SPEC, REASON_AGENT_STOPPED))
-    condition = {
-        "type": "object",
-        "properties": {
-            "type": {"description": f"Condition type: {CONDITION_APPLIED}.", "type": "string"},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"description": f"One of {reasons}.", "type": "string"},
-            "message": {"type": "string"},
-            "lastTransitionTime": {"description": "RFC 3339.", "type": "string"},
-        },
-        "required": ["type", "status"],
-    }
-    return {
-        "description": _NODE_PLAN_STATUS_DESCRIPTION,
-        "type": "object",
-        "x-kubernetes-preserve-unknown-fields": True,
-        "properties": {
-            STATUS_OBSERVED_REVISION: {
-                "description": "The spec.revision the agent last acted on.",
-                "type": "integer",
-                "nullable": True,
-            },
-            "conditions": {"type": "array", "items": condition},
-        },
-    }
+    """The agent's status, generated from :class:`NodePlanStatus`, with room for an older
+    agent's report (see :func:`_tolerate_older_agents`)."""
+    schema = structural_schema(NodePlanStatus, mode="serialization")
+    schema["description"] = _NODE_PLAN_STATUS_DESCRIPTION
+    return _tolerate_older_agents(schema)
+
+
+def _tolerate_older_agents(node: Mapping[str, Any]) -> dict[str, Any]:
+    """``node`` with every object in it keeping unknown fields, requiring only the fields whose
+    name has no capital letter, and with no defaults.
+
+    During a rolling upgrade agents older than :class:`NodePlanStatus` still write the report
+    in snake_case (``gpus[].dp_rank``, ``ranks[].mean_iteration_s``): the API server must
+    neither prune those keys (the operator reads both spellings) nor reject the report for
+    lacking ``targetMHz`` or ``meanIterationSeconds``. A one-word field (``stage``, ``rank``)
+    is spelled alike in both, so it stays required. No defaults either: the API server would
+    add ``dpRank: 0`` beside an older agent's ``dp_rank: 1``, and the camelCase key wins when
+    both are read (the models fill their defaults themselves). Kept while agents of the older
+    spelling may run (preserving unknown fields also lets a newer agent's additions through).
+    """
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "properties":
+            out[key] = {name: _tolerate_older_agents(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, Mapping):
+            out[key] = _tolerate_older_agents(value)
+        elif key == "default":
+            continue
+        elif key == "required":
+            same = [name for name in value if name == name.lower()]
+            if same:
+                out[key] = same
+        else:
+            out[key] = value
+    if out.get("type") == "object":
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return _ordered(out)
 
 
 def get_node_plan_crd() -> dict[str, Any]:

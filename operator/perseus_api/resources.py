@@ -17,32 +17,25 @@ namespace, written by the operator and read by the agent of that node::
       job: gpt3
       revision: 7
       ...
-    status:                          # written by the node agent only (status subresource)
+    status:                          # written by the node agent only (status subresource):
+      observedRevision: 7            # a NodePlanStatus (perseus_api.node_report), camelCase
       ...
 
 Agents select their plans by the node label across all namespaces (field selectors on custom
 resources are limited to ``metadata.name``/``metadata.namespace``), and check ``spec.node`` too.
 
-``status`` is the agent's report; perseus_api does not depend on the agent, so it is typed
-loosely here (``dict[str, Any]``). Fields, all written together on every update (a JSON merge
-patch; a field that no longer applies is written as null, which removes it):
-
-- ``observedRevision`` (int or null): the ``spec.revision`` the agent last acted on.
-- ``reportedAt`` (RFC 3339): when the agent wrote this report; rewritten every report interval
-  while the agent lives, so a stale one means a dead or cut-off agent.
-- ``conditions``: a list with one condition of type :data:`CONDITION_APPLIED`, with
-  ``status`` ``"True"``/``"False"``, ``reason`` (:data:`REASON_APPLIED`, :data:`REASON_FAILED`,
-  :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED`, :data:`REASON_DRIVER_UPGRADE`),
-  ``message`` and
-  ``lastTransitionTime`` (RFC 3339).
-- The fields of the agent's ``NodeReport`` (``perseus_agent.applier``; absent when nothing
-  is applied, e.g. the spec is invalid), among them ``node``, ``job``, ``namespace``,
-  ``revision``, ``granularity``; ``gpus``: per assigned GPU ``uuid``, ``index``, ``plan``,
-  ``stage``, ``dp_rank``, ``rank``, ``target_mhz``, ``applied_mhz``, ``status``
-  (``Applied``, ``Clamped`` to the nearest supported clock, ``Failed``, ``Waiting`` for the
-  training process) and ``message``; ``ranks``: per training rank on the node ``rank``,
-  ``dp_rank``, ``pp_rank``, ``iterations``, ``last_iteration_s`` and ``mean_iteration_s``
-  (seconds); and the results of a profiling run when the spec asks for one.
+``status`` is the agent's report, one model for both programs:
+:class:`~perseus_api.node_report.NodePlanStatus` (its fields and their meaning are documented
+there; the CRD's status schema is generated from it). The agent writes
+:func:`~perseus_api.node_report.status_document` of it, all fields together on every update (a
+JSON merge patch: a field that no longer applies is written as null, which removes it); the
+operator reads it once per object with :func:`parse_node_plan_status`. The rule for rolling
+upgrades: keys are camelCase (``meanIterationSeconds``, ``dpRank``, ``observedRevision``);
+readers accept an older agent's snake_case ones too (``mean_iteration_s``, ``dp_rank``) and
+ignore unknown ones; a writer nulls every old spelling of a top-level key it writes, so a status
+never carries both. The ``Applied`` condition's reason is one of :data:`REASON_APPLIED`,
+:data:`REASON_FAILED`, :data:`REASON_INVALID_SPEC`, :data:`REASON_AGENT_STOPPED` and
+:data:`REASON_DRIVER_UPGRADE`.
 
 A GPU is used by one job at a time: when two plans on a node claim the same GPU, the older
 plan keeps it and the newer one reports that GPU ``Failed``.
@@ -59,6 +52,7 @@ from pydantic import ValidationError
 
 from perseus_api.errors import ApiError, validation_summary
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import NodePlanStatus
 from perseus_api.plan import API_VERSION
 
 __all__ = [
@@ -87,6 +81,7 @@ __all__ = [
     "object_key",
     "object_name",
     "parse_node_plan_object",
+    "parse_node_plan_status",
 ]
 
 GROUP: Final = "perseus.energy"
@@ -221,3 +216,25 @@ def parse_node_plan_object(body: Mapping[str, Any]) -> NodePlan:
         return NodePlan.model_validate(spec)
     except ValidationError as exc:
         raise NodePlanObjectError(f"{where}: invalid spec: {validation_summary(exc)}") from None
+
+
+def parse_node_plan_status(body: Mapping[str, Any]) -> NodePlanStatus:
+    """The agent's report in a PerseusNodePlan object's status (empty when it has none yet).
+
+    Raises:
+        NodePlanObjectError: The status is not a valid NodePlanStatus; the message names the
+            object and says what is wrong, on one line.
+    """
+    status = body.get("status")
+    if status is None:
+        return NodePlanStatus()
+    namespace, name = object_key(body)
+    where = f"{NODE_PLAN_KIND} {namespace or '?'}/{name or '?'}"
+    if not isinstance(status, Mapping):
+        raise NodePlanObjectError(f"{where}: status is not an object")
+    try:
+        return NodePlanStatus.model_validate(dict(status))
+    except ValidationError as exc:
+        raise NodePlanObjectError(
+            f"{where}: invalid status (the node agent's report): {validation_summary(exc)}"
+        ) from None

@@ -40,6 +40,7 @@ from perseus_api.job import (
     with_default_policy,
 )
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import NodePlanStatus
 from perseus_api.plan import (
     Granularity,
     InstructionClock,
@@ -57,6 +58,7 @@ from perseus_operator.gpu_conflicts import (
     planned_gpus,
 )
 from perseus_operator.metrics import max_iterations
+from perseus_operator.node_status import node_plan_status
 from perseus_operator.objects import labels_of
 from perseus_operator.planning import (
     RETARGETED_PLAN,
@@ -533,12 +535,7 @@ class _Step:
         if verdict.state == ProfilingState.WAITING:
             self.status.message = verdict.message
             return
-        reports = [
-            r
-            for p in plans
-            for r in ((p.get("status") or {}).get("profiling") or [])
-            if isinstance(r, Mapping)
-        ]
+        reports = [r for p in plans for r in node_plan_status(p).profiling]
         stages = spec.parallelism.pipeline_stages
         try:
             gathered = gather_profile(reports, stages)
@@ -773,14 +770,14 @@ class _Step:
         revision = self.status.revision
         behind, failed = [], []
         for p in plans:
-            status = p.get("status") or {}
+            status = node_plan_status(p)
             node = (p.get("spec") or {}).get("node", "?")
-            if status.get(resources.STATUS_OBSERVED_REVISION) != revision:
+            if status.observed_revision != revision:
                 behind.append(node)
                 continue
-            for c in status.get("conditions") or ():
-                if c.get("type") == resources.CONDITION_APPLIED and c.get("status") != "True":
-                    failed.append(f"{node}: {c.get('message', '')}")
+            for c in status.conditions:
+                if c.type == resources.CONDITION_APPLIED and c.status != "True":
+                    failed.append(f"{node}: {c.message}")
         if failed:
             self.condition(ConditionType.PLAN_APPLIED, False, "ApplyFailed", "; ".join(failed))
         elif behind:
@@ -839,24 +836,17 @@ def rank_samples(
     fastest_s = fastest_planned_s(plans)
     samples = []
     for plan, expected_s in zip(plans, expected, strict=True):
-        status = plan.get("status") or {}
+        status = node_plan_status(plan)
         spec = plan.get("spec") or {}
         node = spec.get("node", "")
         reported_at = _reported_at_s(status, now_s)
-        for report in status.get("ranks") or ():
-            if not isinstance(report, Mapping):
-                continue
-            try:
-                rank = int(report["rank"])
-                mean_s = float(report["mean_iteration_s"])
-                iterations = int(report["iterations"])
-            except (KeyError, TypeError, ValueError):
-                continue
+        for report in status.ranks:
+            rank, mean_s, iterations = report.rank, report.mean_iteration_s, report.iterations
             where = placed.get(rank)
             if where is None or not math.isfinite(mean_s) or mean_s <= 0:
                 continue
-            measured_under = report.get("revision")
-            if isinstance(measured_under, int) and measured_under != spec.get("revision"):
+            measured_under = report.revision
+            if measured_under is not None and measured_under != spec.get("revision"):
                 continue
             own_s = expected_s.get(rank)
             if fastest_s is not None and own_s is not None:
@@ -918,10 +908,10 @@ def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
     return out
 
 
-def _reported_at_s(status: Mapping[str, Any], now_s: float) -> float:
+def _reported_at_s(status: NodePlanStatus, now_s: float) -> float:
     """When the agent wrote ``status``, in Unix seconds (``now_s`` when it does not say)."""
-    stamp = status.get(resources.STATUS_REPORTED_AT)
-    return _parse_rfc3339(stamp, now_s) if isinstance(stamp, str) else now_s
+    stamp = status.reported_at
+    return _parse_rfc3339(stamp, now_s) if stamp is not None else now_s
 
 
 def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
@@ -985,7 +975,6 @@ async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any])
     waiting = []
     for obj in await io.list_node_plans(namespace, job):
         spec = obj.get("spec") or {}
-        status = obj.get("status") or {}
         node = str(spec.get("node", "?"))
         revision = int(spec.get("revision") or 0)
         if spec.get("assignments"):
@@ -1006,7 +995,7 @@ async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any])
             }
             await io.put_node_plan(body, owner)
             waiting.append(node)
-        elif status.get(resources.STATUS_OBSERVED_REVISION) == revision:
+        elif node_plan_status(obj).observed_revision == revision:
             await io.delete_node_plan(*resources.object_key(obj))
         else:
             waiting.append(node)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from perseus_api.job import Phase
 from perseus_api.plan import PipelinePlan
+from perseus_operator.node_status import node_plan_status
 
 
 @dataclass
@@ -110,11 +111,4 @@ def saved_per_iteration_j(plan: PipelinePlan) -> float:
 
 def max_iterations(plans: Sequence[Mapping[str, Any]]) -> int:
     """Most iterations any rank of the job reported (the job's progress, roughly)."""
-    most = 0
-    for plan in plans:
-        for report in (plan.get("status") or {}).get("ranks") or ():
-            try:
-                most = max(most, int(report["iterations"]))
-            except (KeyError, TypeError, ValueError):
-                continue
-    return most
+    return max([0, *(r.iterations for plan in plans for r in node_plan_status(plan).ranks)])

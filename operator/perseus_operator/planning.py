@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
+from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PipelinePlan
 from perseus_api.profile import Profile, parse_profile
 from perseus_operator.workloads import RankPlacement
@@ -87,49 +88,44 @@ class GatheredProfile:
     """GPUs whose results were merged."""
 
 
-def gather_profile(reports: Sequence[Mapping[str, Any]], num_stages: int) -> GatheredProfile:
+def gather_profile(reports: Sequence[GpuProfilingReport], num_stages: int) -> GatheredProfile:
     """Merge the agents' per-GPU profiling reports (``status.profiling`` entries of the node
     plans) into one profile: per (stage, instruction, clock) the mean over the GPUs of that
     stage, weighted by samples.
 
     A report is for the GPU of pipeline stage ``stage`` (``0..num_stages-1``); its rows name
     their model stage, which is the same one, or ``v * num_stages + stage`` for its chunk
-    ``v`` when the GPU runs several (interleaved 1F1B: the ``P * V``-stage profile). Rows of an
-    older agent that name no stage are the report's.
+    ``v`` when the GPU runs several (interleaved 1F1B: the ``P * V``-stage profile). (Rows of
+    an older agent that name no stage are the report's: :class:`GpuProfilingReport` reads
+    them so.)
 
     Raises:
-        PlanningError: a stage has no finished report, or a report is malformed.
+        PlanningError: a stage has no finished report, or a row's model stage does not run on
+            its report's pipeline stage.
     """
     sums: dict[tuple[int, str, int], list[float]] = {}  # time_s*n, energy_j*n, n
     blocking_j = blocking_s = 0.0
     stages_done: set[int] = set()
     gpus = 0
     for report in reports:
-        if not report.get("done"):
+        if not report.done:
             continue
-        try:
-            stage = int(report["stage"])
-            rows = list(report["rows"])
-            for row in rows:
-                n = float(row.get("samples", 1))
-                model_stage = int(row.get("stage", stage))
-                if model_stage % num_stages != stage % num_stages:
-                    raise ValueError(
-                        f"a row of model stage {model_stage} does not run on pipeline stage "
-                        f"{stage} of {num_stages}"
-                    )
-                key = (model_stage, str(row["instruction"]), int(row["frequency_mhz"]))
-                acc = sums.setdefault(key, [0.0, 0.0, 0.0])
-                acc[0] += float(row["time_s"]) * n
-                acc[1] += float(row["energy_j"]) * n
-                acc[2] += n
-            power_w = report.get("blocking_power_w")
-            seconds = float(report.get("blocking_s") or 0.0)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanningError(f"malformed profiling report {report!r}: {exc}") from exc
-        if power_w is not None and seconds > 0:
-            blocking_j += float(power_w) * seconds
-            blocking_s += seconds
+        stage = report.stage
+        for row in report.rows:
+            n = float(row.samples)
+            if row.stage % num_stages != stage % num_stages:
+                raise PlanningError(
+                    f"malformed profiling report of GPU {report.uuid}: a row of model stage "
+                    f"{row.stage} does not run on pipeline stage {stage} of {num_stages}"
+                )
+            key = (row.stage, row.instruction, row.frequency_mhz)
+            acc = sums.setdefault(key, [0.0, 0.0, 0.0])
+            acc[0] += row.time_s * n
+            acc[1] += row.energy_j * n
+            acc[2] += n
+        if report.blocking_power_w is not None and report.blocking_s > 0:
+            blocking_j += report.blocking_power_w * report.blocking_s
+            blocking_s += report.blocking_s
         stages_done.add(stage)
         gpus += 1
     missing = sorted(set(range(num_stages)) - stages_done)

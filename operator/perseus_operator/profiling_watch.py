@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from perseus_api.node_report import GpuProfilingReport
+from perseus_operator.node_status import node_plan_status
 from perseus_operator.workloads import RankPlacement
 
 NO_TRAINING_PROCESS: Final = "NoTrainingProcess"
@@ -67,21 +69,16 @@ class ProfilingVerdict:
     silent: tuple[SilentPod, ...] = ()
 
 
-def called_in(report: Mapping[str, Any]) -> bool:
+def called_in(report: GpuProfilingReport) -> bool:
     """Whether a GPU's profiling report (``status.profiling`` entry) shows that its training
     process began an iteration: a clock was locked for it, or iterations were measured or
     dropped, or it is done."""
-    applied = report.get("applied_mhz")
-    return bool(
-        report.get("done")
-        or (isinstance(applied, list) and any(a is not None for a in applied))
-        or _positive(report.get("measured_iterations"))
-        or _positive(report.get("dropped_iterations"))
+    return (
+        report.done
+        or any(a is not None for a in report.applied_mhz)
+        or report.measured_iterations > 0
+        or report.dropped_iterations > 0
     )
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, int | float) and value > 0
 
 
 def silent_pods(
@@ -89,16 +86,16 @@ def silent_pods(
 ) -> tuple[SilentPod, ...]:
     """The pods whose every GPU has not seen its training process yet (a pod with one GPU
     measuring has called in: its other processes may still be starting)."""
-    reports: dict[tuple[str, int], Mapping[str, Any]] = {}  # by (node, global rank)
+    reports: dict[tuple[str, int], GpuProfilingReport] = {}  # by (node, global rank)
     reported_nodes = set()
     for plan in plans:
         node = str((plan.get("spec") or {}).get("node") or "")
-        entries = (plan.get("status") or {}).get("profiling") or []
+        entries = node_plan_status(plan).profiling
         if entries:
             reported_nodes.add(node)
-        for r in entries:
-            if isinstance(r, Mapping) and isinstance(r.get("rank"), int):
-                reports[(node, r["rank"])] = r
+        for entry in entries:
+            if entry.rank is not None:
+                reports[(node, entry.rank)] = entry
     by_pod: dict[tuple[str, str], list[int]] = {}
     active: set[tuple[str, str]] = set()
     for r in ranks:
@@ -121,16 +118,12 @@ def profiling_progress(plans: Sequence[Mapping[str, Any]]) -> int:
     for up to ``warmupIterations`` iterations at each clock."""
     total = 0
     for plan in plans:
-        for r in (plan.get("status") or {}).get("profiling") or []:
-            if not isinstance(r, Mapping):
-                continue
-            for key in ("measured_iterations", "dropped_iterations", "frequency_index"):
-                value = r.get(key)
-                total += value if isinstance(value, int) and value > 0 else 0
-            applied = r.get("applied_mhz")
-            if isinstance(applied, list):  # a clock locked at an iteration's begin
-                total += sum(1 for clock in applied if clock is not None)
-            total += 1 if r.get("done") else 0
+        for r in node_plan_status(plan).profiling:
+            for value in (r.measured_iterations, r.dropped_iterations, r.frequency_index):
+                total += max(value, 0)
+            # a clock locked at an iteration's begin
+            total += sum(1 for clock in r.applied_mhz if clock is not None)
+            total += 1 if r.done else 0
     return total
 
 
@@ -153,13 +146,8 @@ def decide_profiling(
     the bound on a training process calling in, and on the sweep standing still; ``note``:
     appended to the messages (what profiling needs).
     """
-    reports = [
-        r
-        for p in plans
-        for r in ((p.get("status") or {}).get("profiling") or [])
-        if isinstance(r, Mapping)
-    ]
-    done_stages = {_stage(r) for r in reports if r.get("done")} & set(range(stages))
+    reports = [r for p in plans for r in node_plan_status(p).profiling]
+    done_stages = {r.stage for r in reports if r.done} & set(range(stages))
     if len(done_stages) == stages:
         return ProfilingVerdict(ProfilingState.DONE, "")
     message = f"profiling: {len(done_stages)} of {stages} pipeline stages measured"
@@ -207,14 +195,7 @@ def unfinished_pods(
     done = set()
     for plan in plans:
         node = str((plan.get("spec") or {}).get("node") or "")
-        for r in (plan.get("status") or {}).get("profiling") or []:
-            if isinstance(r, Mapping) and r.get("done") and isinstance(r.get("rank"), int):
-                done.add((node, r["rank"]))
+        for r in node_plan_status(plan).profiling:
+            if r.done and r.rank is not None:
+                done.add((node, r.rank))
     return sorted({r.pod for r in ranks if (r.node, r.rank) not in done})
-
-
-def _stage(report: Mapping[str, Any]) -> int:
-    try:
-        return int(report.get("stage", -1))
-    except (TypeError, ValueError):
-        return -1

@@ -257,3 +257,46 @@ def test_an_agent_writes_the_status_of_its_own_nodes_plans_only(
         resources.node_plan_name("job", "api-node-1"),
     )  # fmt: skip
     assert "status" not in stored or "observedRevision" not in stored["status"]
+
+
+def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
+    cluster: Cluster, namespace: str
+) -> None:
+    """During a rolling upgrade agents of both spellings write statuses: the CRD's schema
+    (generated from NodePlanStatus) prunes neither's keys, adds no defaults beside them, and
+    still refuses a wrongly typed field."""
+    from factories import OLD_AGENT_STATUS, merge_patch, node_report
+    from perseus_agent.kube import report_status
+    from perseus_api.node_report import NodePlanStatus
+
+    node = "api-node-status"
+    cluster.node(node, 1)
+    plan = NodePlan(
+        node=node,
+        namespace=namespace,
+        job="job",
+        revision=4,
+        granularity="Instruction",
+        plans={"p": pipeline_plan_fields()},
+        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+    )
+    cluster.plane.apply([resources.node_plan_object(plan)])
+    name = resources.node_plan_name("job", node)
+    where = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+
+    def write(status: dict[str, Any]) -> dict[str, Any]:
+        cluster.custom.patch_namespaced_custom_object_status(*where, {"status": status})
+        stored: dict[str, Any] = cluster.custom.get_namespaced_custom_object_status(*where)
+        return stored["status"]
+
+    old = write(OLD_AGENT_STATUS)
+    assert old == merge_patch({}, OLD_AGENT_STATUS)  # only the null fields of list items gone
+    new = report_status(node_report())
+    stored = write(new)
+    assert stored == merge_patch(old, new)
+    assert NodePlanStatus.model_validate(stored) == NodePlanStatus.model_validate(new)
+    bad = {"ranks": [{**new["ranks"][0], "meanIterationSeconds": "slow"}]}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        write(bad)
+    assert refused.value.status == 422
+    assert "meanIterationSeconds" in str(refused.value.body)

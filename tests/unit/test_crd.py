@@ -259,29 +259,37 @@ def test_conversions() -> None:
     assert _at(node_plan, "profiling")["nullable"] is True
 
 
-def test_node_plan_status_keeps_the_agent_report() -> None:
+def test_node_plan_status_is_the_agents_model_and_keeps_an_older_agents_keys() -> None:
+    from factories import OLD_AGENT_STATUS, merge_patch, node_report
+    from perseus_agent.kube import invalid_status, report_status
+
     status = _at(_open_api_schema(crd.get_node_plan_crd()), "status")
     assert status["x-kubernetes-preserve-unknown-fields"] is True
     assert status["properties"]["observedRevision"]["type"] == "integer"
     condition = status["properties"]["conditions"]["items"]
     assert condition["required"] == ["type", "status"]
-    report = {
-        "observedRevision": None,
-        "conditions": [
-            {
-                "type": "Applied",
-                "status": "False",
-                "reason": "InvalidSpec",
-                "message": "spec.node is gpu-node-2, not this node",
-                "lastTransitionTime": "2025-01-01T00:00:00Z",
-            }
-        ],
-        "gpus": None,
-        "ranks": [{"rank": 0, "iterations": 12}],
-    }
-    assert not _schema_errors(status, report)
-    assert _schema_errors(status, {**report, "observedRevision": "7"}) == [
+    assert _at(status, "ranks.[].meanIterationSeconds")["type"] == "number"
+    assert _at(status, "gpus.[].appliedMHz")["nullable"] is True
+    for path, node in _nodes(status):
+        # The API server would add e.g. dpRank: 0 beside an older agent's dp_rank: 1.
+        assert "default" not in node, path
+        assert all(name == name.lower() for name in node.get("required", ())), path
+        if node.get("type") == "object":
+            assert node.get("x-kubernetes-preserve-unknown-fields") is True, path
+    # What the API server stores: the agents' merge patches applied.
+    written = [
+        merge_patch({}, report_status(node_report())),
+        merge_patch(OLD_AGENT_STATUS, invalid_status("spec.node is n2, not this node", None)),
+        OLD_AGENT_STATUS,
+    ]
+    for document in written:
+        assert not _schema_errors(status, document)
+    assert _schema_errors(status, {**written[0], "observedRevision": "7"}) == [
         ("observedRevision", "type")
+    ]
+    bad_rank = {**written[0]["ranks"][0], "meanIterationSeconds": "slow"}
+    assert _schema_errors(status, {**written[0], "ranks": [bad_rank]}) == [
+        ("ranks.0.meanIterationSeconds", "type")
     ]
 
 

@@ -10,7 +10,7 @@ import pytest
 from fakes import FakeBackend
 from test_profiler import MS, SimTime, manual_sampler, ns
 
-from factories import pipeline_plan_fields
+from factories import pipeline_plan_fields, profiling_report
 from perseus_agent.applier import PlanApplier
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.local_server import ClientSession
@@ -228,13 +228,12 @@ def test_profiling_gives_the_profile_form_the_schedule_plans_from(
             assert r.time_s == pytest.approx(m.times_s[k], rel=1e-6), r
             assert r.energy_j == pytest.approx(m.energies_j[k], rel=1e-6), r
         reports.append(
-            {
-                "stage": stage,
-                "done": True,
-                "rows": [r.model_dump() for r in rows],
-                "blocking_power_w": p.blocking_power_w,
-                "blocking_s": p.blocking_s,
-            }
+            profiling_report(
+                stage,
+                [r.model_dump() for r in rows],
+                blocking_power_w=p.blocking_power_w,
+                blocking_s=p.blocking_s,
+            )
         )
     gathered = gather_profile(reports, P)
     measured = parse_profile(gathered.csv_text, "gathered")
@@ -281,4 +280,4 @@ def test_gather_refuses_a_row_of_another_gpus_model_stage() -> None:
     row = {"stage": 1, "instruction": "forward", "frequency_mhz": 1410, "time_s": 1.0,
            "energy_j": 1.0, "samples": 1}  # fmt: skip
     with pytest.raises(ValueError, match="model stage 1 does not run on pipeline stage 0 of 2"):
-        gather_profile([{"stage": 0, "done": True, "rows": [row]}], 2)
+        gather_profile([profiling_report(0, [row])], 2)

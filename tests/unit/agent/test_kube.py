@@ -641,7 +641,7 @@ def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
     wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks", agent)
     wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 1, "a report", agent)
     status = _status_of(server, "gpt3-n1")
-    assert [(g["index"], g["status"], g["applied_mhz"]) for g in status["gpus"]] == [
+    assert [(g["index"], g["status"], g["appliedMHz"]) for g in status["gpus"]] == [
         (0, "Applied", 1200),
         (1, "Applied", 1005),
     ]
@@ -673,7 +673,7 @@ def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
             assert json.loads(stream.readline())["ok"] is True
         wait_for(lambda: bool(_status_of(server, "gpt3-n1").get("ranks")), "iteration times", agent)
     [rank] = _status_of(server, "gpt3-n1")["ranks"]
-    assert (rank["rank"], rank["dp_rank"], rank["pp_rank"], rank["iterations"]) == (0, 0, 0, 1)
+    assert (rank["rank"], rank["dpRank"], rank["ppRank"], rank["iterations"]) == (0, 0, 0, 1)
 
     # Another node's plan is none of this agent's business.
     create(api, resources.node_plan_object(node_plan(job="other", node="n2", gpus=(0,))))

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from test_applier import Profiling
 
+from perseus_api.node_report import GpuProfilingReport
 from perseus_operator.profiling_watch import called_in, profiling_progress
 
 
-def report_of(run: Profiling, index: int) -> dict[str, object]:
+def report_of(run: Profiling, index: int) -> GpuProfilingReport:
     (p,) = [p for p in run.applier.report().profiling if p.index == index]  # type: ignore[union-attr]
-    return p.model_dump(mode="json")
+    return p
 
 
 def test_a_gpu_is_called_in_once_its_process_begins_an_iteration(tmp_path: Path) -> None:
@@ -39,12 +40,14 @@ def test_the_sweep_progress_moves_at_least_once_per_warmup_and_measured_iteratio
     s = run.connect(0)
 
     def progress() -> int:
-        return profiling_progress([{"status": {"profiling": [report_of(run, 0)]}}])
+        # The report as the agent writes it into the node plan's status.
+        entry = report_of(run, 0).model_dump(mode="json", by_alias=True)
+        return profiling_progress([{"status": {"profiling": [entry]}}])
 
     seen = [progress()]
     for _ in range(3 * (1 + 2)):
         run.iteration(s, 0, stage=0)
         seen.append(progress())
-    assert report_of(run, 0)["done"]
+    assert report_of(run, 0).done
     assert seen == sorted(seen)  # never backwards
     assert all(later > earlier for earlier, later in zip(seen, seen[2:], strict=False))

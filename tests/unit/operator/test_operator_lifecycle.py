@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import json
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -15,10 +17,11 @@ import pytest
 
 from factories import pipeline_plan_fields
 from malformed_jobs import MALFORMED, Mutation, malformed
-from operator_harness import cut_profile, profiled
+from operator_harness import agent_status, cut_profile, profiled
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import RankReport
 from perseus_api.profile import parse_profile
 from perseus_operator.kube import KubeError
 from perseus_operator.lifecycle import (
@@ -112,7 +115,11 @@ class FakeCluster:
         for (ns, _), p in sorted(self.node_plans.items()):
             if ns == namespace and p["metadata"]["labels"][resources.JOB_LABEL] == job:
                 obj = copy.deepcopy(p)
-                obj["metadata"].update(resourceVersion=str(self.writes), uid=f"uid-{ns}")
+                # Changes with every write, the agents' status writes too (tests set a status
+                # in place): the operator reads a status once per version.
+                content = json.dumps(p, sort_keys=True, default=str).encode()
+                version = f"{self.writes}-{hashlib.sha256(content).hexdigest()[:12]}"
+                obj["metadata"].update(resourceVersion=version, uid=f"uid-{ns}")
                 listed.append(obj)
         return listed
 
@@ -239,11 +246,17 @@ NODES = ("node-0", "node-1")
 
 
 def report_iterations(
-    cluster: FakeCluster, slow_dp: dict[int, float], t_s: float, *, age_s: float = 0.0
+    cluster: FakeCluster,
+    slow_dp: dict[int, float],
+    t_s: float,
+    *,
+    age_s: float = 0.0,
+    legacy: bool = False,
 ) -> None:
     """Every agent applied the current revision and reports its ranks' mean iteration time
     under it: ``t_s`` times the replica's factor, and times how much slower than the job's
-    fastest plan the rank's own plan is meant to run (a re-targeted replica runs at ``T'``)."""
+    fastest plan the rank's own plan is meant to run (a re-targeted replica runs at ``T'``).
+    ``legacy``: the agents write the snake_case keys of agents before the status model."""
     expected = {node: expected_iteration_s({"spec": cluster.spec(node)}) for node in NODES}
     fastest_s = min(s for e in expected.values() for s in e.values())
     for node in NODES:
@@ -252,23 +265,20 @@ def report_iterations(
         for a in spec["assignments"]:
             time_s = t_s * slow_dp.get(a["dp_rank"], 1.0) * expected[node][a["rank"]] / fastest_s
             ranks.append(
-                {
-                    "rank": a["rank"],
-                    "dp_rank": a["dp_rank"],
-                    "pp_rank": a["stage"],
-                    "iterations": 50,
-                    "last_iteration_s": time_s,
-                    "mean_iteration_s": time_s,
-                    "revision": spec["revision"],
-                }
+                RankReport(
+                    rank=a["rank"],
+                    dp_rank=a["dp_rank"],
+                    pp_rank=a["stage"],
+                    iterations=50,
+                    last_iteration_s=time_s,
+                    mean_iteration_s=time_s,
+                    revision=spec["revision"],
+                )
             )
-        cluster.report(
-            node,
-            observedRevision=spec["revision"],
-            reportedAt=now_rfc3339(age_s),
-            conditions=[{"type": "Applied", "status": "True", "reason": "Applied"}],
-            ranks=ranks,
+        status = agent_status(
+            spec["revision"], ranks=ranks, reported_at=now_rfc3339(age_s), legacy=legacy
         )
+        cluster.report(node, **status)
 
 
 def plan_of_replicas(cluster: FakeCluster) -> dict[int, set[str]]:
@@ -453,7 +463,8 @@ def test_a_restarted_operator_keeps_the_straggler_and_its_target(cluster: FakeCl
     op = running(cluster)
     t_min = op.status["frontier"]["tMinSeconds"]
     for _ in range(2):
-        report_iterations(cluster, {1: 1.2}, t_min)
+        # Agents not upgraded yet (snake_case reports); they are by the restart below.
+        report_iterations(cluster, {1: 1.2}, t_min, legacy=True)
         op.step()
     assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
     revision = op.status["revision"]
@@ -724,6 +735,7 @@ def test_rank_samples_compare_ranks_at_the_pace_of_the_fastest_plan() -> None:
         }
 
     def report(rank: int, mean_s: float, revision: int | None) -> dict[str, Any]:
+        # An older agent's snake_case report: the operator reads those too.
         out = {
             "rank": rank,
             "iterations": 9,

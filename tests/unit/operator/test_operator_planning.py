@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
+from factories import profiling_report
 from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
+from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PlanObjective
 from perseus_api.profile import load_profile, parse_profile
+from perseus_operator.node_status import node_plan_status
 from perseus_operator.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
@@ -70,23 +73,11 @@ def test_profiling_sweep_covers_the_clamp_in_steps_with_its_bottom() -> None:
 
 def report(
     stage: int, rows: list[tuple[str, int, float, float, int]], **extra: Any
-) -> dict[str, Any]:
-    return {
-        "stage": stage,
-        "done": True,
-        "rows": [
-            {
-                "stage": stage,
-                "instruction": name,
-                "frequency_mhz": clock,
-                "time_s": time_s,
-                "energy_j": energy_j,
-                "samples": samples,
-            }
-            for name, clock, time_s, energy_j, samples in rows
-        ],
-        **extra,
-    }
+) -> GpuProfilingReport:
+    fields = ("instruction", "frequency_mhz", "time_s", "energy_j", "samples")
+    return profiling_report(
+        stage, [dict(zip(fields, r, strict=True), stage=stage) for r in rows], **extra
+    )
 
 
 def test_gathered_profile_averages_gpus_of_a_stage_by_samples() -> None:
@@ -100,7 +91,7 @@ def test_gathered_profile_averages_gpus_of_a_stage_by_samples() -> None:
             report(0, rows0, blocking_power_w=80.0, blocking_s=3.0),
             report(0, other, blocking_power_w=90.0, blocking_s=1.0),
             report(1, stage1, blocking_power_w=None, blocking_s=0.0),
-            {"stage": 1, "done": False, "rows": []},  # still running on another GPU: ignored
+            profiling_report(1, done=False),  # still running on another GPU: ignored
         ],
         num_stages=2,
     )
@@ -118,8 +109,11 @@ def test_gathered_profile_needs_every_stage_and_well_formed_reports() -> None:
     rows = [("forward", 1410, 0.01, 3.0, 1), ("backward", 1410, 0.02, 6.0, 1)]
     with pytest.raises(PlanningError, match=r"no finished profile for pipeline stage\(s\) 1, 2"):
         gather_profile([report(0, rows)], num_stages=3)
-    with pytest.raises(PlanningError, match="malformed profiling report"):
-        gather_profile([{"stage": 0, "done": True, "rows": [{"instruction": "forward"}]}], 1)
+    # A malformed report is refused where the status is read: its stage has no profile.
+    malformed = {"stage": 0, "done": True, "rows": [{"instruction": "forward"}]}
+    plan = {"metadata": {"name": "p"}, "status": {"profiling": [malformed]}}
+    with pytest.raises(PlanningError, match=r"no finished profile for pipeline stage\(s\) 0"):
+        gather_profile(node_plan_status(plan).profiling, 1)
 
 
 def test_unit_time_is_a_fixed_fraction_of_the_shortest_computation_on_a_1_2_5_grid(

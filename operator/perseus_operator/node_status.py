@@ -1,0 +1,67 @@
+"""The node agents' reports as the operator reads them: each PerseusNodePlan's ``status``,
+validated against :class:`~perseus_api.node_report.NodePlanStatus` by one function.
+
+Several steps of a reconcile read the same plans (progress, call-ins, the gathered profile;
+iterations, the Applied condition, straggler samples), and a finished profiling report holds
+hundreds of rows per GPU: a status is validated once per object version (its ``uid`` and
+``resourceVersion``, which changes with every write) and the result reused. An object without
+a ``resourceVersion`` (tests' fakes) is validated every time.
+
+A malformed status (an agent of another version, or one written by hand) is never a crash: it
+reads as no report at all (the plan's agent looks silent, which the job's phases already
+handle: waiting, stale telemetry, timeouts), and a warning names the object and what is wrong,
+once per object version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Final
+
+from perseus_api.node_report import NodePlanStatus
+from perseus_api.resources import NodePlanObjectError, object_key, parse_node_plan_status
+
+__all__ = ["node_plan_status"]
+
+log = logging.getLogger(__name__)
+
+_CACHED_MAX: Final = 4096
+"""Object versions remembered (the least recently read are forgotten): more than the node
+plans of the jobs one operator manages at a time."""
+
+_Version = tuple[str, str, str, str]
+"""(namespace, name, uid, resourceVersion) of a node plan: the uid tells apart an object
+deleted and created again, or one of another API server, that reuses a resourceVersion."""
+
+_read: OrderedDict[_Version, NodePlanStatus] = OrderedDict()
+
+
+def node_plan_status(obj: Mapping[str, Any]) -> NodePlanStatus:
+    """The agent's report in node plan ``obj``: empty when there is none yet, or when it is
+    malformed (logged; see the module's docstring)."""
+    version = _version(obj)
+    if version is not None and (cached := _read.get(version)) is not None:
+        _read.move_to_end(version)
+        return cached
+    try:
+        status = parse_node_plan_status(obj)
+    except NodePlanObjectError as exc:
+        log.warning("%s; ignoring this report until the node agent writes a valid one", exc)
+        status = NodePlanStatus()
+    if version is not None:
+        _read[version] = status
+        if len(_read) > _CACHED_MAX:
+            _read.popitem(last=False)
+    return status
+
+
+def _version(obj: Mapping[str, Any]) -> _Version | None:
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return None
+    revision, uid = metadata.get("resourceVersion"), metadata.get("uid")
+    if not isinstance(revision, str) or not revision:
+        return None
+    return (*object_key(obj), uid if isinstance(uid, str) else "", revision)
