@@ -174,6 +174,17 @@ CLOCKS = [1410, 1005]
 WARMUP, MEASURED = 1, 2
 
 
+def profiling(node_plan: dict[str, Any]) -> dict[str, Any]:
+    """``node_plan`` asking for a profiling run: each of :data:`CLOCKS` for :data:`WARMUP`
+    then :data:`MEASURED` iterations."""
+    node_plan["profiling"] = {
+        "frequencies_mhz": CLOCKS,
+        "iterations_per_frequency": MEASURED,
+        "warmup_iterations": WARMUP,
+    }
+    return node_plan
+
+
 def done_pattern(gpu: int) -> re.Pattern[str]:
     return re.compile(
         rf"GPU {gpu} \(\S+\): profiling of stage {gpu} done: (\d+) iterations measured, "
@@ -201,12 +212,7 @@ def test_the_agent_profiles_real_torch_processes_on_emulated_gpus(agent: Agent) 
     """Profiling measured from the real processes: their computations take the profile's
     time at each clock the agent locks (padded on the emulated GPUs), and the agent's
     measured time and power per clock match the profile the GPUs follow."""
-    node_plan = instruction_plan("1f1b")
-    node_plan["profiling"] = {
-        "frequencies_mhz": CLOCKS,
-        "iterations_per_frequency": MEASURED,
-        "warmup_iterations": WARMUP,
-    }
+    node_plan = profiling(instruction_plan("1f1b"))
     write_atomically(agent.plan_file, json.dumps(node_plan))
     agent.start()
     steps = len(CLOCKS) * (WARMUP + MEASURED) + 2
@@ -277,12 +283,7 @@ def test_the_agent_profiles_each_chunk_and_backward_half_of_real_torch_processes
         emulated_profile=(csv_path, BLOCKING_POWER_W),
     )
     try:
-        node_plan = chunked_plan(schedule, virtual_stages)
-        node_plan["profiling"] = {
-            "frequencies_mhz": CLOCKS,
-            "iterations_per_frequency": MEASURED,
-            "warmup_iterations": WARMUP,
-        }
+        node_plan = profiling(chunked_plan(schedule, virtual_stages))
         write_atomically(agent.plan_file, json.dumps(node_plan))
         agent.start()
         run_example(
