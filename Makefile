@@ -46,14 +46,13 @@ typecheck: $(STAMP)
 
 # The end-to-end tests need a kube-apiserver, a kube-controller-manager, an etcd, helm,
 # kube-scheduler, KWOK, the training-operator, JobSet and Trainer v2, built from Go modules on
-# first use (~50 min on 2 loaded cores, measured cold: scripts/control_plane.md) and cached in ~/.cache/perseus-k8s; without them those tests skip, saying why (CI sets
-# PERSEUS_REQUIRE_E2E=1: they fail instead). The real-torch
-# tests likewise skip without torch (`make torch`), and fail under PERSEUS_REQUIRE_E2E=1 or
-# PERSEUS_REQUIRE_TORCH=1.
+# first use and cached in ~/.cache/perseus-k8s (scripts/control_plane.md). scripts/run_tests.sh
+# builds them in the background while tests/unit and tests/integration run, then runs tests/e2e;
+# without a Go toolchain those tests skip, saying why (CI sets PERSEUS_REQUIRE_E2E=1: they fail
+# instead). The real-torch tests likewise skip without torch (`make torch`), and fail under
+# PERSEUS_REQUIRE_E2E=1 or PERSEUS_REQUIRE_TORCH=1.
 unit: $(STAMP) $(TORCH_STAMP)
-	@exports="$$(scripts/build_test_control_plane.sh --env)" && eval "$$exports" \
-	  || echo "WARNING: no test control plane (see above): Kubernetes end-to-end tests will skip"; \
-	  $(BIN)/python -m pytest
+	PYTHON=$(BIN)/python scripts/run_tests.sh
 
 ## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the
 ## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py).
