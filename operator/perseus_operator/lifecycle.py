@@ -101,6 +101,9 @@ from perseus_operator.workloads import (
 from perseus_planner import Frontier
 
 STRAGGLER_STATE_ANNOTATION: Final = f"{resources.GROUP}/straggler-state"
+# The Degraded reason while a pod of a workload object failed and its controller has not said
+# whether it runs the pod again or ends the workload.
+POD_FAILED_REASON: Final = "PodFailed"
 """The straggler detector's memory, so a restarted operator neither forgets nor re-detects."""
 
 
@@ -333,8 +336,22 @@ class _Step:
             finished, failure = ended.failure is None, ended.failure
         elif ranks is None:
             return
-        else:
+        elif spec.workload.kind == WorkloadKind.PODS:
             finished, failure = workload_finished(pods), workload_failed(pods)
+        elif (failed := workload_failed(pods)) is not None:
+            # A workload object ends by its controller's word: under restartPolicy
+            # OnFailure/ExitCode or a backoffLimit the failed pod is run again, so the job
+            # keeps its plans and waits for the retry or for the object's Failed condition.
+            kind = spec.workload.kind.value
+            self.condition(
+                ConditionType.DEGRADED,
+                True,
+                POD_FAILED_REASON,
+                f"{failed}; waiting for the {kind} to run it again or to end",
+            )
+            return
+        else:
+            finished, failure = False, None
         if finished or failure is not None:
             await self._release_plans()
             if failure is not None:
@@ -344,6 +361,7 @@ class _Step:
                 status.message = "the workload finished; every GPU clock was reset"
             return
         assert ranks is not None  # an ended workload returned above
+        self._clear_pod_trouble()
         # Checked where node plans exist (here) or are about to be written (_start, _optimize):
         # a job that fails for its own reasons says those, whoever holds its GPUs.
         if status.phase in (
@@ -443,6 +461,17 @@ class _Step:
         self.status.message = conflict.message
         self.condition(ConditionType.DEGRADED, True, CONFLICT_REASON, conflict.message)
         return True
+
+    def _clear_pod_trouble(self) -> None:
+        """Every pod is back (retried, rescheduled): a Degraded condition that said otherwise
+        turns False."""
+        for c in self.status.conditions:
+            if (
+                c.type == ConditionType.DEGRADED
+                and c.status == "True"
+                and c.reason in (POD_FAILED_REASON, "WaitingForPods")
+            ):
+                self.condition(ConditionType.DEGRADED, False, "PodsRunning", "every pod runs")
 
     def _wait(self, reason: str, message: str) -> None:
         self.status.message = message

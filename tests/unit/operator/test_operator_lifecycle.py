@@ -696,6 +696,49 @@ def test_a_pytorchjob_that_ended_ends_the_job_even_with_its_pods_gone(
     assert cluster.node_plans == {}
 
 
+def test_a_failed_pod_of_a_pytorchjob_waits_for_the_controllers_word() -> None:
+    """Under restartPolicy OnFailure/ExitCode the training operator runs a failed pod again:
+    the job keeps its plans (Degraded PodFailed) until the pod is back, and fails only when
+    the PyTorchJob itself says Failed."""
+    cluster = FakeCluster()
+    pytorchjob: dict[str, Any] = {"kind": "PyTorchJob", "metadata": {"name": "gpt3-pretrain"}}
+    cluster.workloads[(NS, "gpt3-pretrain")] = pytorchjob
+    cluster.pods = [pytorch_pod("worker", 0), pytorch_pod("master", 0)]
+    body = job_body()
+    body["spec"]["workload"] = {"kind": "PyTorchJob", "name": "gpt3-pretrain"}
+    op = Operator(cluster, body)
+    op.step()
+    assert op.status["phase"] == "Profiling" and cluster.node_plans
+    plans = dict(cluster.node_plans)
+
+    cluster.pods[0]["status"] = {"phase": "Failed", "reason": "Error"}
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    assert cluster.node_plans == plans
+    degraded = op.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodFailed")
+    assert "gpt3-pretrain-worker-0" in degraded["message"]
+    assert "waiting for the PyTorchJob" in degraded["message"]
+
+    cluster.pods[0] = pytorch_pod("worker", 0)  # the controller's replacement
+    op.step()
+    assert op.status["phase"] == "Profiling"
+    assert (op.condition("Degraded")["status"], op.condition("Degraded")["reason"]) == (
+        "False",
+        "PodsRunning",
+    )
+
+    cluster.pods[0]["status"] = {"phase": "Failed", "reason": "Error"}
+    op.step()
+    pytorchjob["status"] = {
+        "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]
+    }
+    op.step()
+    assert op.status["phase"] == "Failed"
+    assert "PyTorchJob gpt3-pretrain failed (BackoffLimitExceeded)" in op.status["message"]
+    assert cluster.node_plans == {}
+
+
 def test_the_operators_default_policy_fills_the_fields_a_job_leaves_unset(
     cluster: FakeCluster,
 ) -> None:
