@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from perseus_agent.applier import GpuReport, unresolved_gpu_report
+from perseus_agent.client_dispatch import ClientSession, RequestError
 from perseus_agent.gpu.base import GpuInfo
-from perseus_agent.local_server import ClientSession, RequestError
 from perseus_agent.pod_resources import PodDevices, PodResourcesClient, PodResourcesError
 from perseus_api.node_plan import GpuAssignment, NodePlan
 

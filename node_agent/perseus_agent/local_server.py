@@ -6,16 +6,11 @@ each forward/backward over a Unix socket in a hostPath directory (default
 GPU, switches the clock and replies with the clock now in effect. The wire
 format is :mod:`perseus_client.protocol` (newline-delimited JSON, one reply per
 request); this module serves it and hands each request to a
-:class:`ClientHandler`, which the agent's applier implements.
+:class:`ClientHandler`, which the agent's applier implements
+(:mod:`perseus_agent.client_dispatch` decodes a request, calls the handler and encodes its reply).
 
-Access control. Whoever can connect to this socket can make the agent change
-GPU clocks, which slows down (or speeds up, at a power cost) every job on those
-GPUs. So the socket is ``0o660`` (owner and ``socket_group`` only, never
-others) and a directory the server creates is ``0o750``. Training pods get
-access by running with ``socket_group`` among their supplementary groups
-(``securityContext.supplementalGroups``), not by being privileged. The socket
-is bound under a temporary name, given its mode and group, and only then
-renamed into place, so there is no moment at which it is open to everyone.
+Access control: the socket is ``0o660``, reachable by its owner and ``socket_group`` only
+(see :mod:`perseus_agent.socket_file`).
 
 Threading. One thread accepts connections and each connection gets a thread of
 its own (at most ``max_connections``), which reads the connection's requests,
@@ -62,42 +57,58 @@ import math
 import os
 import select
 import socket
-import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
-from perseus_agent.errors import AgentError
-from perseus_agent.log_limit import RateLimitedLog
-from perseus_agent.socket_limits import Limits, make_room
-from perseus_client.protocol import (
-    MAX_MESSAGE_BYTES,
-    OP_HELLO,
-    OP_INSTRUCTION_BEGIN,
-    PROTOCOL_VERSION,
-    HelloRequest,
-    InstructionBeginRequest,
-    InstructionEndRequest,
-    ProtocolError,
-    StepBeginRequest,
-    StepEndRequest,
-    decode_request,
-    encode_reply,
-    error_reply,
+# The handler's side (sessions, requests, errors) and the socket file's are modules of their
+# own; their names are re-exported here, where the agent's callers have always found them.
+from perseus_agent.client_dispatch import (
+    MAX_EVENT_AGE_NS,
+    ClientHandler,
+    ClientSession,
+    RequestError,
+    dispatch,
+    event_time_ns,
 )
+from perseus_agent.log_limit import RateLimitedLog
+from perseus_agent.socket_file import (
+    DEFAULT_SOCKET_MODE,
+    DIRECTORY_MODE,
+    MAX_SOCKET_PATH_BYTES,
+    LocalServerError,
+    SocketId,
+    bind_unix_socket,
+    unlink_socket,
+)
+from perseus_agent.socket_limits import Limits, make_room
+from perseus_client.protocol import MAX_MESSAGE_BYTES, encode_reply, error_reply
+
+__all__ = [
+    "DEFAULT_HELLO_TIMEOUT_S",
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
+    "DEFAULT_MAX_PENDING",
+    "DEFAULT_MAX_PENDING_PER_PEER",
+    "DEFAULT_SOCKET_MODE",
+    "DIRECTORY_MODE",
+    "MAX_EVENT_AGE_NS",
+    "MAX_SOCKET_PATH_BYTES",
+    "ClientHandler",
+    "ClientSession",
+    "LocalServer",
+    "LocalServerError",
+    "RequestError",
+    "event_time_ns",
+]
 
 logger = logging.getLogger(__name__)
-
-MAX_SOCKET_PATH_BYTES: Final = 107
-"""AF_UNIX paths are limited to 108 bytes with the terminating NUL."""
-
-DEFAULT_SOCKET_MODE: Final = 0o660
-DIRECTORY_MODE: Final = 0o750
 
 DEFAULT_MAX_CONNECTIONS: Final = 256
 DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
@@ -116,138 +127,6 @@ DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-class LocalServerError(AgentError):
-    """The socket cannot be served (path taken by a file or a live agent, bad permissions, ...)."""
-
-
-class RequestError(AgentError):
-    """Raised by a handler to refuse a request: the message becomes the error reply, no traceback
-    is logged (unlike any other exception)."""
-
-
-@dataclass(eq=False)
-class ClientSession:
-    """One connection of a training process.
-
-    Attributes:
-        connection_id: Unique per server, increasing.
-        peer_pid, peer_uid, peer_gid: Of the connecting process (``SO_PEERCRED``), as seen
-            from the agent's PID and user namespaces (``None`` where unavailable). The pid
-            the client reports in hello is in the container's namespace and may differ.
-        connected_ns: ``time.monotonic_ns()`` at accept.
-        hello: The accepted hello request (``None`` until then).
-    """
-
-    connection_id: int
-    peer_pid: int | None
-    peer_uid: int | None
-    peer_gid: int | None
-    connected_ns: int
-    hello: HelloRequest | None = None
-    last_request_ns: int = 0
-    """``time.monotonic_ns()`` of the last request received (of the accept before one)."""
-    address: str | None = None
-    """A TCP peer's IP address (``None`` on the Unix socket)."""
-    verified_pod: tuple[str, str, str] | None = None
-    """``(namespace, name, uid)`` of the pod the transport says the peer is (a TCP peer's
-    address: :mod:`perseus_agent.tcp_server`), whatever its hello claims."""
-
-    @property
-    def peer(self) -> Hashable:
-        """Whose connection this is, for the per-peer limits: ``(uid, pid)``, the pid ``None``
-        when unknown or 0 (a process outside the agent's PID namespace); a TCP peer's pod
-        address."""
-        if self.address is not None:
-            return ("address", self.address)
-        return self.peer_uid, self.peer_pid or None
-
-    @property
-    def version(self) -> int:
-        """The protocol version the connection speaks: its hello's (the newest before one)."""
-        return PROTOCOL_VERSION if self.hello is None else self.hello["version"]
-
-    @property
-    def rank(self) -> int | None:
-        return None if self.hello is None else self.hello["rank"]
-
-    @property
-    def local_rank(self) -> int | None:
-        return None if self.hello is None else self.hello["local_rank"]
-
-    @property
-    def gpu_uuids(self) -> list[str]:
-        return [] if self.hello is None else list(self.hello["gpu_uuids"])
-
-    @property
-    def client_pid(self) -> int | None:
-        """The pid the client reported (its own PID namespace)."""
-        return None if self.hello is None else self.hello["pid"]
-
-    @property
-    def job(self) -> str | None:
-        return None if self.hello is None else self.hello["job"]
-
-    @property
-    def namespace(self) -> str | None:
-        return None if self.hello is None else self.hello["namespace"]
-
-    @property
-    def pod(self) -> str | None:
-        return None if self.hello is None else self.hello["pod"]
-
-
-class ClientHandler(Protocol):
-    """What the agent does with each request (implemented by the applier).
-
-    Every method gets the session, the validated request and the request's
-    event time (``time.monotonic_ns()`` clock: :func:`event_time_ns`). The returned
-    mapping (or ``None``) is merged into the ``{"ok": true}`` reply. Raise
-    :class:`RequestError` to refuse a request; any other exception is logged and reported
-    as an error reply.
-    Requests other than hello arrive only after a successful hello.
-    """
-
-    def hello(
-        self, session: ClientSession, msg: HelloRequest, received_ns: int
-    ) -> Mapping[str, Any] | None:
-        """A training process announced itself (``session.hello`` is already ``msg``)."""
-
-    def step_begin(
-        self, session: ClientSession, msg: StepBeginRequest, received_ns: int
-    ) -> Mapping[str, Any] | None: ...
-
-    def step_end(
-        self, session: ClientSession, msg: StepEndRequest, received_ns: int
-    ) -> Mapping[str, Any] | None: ...
-
-    def instruction_begin(
-        self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
-    ) -> Mapping[str, Any] | None:
-        """Set the clock for this instruction; reply ``{"sm_clock_mhz": clock or None}``."""
-
-    def instruction_end(
-        self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
-    ) -> Mapping[str, Any] | None: ...
-
-    def disconnected(self, session: ClientSession) -> None:
-        """The connection closed; called once for each session whose hello succeeded."""
-
-
-MAX_EVENT_AGE_NS: Final = 1_000_000_000
-"""How far before its receipt a request's own ``t_ns`` may lie and still be taken."""
-
-
-def event_time_ns(msg: Mapping[str, Any], received_ns: int) -> int:
-    """When a request's event happened: its ``t_ns`` (the client's monotonic clock, the
-    node's) when that lies within :data:`MAX_EVENT_AGE_NS` before the receipt, else the
-    receipt. A client in another time namespace, or one that lies, times only its own GPU's
-    profile, and by at most a second."""
-    t_ns = msg.get("t_ns")
-    if isinstance(t_ns, int) and received_ns - MAX_EVENT_AGE_NS <= t_ns <= received_ns:
-        return t_ns
-    return received_ns
-
-
 def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
     if sock is None or not hasattr(socket, "SO_PEERCRED"):
         return None, None, None
@@ -259,7 +138,6 @@ def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
     return int(pid), int(uid), int(gid)
 
 
-_LISTEN_BACKLOG: Final = 1024
 _RECV_BYTES: Final = 65536
 _DISCARD_LIMIT_BYTES: Final = 1 << 20
 _ACCEPT_RETRY_S: Final = 1.0
@@ -386,7 +264,7 @@ class LocalServer:
         self._listener: socket.socket | None = None
         self._wake_fds: tuple[int, int] | None = None  # pipe that interrupts the accept loop
         self._stopping = threading.Event()
-        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
+        self._socket_id: SocketId | None = None  # (st_dev, st_ino) of our socket file
         self._ids = itertools.count(1)
         # Guards _connections; a connection's socket is shut down or closed only under it.
         self._lock = threading.Lock()
@@ -492,91 +370,15 @@ class LocalServer:
     # -- socket file
 
     def _bind(self) -> socket.socket:
-        path = self.socket_path
-        self._prepare_directory(path.parent)
-        self._remove_stale(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH_BYTES:
-            tmp = path.with_name(f".{os.getpid()}.tmp")
-        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH_BYTES:
-            raise LocalServerError(f"directory path of {path} too long for a temporary socket")
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(tmp).st_mode):
-                tmp.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(os.fspath(tmp))
-            try:
-                tmp.chmod(self.socket_mode)
-                if self.socket_group is not None:
-                    os.chown(tmp, -1, self.socket_group)
-                # Room for bursts: a client finding the backlog full fails its connect at once.
-                sock.listen(_LISTEN_BACKLOG)
-                tmp.replace(path)  # only now reachable under its real name
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                raise
-            st = os.lstat(path)
-            self._socket_id = (st.st_dev, st.st_ino)
-        except OSError as exc:
-            sock.close()
-            raise LocalServerError(f"cannot create socket {path}: {exc}") from exc
+        sock, self._socket_id = bind_unix_socket(
+            self.socket_path, self.socket_mode, self.socket_group
+        )
         return sock
-
-    def _prepare_directory(self, directory: Path) -> None:
-        try:
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir(mode=DIRECTORY_MODE)
-        except FileExistsError:
-            if not directory.is_dir():
-                raise LocalServerError(f"{directory} exists and is not a directory") from None
-            return
-        except OSError as exc:
-            raise LocalServerError(f"cannot create directory {directory}: {exc}") from exc
-        try:
-            directory.chmod(DIRECTORY_MODE)  # mkdir's mode is reduced by the umask
-            if self.socket_group is not None:
-                os.chown(directory, -1, self.socket_group)
-        except OSError as exc:
-            raise LocalServerError(f"cannot set up directory {directory}: {exc}") from exc
-
-    @staticmethod
-    def _remove_stale(path: Path) -> None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise LocalServerError(
-                f"{path} exists and is not a socket; refusing to remove it "
-                "(check --socket-dir, or delete the file)"
-            )
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(0.5)
-        try:
-            probe.connect(os.fspath(path))
-        except ConnectionRefusedError:
-            logger.info("removing stale socket %s left by an earlier agent", path)
-            path.unlink(missing_ok=True)
-            return
-        except OSError as exc:
-            raise LocalServerError(f"cannot check existing socket {path}: {exc}") from exc
-        finally:
-            probe.close()
-        raise LocalServerError(f"another process is already serving on {path}")
 
     def _unlink_socket(self) -> None:
         if self._socket_id is None:
             return
-        try:
-            st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino) == self._socket_id:
-                self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("cannot remove socket %s: %s", self.socket_path, exc)
+        unlink_socket(self.socket_path, self._socket_id)
         self._socket_id = None
 
     # -- connections
@@ -815,10 +617,10 @@ class LocalServer:
                 received_ns = time.monotonic_ns()
                 session.last_request_ns = received_ns
                 line, buffer = buffer[:end], buffer[end:]
-                sock.sendall(self._handle(session, line, received_ns))
+                sock.sendall(dispatch(self.handler, session, line, received_ns))
         except OSError as exc:
             logger.debug("connection %d: %s", cid, exc)
-        except Exception:  # pragma: no cover - _handle catches the handler's exceptions
+        except Exception:  # pragma: no cover - dispatch catches the handler's exceptions
             logger.exception("connection %d failed", cid)
         finally:
             with self._lock:
@@ -839,49 +641,3 @@ class LocalServer:
             self.handler.disconnected(session)
         except Exception:
             logger.exception("handler.disconnected failed for connection %d", session.connection_id)
-
-    def _handle(self, session: ClientSession, line: bytes, received_ns: int) -> bytes:
-        """The encoded reply to one request line."""
-        cid = session.connection_id
-        try:
-            # Each connection speaks the version its hello named (hello itself: any).
-            msg = decode_request(line, session.version)
-        except ProtocolError as exc:
-            logger.debug("connection %d: bad request: %s", cid, exc)
-            return encode_reply(error_reply(str(exc)))
-        op = msg["op"]
-        if op == OP_HELLO:
-            if session.hello is not None:
-                return encode_reply(error_reply("hello already received on this connection"))
-        elif session.hello is None:
-            return encode_reply(error_reply(f"send hello before {op}"))
-
-        method: Callable[[ClientSession, Any, int], Mapping[str, Any] | None]
-        method = getattr(self.handler, op)
-        if msg["op"] == OP_HELLO:
-            session.hello = msg
-        try:
-            result = method(session, msg, event_time_ns(msg, received_ns))
-            reply = dict(result) if result is not None else {}
-        except RequestError as exc:
-            return self._refuse(session, op, str(exc))
-        except Exception as exc:
-            logger.exception("handler.%s failed for connection %d", op, cid)
-            return self._refuse(session, op, f"agent error in {op}: {type(exc).__name__}: {exc}")
-        reply["ok"] = True
-        if op == OP_HELLO:
-            reply.setdefault("version", session.version)
-            reply.setdefault("connection_id", cid)
-        elif op == OP_INSTRUCTION_BEGIN:
-            reply.setdefault("sm_clock_mhz", None)
-        try:
-            return encode_reply(reply, op)
-        except ProtocolError as exc:
-            logger.error("handler.%s returned an invalid reply %r: %s", op, reply, exc)
-            return self._refuse(session, op, f"agent produced an invalid reply to {op}")
-
-    @staticmethod
-    def _refuse(session: ClientSession, op: str, message: str) -> bytes:
-        if op == OP_HELLO:
-            session.hello = None
-        return encode_reply(error_reply(message))

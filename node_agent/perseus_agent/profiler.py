@@ -15,7 +15,7 @@ Two parts:
   moment is interpolated linearly between them (:meth:`EnergySampler.energy_at`).
 * :class:`StageProfiler` follows one GPU through the clock schedule. The training process's
   requests are timed by the client (``time.monotonic_ns()``, the sampler's time source; on
-  receipt for a client that does not say, see :func:`local_server.event_time_ns`):
+  receipt for a client that does not say, see :func:`client_dispatch.event_time_ns`):
   ``step_begin``/``step_end`` delimit an iteration, ``instruction_begin``/``instruction_end``
   one computation. After every clock change the first ``warmup_iterations`` iterations are
   dropped, the next ``iterations_per_frequency`` are measured, then the next clock is locked

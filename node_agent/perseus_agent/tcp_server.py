@@ -37,13 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
 
-from perseus_agent.local_server import (
-    ClientHandler,
-    ClientSession,
-    LocalServer,
-    LocalServerError,
-    RequestError,
-)
+from perseus_agent.client_dispatch import ClientHandler, ClientSession, RequestError
+from perseus_agent.local_server import LocalServer
+from perseus_agent.socket_file import LocalServerError
 from perseus_client.protocol import HelloRequest
 
 __all__ = [

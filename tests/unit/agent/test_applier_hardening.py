@@ -157,7 +157,7 @@ def test_out_of_order_instructions_log_a_bounded_number_of_warnings(
     s = session()
     hello(applier, s, uuids=["GPU-0"])
     step_begin(applier, s)
-    with caplog.at_level(logging.WARNING, logger="perseus_agent.applier"):
+    with caplog.at_level(logging.WARNING, logger="perseus_agent.instruction_clocks"):
         for _ in range(25_000):
             begin(applier, s, "backward", 0)  # the plan always expects something else here
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

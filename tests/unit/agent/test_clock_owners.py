@@ -221,7 +221,7 @@ def test_instruction_granularity_retries_each_iteration_but_logs_a_few_lines(
     hello = {"op": "hello", "version": 1, "rank": 1, "gpu_uuids": [f"GPU-emu-{NODE}-1"]}
     assert applier.hello(session, hello, 0)["managed"] is True  # type: ignore[arg-type]
     iterations = 50
-    with caplog.at_level(logging.ERROR, logger="perseus_agent.applier"):
+    with caplog.at_level(logging.ERROR, logger="perseus_agent.gpu_clocks"):
         for _ in range(iterations):
             applier.step_begin(session, {"op": "step_begin", "step": 1}, 0)
     assert applier.metrics.error_count("foreign_clocks") >= iterations  # every one counted
