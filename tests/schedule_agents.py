@@ -7,7 +7,7 @@ GPUs whose computations take the ``truth`` profile's time and power, and every t
 is played through the applier's local-server handler with protocol-v2 requests
 (:mod:`perseus_client.protocol`): the rank runs its stage's computations in ``order_of``'s
 order (torch's, where the test has torch), naming each one's chunk with virtual stages. The
-node plan's status is what the agent writes (:func:`perseus_agent.kube.report_status`).
+node plan's status is what the agent writes (:func:`perseus_agent.plan_status.report_status`).
 
 Time is simulated (the sampler is sampled by hand at every edge, as in the profiler's unit
 tests), so a whole profiling sweep takes milliseconds and the measurements are exact.
@@ -24,8 +24,8 @@ from perseus_agent.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.gpu_ownership import LocalRankIndexOwnership
-from perseus_agent.kube import report_status
 from perseus_agent.local_server import ClientSession
+from perseus_agent.plan_status import report_status
 from perseus_agent.profiler import EnergySampler
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources

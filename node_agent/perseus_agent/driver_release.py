@@ -22,7 +22,10 @@ from perseus_agent.clock_owners import ClockOwnerGuard
 from perseus_agent.driver_upgrade import UPGRADE_STATE_LABEL, releases_gpus
 from perseus_agent.exporter import AgentMetrics
 from perseus_agent.gpu.releasable import ReleasableBackend
-from perseus_agent.kube import JobPlans, ObjectKey, ReportWriter, invalid_status
+from perseus_agent.job_plans import JobPlans
+from perseus_agent.kube import ObjectKey
+from perseus_agent.kube.report_writer import ReportWriter
+from perseus_agent.plan_status import invalid_status
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 

@@ -266,7 +266,7 @@ def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
     (generated from NodePlanStatus) prunes neither's keys, adds no defaults beside them, and
     still refuses a wrongly typed field."""
     from factories import OLD_AGENT_STATUS, merge_patch, node_report
-    from perseus_agent.kube import report_status
+    from perseus_agent.plan_status import report_status
     from perseus_api.node_report import NodePlanStatus
 
     node = "api-node-status"

@@ -1,4 +1,4 @@
-"""The Kubernetes client helpers both components' kube.py share (perseus_api.kube_client)."""
+"""The Kubernetes client helpers of both components' Kubernetes I/O (perseus_api.kube_client)."""
 
 from __future__ import annotations
 

@@ -480,7 +480,8 @@ def test_agent_host_paths_hold_the_socket_and_the_reset_state() -> None:
 
 
 def test_agent_flags_are_what_the_agent_accepts() -> None:
-    from perseus_agent.main import _check_args, build_parser
+    from perseus_agent.agent_config import check_args
+    from perseus_agent.main import build_parser
 
     for values in VALUE_SETS.values():
         rendered = render(values)
@@ -493,7 +494,7 @@ def test_agent_flags_are_what_the_agent_accepts() -> None:
         if any("$(HOST_IP)" in a for a in container["args"]):
             assert env_of(container)["HOST_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
         args = build_parser().parse_args([*expanded, "--node-name=n1"])
-        config = _check_args(args)
+        config = check_args(args)
         assert not config.standalone  # plans come from the API
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
         assert config.metrics_port == port

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from factories import OLD_AGENT_STATUS, merge_patch, node_report
-from perseus_agent.kube import invalid_status, report_status, stopped_status
+from perseus_agent.plan_status import invalid_status, report_status, stopped_status
 from perseus_api import resources
 from perseus_api.node_report import (
     GpuProfilingReport,

@@ -197,7 +197,7 @@ ALLOWED_ELSEWHERE = {
     # perseus_api.crd writes the CRD files (`python -m perseus_api.crd`), a development tool:
     # yaml comes with the test extra (and with kubernetes, in both images).
     "perseus_api.crd": {"yaml"},
-    # Called only by the operator's and the agent's kube.py: [operator] and [agent] bring it.
+    # Called only by the operator's kube.py and the agent's kube/: [operator], [agent] bring it.
     "perseus_api.kube_client": {"kubernetes"},
 }
 

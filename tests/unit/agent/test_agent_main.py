@@ -262,22 +262,24 @@ def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
 def test_gpu_ownership_is_the_kubelets_unless_said_otherwise(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
+    from perseus_agent.agent_config import check_args
     from perseus_agent.gpu_ownership import KubeletOwnership, LocalRankIndexOwnership
-    from perseus_agent.main import _check_args, _ownership, build_parser
+    from perseus_agent.kubernetes_mode import choose_ownership
+    from perseus_agent.main import build_parser
 
     monkeypatch.delenv("PERSEUS_GPU_OWNERSHIP", raising=False)
     monkeypatch.delenv("PERSEUS_POD_RESOURCES_SOCKET", raising=False)
-    config = _check_args(build_parser().parse_args(["--node-name=n1"]))
+    config = check_args(build_parser().parse_args(["--node-name=n1"]))
     assert config.gpu_ownership == "kubelet"
     assert str(config.pod_resources_socket) == "/var/lib/kubelet/pod-resources/kubelet.sock"
     missing = tmp_path / "kubelet.sock"
     args = ["--node-name=n1", f"--pod-resources-socket={missing}"]
-    ownership = _ownership(_check_args(build_parser().parse_args(args)))
+    ownership = choose_ownership(check_args(build_parser().parse_args(args)))
     assert isinstance(ownership, KubeletOwnership)
     assert f"PodResources socket {missing} does not exist" in caplog.text  # said at start-up
     monkeypatch.setenv("PERSEUS_GPU_OWNERSHIP", "local-rank-index")
-    config = _check_args(build_parser().parse_args(["--node-name=n1"]))
-    assert isinstance(_ownership(config), LocalRankIndexOwnership)
+    config = check_args(build_parser().parse_args(["--node-name=n1"]))
+    assert isinstance(choose_ownership(config), LocalRankIndexOwnership)
     assert main(["--node-name=n1", "--gpu-ownership=index"]) == 2
 
 

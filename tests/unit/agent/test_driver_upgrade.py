@@ -312,7 +312,7 @@ def test_the_gate_holds_plan_changes_and_retries_a_driver_that_is_not_back(
     from perseus_agent.driver_release import DriverUpgradeGate
     from perseus_agent.errors import GpuLibraryNotFoundError
     from perseus_agent.gpu.releasable import ReleasableBackend
-    from perseus_agent.kube import JobPlans
+    from perseus_agent.job_plans import JobPlans
     from perseus_agent.reset_state import ResetState
 
     hardware = FakeBackend(num_gpus=2)

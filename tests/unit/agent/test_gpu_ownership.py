@@ -27,7 +27,7 @@ from perseus_agent.gpu_ownership import (
     bind_to_allocations,
     pod_uid_of_pid,
 )
-from perseus_agent.kube import JobPlans
+from perseus_agent.job_plans import JobPlans
 from perseus_agent.local_server import ClientSession, LocalServer, RequestError
 from perseus_agent.pod_resources import PodDevices, PodResourcesClient, decode_list_response
 from perseus_agent.reset_state import ResetState

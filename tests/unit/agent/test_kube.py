@@ -22,15 +22,12 @@ from fakes import FakeBackend
 from agent_process import NODE, TIMEOUT_S, Agent, wait_for
 from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus
-from perseus_agent.kube import (
-    JobPlans,
-    NodePlanSource,
-    ReportWriter,
-    arbitrate_gpus,
-    invalid_status,
-    report_status,
-)
+from perseus_agent.gpu_arbitration import arbitrate_gpus
+from perseus_agent.job_plans import JobPlans
+from perseus_agent.kube.plan_source import NodePlanSource
+from perseus_agent.kube.report_writer import ReportWriter
 from perseus_agent.local_server import ClientSession
+from perseus_agent.plan_status import invalid_status, report_status
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
@@ -505,7 +502,7 @@ def test_source_delivers_the_plans_of_its_node_only(tmp_path: Path) -> None:
 def test_source_waits_for_an_unreachable_api(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="perseus_agent.kube")
+    caplog.set_level(logging.INFO, logger="perseus_agent.kube.plan_source")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
