@@ -5,7 +5,7 @@ production node agents report every 10 s and the operator reconciles every job e
 (``PERSEUS_OPERATOR_RECONCILE_INTERVAL_S``); here the defaults are 1 s and 0.5 s (10x faster,
 so the operator does 10x the work per second it would do in production).
 
-* **Cluster**: an in-memory :class:`~perseus_operator.lifecycle.JobIO` that keeps every object
+* **Cluster**: an in-memory :class:`~perseus_operator.job_observation.JobIO` that keeps every object
   as JSON text and hands out freshly parsed copies, as the real client does after an API call
   (the operator's own (de)serialization is measured; the network, the API server, etcd and the
   client's worker-thread hop are not). Node plans are indexed by (namespace, job).
@@ -86,13 +86,9 @@ if importlib.util.find_spec("perseus_operator") is None:
 
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
+from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
 from perseus_operator.kube import config_map_object  # noqa: E402
-from perseus_operator.lifecycle import (  # noqa: E402
-    STRAGGLER_STATE_ANNOTATION,
-    JobMemo,
-    Outcome,
-    reconcile,
-)
+from perseus_operator.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
 from perseus_operator.metrics import OperatorMetrics  # noqa: E402
 from perseus_operator.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402
 from perseus_operator.planning import RETARGETED_PLAN, PlanningInput  # noqa: E402
@@ -202,7 +198,7 @@ class PlanWrite:
 
 
 class Cluster:
-    """The :class:`~perseus_operator.lifecycle.JobIO` of an in-memory cluster.
+    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster.
 
     Objects are kept as JSON text and every read parses a fresh copy, which is what the
     operator pays with a real API client; writes are serialized. Nothing yields to the event

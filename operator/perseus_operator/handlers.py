@@ -25,18 +25,12 @@ from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.config import OperatorConfig
-from perseus_operator.kube import KubeClient, load_api_client, owner_reference
-from perseus_operator.lifecycle import (
-    RELEASE_PENDING,
-    STRAGGLER_STATE_ANNOTATION,
-    JobMemo,
-    Outcome,
-    decide_release,
-    force_release,
-    reconcile,
-    release,
-)
+from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
+from perseus_operator.job_release import RELEASE_PENDING, decide_release
+from perseus_operator.kube import KubeClient, load_api_client
+from perseus_operator.lifecycle import JobMemo, Outcome, force_release, reconcile, release
 from perseus_operator.metrics import OperatorMetrics
+from perseus_operator.objects import owner_reference
 from perseus_operator.planner_pool import CachingPlanner, PoolPlanner
 from perseus_operator.policy_controller import PolicyController
 

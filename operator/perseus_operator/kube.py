@@ -16,7 +16,7 @@ from typing import Any, Final, TypeVar
 
 from perseus_api import kube_client, resources
 from perseus_api.conventions import parse_rfc3339
-from perseus_api.job import JOB_KIND, JOB_PLURAL, WorkloadKind
+from perseus_api.job import JOB_PLURAL, WorkloadKind
 from perseus_api.kube_client import describe_api_error
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.leader_election import LeaseRecord
@@ -56,19 +56,6 @@ def load_api_client(kubeconfig: str) -> Any:
         KubeError: the configuration cannot be loaded.
     """
     return kube_client.load_api_client(kubeconfig, KubeError, extra="operator")
-
-
-def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
-    """An owner reference to the PerseusJob ``job``: its objects go when it goes."""
-    metadata = job.get("metadata") or {}
-    return {
-        "apiVersion": resources.API_VERSION,
-        "kind": JOB_KIND,
-        "name": metadata.get("name", ""),
-        "uid": metadata.get("uid", ""),
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
 
 
 def config_map_object(

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from perseus_api.job import Phase
 from perseus_api.plan import PipelinePlan
-from perseus_operator.node_status import node_plan_status
 
 
 @dataclass
@@ -107,8 +104,3 @@ def saved_per_iteration_j(plan: PipelinePlan) -> float:
     if ratio >= 1:
         return 0.0
     return estimate.energy_j * ratio / (1 - ratio)
-
-
-def max_iterations(plans: Sequence[Mapping[str, Any]]) -> int:
-    """Most iterations any rank of the job reported (the job's progress, roughly)."""
-    return max([0, *(r.iterations for plan in plans for r in node_plan_status(plan).ranks)])

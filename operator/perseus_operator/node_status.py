@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from perseus_api.node_report import NodePlanStatus
 from perseus_api.resources import NodePlanObjectError, object_key, parse_node_plan_status
 
-__all__ = ["node_plan_status"]
+__all__ = ["max_iterations", "node_plan_status"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ def node_plan_status(obj: Mapping[str, Any]) -> NodePlanStatus:
         if len(_read) > _CACHED_MAX:
             _read.popitem(last=False)
     return status
+
+
+def max_iterations(plans: Sequence[Mapping[str, Any]]) -> int:
+    """Most iterations any rank of the job reported (the job's progress, roughly)."""
+    return max([0, *(r.iterations for plan in plans for r in node_plan_status(plan).ranks)])
 
 
 def _version(obj: Mapping[str, Any]) -> _Version | None:

@@ -3,7 +3,8 @@
 Read defensively, as the operator reads everything it did not write: a missing or mistyped
 field reads as absent and never raises, so that one odd object makes a clear message
 elsewhere rather than a crash here. One module for the operator's modules that read
-workloads, pods and jobs (workloads, policies, policy_sync, lifecycle).
+workloads, pods and jobs (workloads, policies, policy_sync, lifecycle), and for the owner
+reference the objects a job makes carry.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
+
+from perseus_api.job import JOB_KIND
+from perseus_api.plan import API_VERSION
 
 __all__ = [
     "INTEGER",
@@ -21,6 +25,7 @@ __all__ = [
     "get_path",
     "labels_of",
     "listed",
+    "owner_reference",
     "string_map",
     "terminating",
     "training_container",
@@ -90,3 +95,16 @@ def listed(items: Sequence[str], limit: int, separator: str = ", ") -> str:
     shown = separator.join(items[:limit])
     hidden = len(items) - limit
     return f"{shown}{separator}and {hidden} more" if hidden > 0 else shown
+
+
+def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
+    """An owner reference to the PerseusJob ``job``: its objects go when it goes."""
+    metadata = as_mapping(job.get("metadata"))
+    return {
+        "apiVersion": API_VERSION,
+        "kind": JOB_KIND,
+        "name": metadata.get("name", ""),
+        "uid": metadata.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

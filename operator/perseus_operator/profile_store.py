@@ -25,7 +25,7 @@ from perseus_operator.profile_source import (
 
 
 class ProfileIO(Protocol):
-    """What finding a profile reads (:class:`~perseus_operator.lifecycle.JobIO` has it)."""
+    """What finding a profile reads (:class:`~perseus_operator.job_observation.JobIO` has it)."""
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 

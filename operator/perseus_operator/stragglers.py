@@ -5,7 +5,8 @@ replica: since data-parallel replicas synchronise every iteration, running the o
 than ``T'`` only wastes energy. This module decides, from the node agents' reports, when a
 replica is a straggler, what ``T'`` is, and when plans must be rewritten. It is pure and
 deterministic (no clock, no I/O): the operator passes the samples and ``now_s`` of each report
-round, and persists :meth:`StragglerDetector.to_state` to resume after a restart.
+round, and persists :meth:`StragglerDetector.state_to_save` to resume after a restart
+(:meth:`StragglerDetector.from_saved`).
 
 A replica's iteration time is the maximum over its ranks' ``mean_iteration_s`` (the slowest
 stage gates the whole pipeline), counting only ranks past warm-up with fresh telemetry. The
@@ -20,6 +21,7 @@ checkpoint spikes and restarts do not make plans flap.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -429,6 +431,44 @@ class StragglerDetector:
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed straggler detector state: {error!r}") from error
         return detector
+
+    def state_to_save(self, saved: str | None) -> str | None:
+        """:meth:`to_state` as JSON when it differs from ``saved`` (the JSON saved last; None:
+        none) in what decides verdicts: the streaks, the flags, the published target. None:
+        keep ``saved``; per-report details (iteration counts, recent times) wait for the next
+        such change, so that the state is not written at every report."""
+        state = self.to_state()
+        if saved is not None and _decisive(state) == _decisive_json(saved):
+            return None
+        return json.dumps(state, separators=(",", ":"))
+
+    @classmethod
+    def from_saved(cls, settings: Stragglers, saved: str) -> StragglerDetector | None:
+        """The detector that :meth:`state_to_save` wrote ``saved`` for (None: unreadable)."""
+        try:
+            return cls.from_state(settings, json.loads(saved))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def _decisive(state: Mapping[str, Any]) -> Any:
+    replicas = state.get("replicas") or {}
+    return (
+        state.get("published"),
+        {
+            dp: {k: v for k, v in r.items() if k in ("slowStreak", "fastStreak", "flagged")}
+            for dp, r in replicas.items()
+            if isinstance(r, Mapping)
+        },
+    )
+
+
+def _decisive_json(text: str) -> Any:
+    try:
+        state = json.loads(text)
+    except ValueError:
+        return None
+    return _decisive(state) if isinstance(state, Mapping) else None
 
 
 # -- state parsing -----------------------------------------------------------------------------

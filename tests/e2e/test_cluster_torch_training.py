@@ -33,7 +33,8 @@ from operator_harness import OperatorProcess, cut_profile
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.profile import parse_profile
-from perseus_operator.lifecycle import PROFILE_KEY, profile_config_map_name
+from perseus_operator.phase_decisions import profile_config_map_name
+from perseus_operator.profile_source import PROFILE_KEY
 from perseus_operator.workloads import (
     GPU_RESOURCE,
     PYTORCH_CONTAINER,

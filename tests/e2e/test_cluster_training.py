@@ -49,8 +49,9 @@ from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.job import Granularity, Policy, ScheduleName
 from perseus_api.profile import Profile, parse_profile
-from perseus_operator.lifecycle import BLOCKING_POWER_KEY, PROFILE_KEY, profile_config_map_name
+from perseus_operator.phase_decisions import profile_config_map_name
 from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier
+from perseus_operator.profile_source import BLOCKING_POWER_KEY, PROFILE_KEY
 from perseus_operator.workloads import (
     GPU_RESOURCE,
     PYTORCH_CONTAINER,

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from test_operator_lifecycle import NS, FakeCluster, job_body, pod, profiling_reports
 
-from perseus_operator.lifecycle import JobMemo, Outcome, profile_config_map_name, reconcile
+from perseus_operator.lifecycle import JobMemo, Outcome, reconcile
+from perseus_operator.phase_decisions import profile_config_map_name
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.profile_source import GPU_PRODUCT_LABEL, MODEL_LABEL, NODE_GPU_PRODUCT_LABEL
 

@@ -23,24 +23,14 @@ from perseus_api.job import WorkloadKind
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import RankReport
 from perseus_api.profile import parse_profile
+from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
+from perseus_operator.job_release import RELEASE_PENDING, Release, ReleaseDecision, decide_release
 from perseus_operator.kube import KubeError
-from perseus_operator.lifecycle import (
-    RELEASE_PENDING,
-    STRAGGLER_STATE_ANNOTATION,
-    JobMemo,
-    Outcome,
-    Release,
-    ReleaseDecision,
-    decide_release,
-    expected_iteration_s,
-    planned_target_s,
-    profile_config_map_name,
-    rank_samples,
-    reconcile,
-    release,
-)
+from perseus_operator.lifecycle import JobMemo, Outcome, reconcile, release
+from perseus_operator.phase_decisions import profile_config_map_name
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
+from perseus_operator.running_decisions import expected_iteration_s, planned_target_s, rank_samples
 from perseus_operator.workloads import RankPlacement
 
 NS, JOB = "ml", "gpt3"
@@ -51,7 +41,7 @@ PROFILE = parse_profile(cut_profile(STAGES), "cut")
 
 
 class FakeCluster:
-    """The :class:`~perseus_operator.lifecycle.JobIO` of an in-memory cluster."""
+    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster."""
 
     def __init__(self) -> None:
         self.pods: list[dict[str, Any]] = []
