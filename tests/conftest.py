@@ -15,9 +15,14 @@ from perseus_planner.solver import build_problem
 
 # The end-to-end tests' Kubernetes control plane (a fixture module, not a second conftest.py:
 # test modules import helpers from this one as ``conftest``).
-pytest_plugins = ["cluster_harness", "kwok_cluster"]
+pytest_plugins = ["support.cluster_harness", "support.kwok_cluster"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS_DIR = REPO_ROOT / "tests"
+# The tier of a test is its folder (markers registered in pyproject.toml): `-m unit` runs what
+# needs nothing but the interpreter, `-m integration` adds real local processes, servers, kmock
+# and real time, `-m e2e` the real control plane, Prometheus and helm.
+TIERS = ("unit", "integration", "e2e")
 PROFILES_DIR = REPO_ROOT / "operator" / "perseus_planner" / "profiles"
 PUBLISHED_FRONTIERS_DIR = REPO_ROOT / "tests" / "data" / "perseus-sosp24" / "frontiers"
 
@@ -61,3 +66,10 @@ def solved_frontier(shipped_profile: Callable[[str, str], Profile]) -> SolveFron
         return compute_frontier(problem)
 
     return solve
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.relative_to(TESTS_DIR).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)

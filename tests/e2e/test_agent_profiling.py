@@ -19,12 +19,17 @@ from typing import Any
 
 import pytest
 
-from agent_process import NODE, PROFILE, Agent, run_emulated_rank, wait_for, write_atomically
-from factories import pipeline_plan_fields
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api.profile import load_profile, parse_profile
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import (
+    NODE,
+    PROFILE,
+    Agent,
+    run_emulated_rank,
+    wait_for,
+    write_atomically,
+)
+from support.factories import pipeline_plan_fields
 
 BLOCKING_POWER_W = 83.64  # the agent's default for the bundled profile
 STAGES, MICROBATCHES, STAGE = 8, 2, 0

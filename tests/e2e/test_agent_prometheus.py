@@ -19,13 +19,11 @@ from typing import Any
 
 import pytest
 
-from agent_process import PROFILE, Agent, run_emulated_rank, wait_for, write_atomically
-from factories import pipeline_plan_fields
 from perseus_api.profile import load_profile
 from perseus_api.schedule import Schedule, stage_instruction_order
-from prometheus_server import PROMETHEUS, Prometheus, running_prometheus
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import PROFILE, Agent, run_emulated_rank, wait_for, write_atomically
+from support.factories import pipeline_plan_fields
+from support.prometheus_server import PROMETHEUS, Prometheus, running_prometheus
 
 BLOCKING_POWER_W = 83.64
 STAGES, MICROBATCHES, STAGE = 8, 4, 0

@@ -18,14 +18,12 @@ from typing import Any
 
 import pytest
 
-from agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
-from factories import pipeline_plan_fields
 from perseus_api.profile import Profile, load_profile
 from perseus_api.schedule import gpu_computation_order, stage_instruction_order
 from perseus_planner.model_stages import derive_profile
-from torch_job import recording_proxy, require_torch, run_example
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
+from support.factories import pipeline_plan_fields
+from support.torch_job import recording_proxy, require_torch, run_example
 
 STAGES, MICROBATCHES, STEPS = 2, 4, 3
 BLOCKING_POWER_W = 83.64  # the agent's default for the bundled profile

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cluster_harness import Cluster
-from helm_render import render
+from support.cluster_harness import Cluster
+from support.helm_render import render
 
 
 def _agent_pod(namespace: str) -> dict[str, Any]:

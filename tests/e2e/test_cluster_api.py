@@ -17,15 +17,13 @@ from typing import Any
 import kubernetes
 import pytest
 
-from cluster_harness import Cluster, api_client
-from factories import pipeline_plan_fields
-from helm_render import NAMESPACE
-from malformed_jobs import MALFORMED, malformed
-from operator_harness import perseus_job
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
-
-pytestmark = pytest.mark.e2e
+from support.cluster_harness import Cluster, api_client
+from support.factories import pipeline_plan_fields
+from support.helm_render import NAMESPACE
+from support.malformed_jobs import MALFORMED, malformed
+from support.operator_harness import perseus_job
 
 JOB_NAMESPACE = "api-checks"
 
@@ -265,9 +263,9 @@ def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
     """During a rolling upgrade agents of both spellings write statuses: the CRD's schema
     (generated from NodePlanStatus) prunes neither's keys, adds no defaults beside them, and
     still refuses a wrongly typed field."""
-    from factories import OLD_AGENT_STATUS, merge_patch, node_report
     from perseus_agent.plan_status import report_status
     from perseus_api.node_report import NodePlanStatus
+    from support.factories import OLD_AGENT_STATUS, merge_patch, node_report
 
     node = "api-node-status"
     cluster.node(node, 1)

@@ -34,13 +34,11 @@ from typing import Any
 
 import pytest
 
-from agent_process import Agent, wait_for
-from cluster_harness import Cluster
-from helm_render import render
-from operator_harness import OperatorProcess, free_port, perseus_job
 from perseus_client.client import PerseusClient
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import Agent, wait_for
+from support.cluster_harness import Cluster
+from support.helm_render import render
+from support.operator_harness import OperatorProcess, free_port, perseus_job
 
 NAMESPACE = "inject-baseline"
 NODE = "inject-node-1"

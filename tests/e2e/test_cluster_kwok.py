@@ -35,10 +35,19 @@ from __future__ import annotations
 from typing import Any
 
 import kubernetes
-import pytest
 
-from cluster_harness import Cluster
-from kwok_cluster import (
+from perseus_api import resources
+from perseus_operator.workloads import (
+    COMPLETION_INDEX,
+    JOBSET_JOB_INDEX,
+    JOBSET_NAME,
+    PYTORCH_CONTAINER,
+    PYTORCH_JOB_NAME,
+    PYTORCH_REPLICA_INDEX,
+    PYTORCH_REPLICA_TYPE,
+)
+from support.cluster_harness import Cluster
+from support.kwok_cluster import (
     FINISH_ANNOTATION,
     GPU_NODES,
     GPU_RESOURCE,
@@ -55,19 +64,7 @@ from kwok_cluster import (
     running_on,
     wait,
 )
-from operator_harness import OperatorProcess
-from perseus_api import resources
-from perseus_operator.workloads import (
-    COMPLETION_INDEX,
-    JOBSET_JOB_INDEX,
-    JOBSET_NAME,
-    PYTORCH_CONTAINER,
-    PYTORCH_JOB_NAME,
-    PYTORCH_REPLICA_INDEX,
-    PYTORCH_REPLICA_TYPE,
-)
-
-pytestmark = pytest.mark.e2e
+from support.operator_harness import OperatorProcess
 
 
 def test_agent_daemonset_is_scheduled_onto_the_gpu_nodes_only(kwok_cluster: Cluster) -> None:

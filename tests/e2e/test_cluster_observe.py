@@ -38,9 +38,6 @@ from test_cluster_training import (
     training_pod,
 )
 
-from agent_process import Agent
-from cluster_harness import Cluster
-from operator_harness import OperatorProcess, cut_profile
 from perseus_api import resources
 from perseus_api.job import PerseusJobSpec
 from perseus_operator.profile_source import (
@@ -52,8 +49,9 @@ from perseus_operator.profile_source import (
     PROFILE_KEY,
     pipeline_key,
 )
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import Agent
+from support.cluster_harness import Cluster
+from support.operator_harness import OperatorProcess, cut_profile
 
 NAMESPACE = "ml"  # the chart's RBAC and the training's pods are set up for it
 JOB = "observed"

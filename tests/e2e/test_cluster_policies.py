@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from cluster_harness import Cluster
-from operator_harness import OperatorProcess
 from perseus_api.policy import POLICY_PLURAL
-from policy_scenario import (
+from support.cluster_harness import Cluster
+from support.operator_harness import OperatorProcess
+from support.policy_scenario import (
     GROUP,
     VERSION,
     create_workload,
@@ -22,9 +22,8 @@ from policy_scenario import (
     policy_body,
     run_opt_in_scenario,
 )
-from workload_objects import pytorch_job
+from support.workload_objects import pytorch_job
 
-pytestmark = pytest.mark.e2e
 GC_TIMEOUT_S = 60.0
 
 # name -> (spec fields replaced, the field path and the words of the API server's message)

@@ -27,9 +27,6 @@ from typing import Any
 
 import pytest
 
-from agent_process import Agent, source_env
-from cluster_harness import Cluster
-from operator_harness import OperatorProcess, cut_profile
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.profile import parse_profile
@@ -42,9 +39,10 @@ from perseus_operator.workloads import (
     PYTORCH_REPLICA_INDEX,
     PYTORCH_REPLICA_TYPE,
 )
-from torch_job import EXAMPLE, require_torch
-
-pytestmark = pytest.mark.e2e
+from support.agent_process import Agent, source_env
+from support.cluster_harness import Cluster
+from support.operator_harness import OperatorProcess, cut_profile
+from support.torch_job import EXAMPLE, require_torch
 
 NAMESPACE = "torch"
 JOB = "tiny"

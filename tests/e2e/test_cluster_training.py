@@ -40,10 +40,6 @@ from typing import Any
 
 import pytest
 
-from agent_process import Agent, source_env
-from cluster_harness import Cluster, require
-from dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs
-from operator_harness import OperatorProcess, cut_profile
 from perseus_agent.emulated_job import OVERHEADS
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
@@ -59,14 +55,17 @@ from perseus_operator.workloads import (
     PYTORCH_REPLICA_INDEX,
     PYTORCH_REPLICA_TYPE,
 )
-from prometheus_server import PROMETHEUS
+from support.agent_process import Agent, source_env
+from support.cluster_harness import Cluster, require
+from support.dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs
+from support.operator_harness import OperatorProcess, cut_profile
+from support.prometheus_server import PROMETHEUS
 
 try:  # the agents ask a kubelet stand-in which GPUs each pod owns (needs grpcio, protobuf)
-    from kubelet_pod_resources import KubeletStandIn, StandInPod
+    from support.kubelet_pod_resources import KubeletStandIn, StandInPod
 except ImportError:  # pragma: no cover - the test extra installs both
     KubeletStandIn = None  # type: ignore[assignment,misc]
 
-pytestmark = pytest.mark.e2e
 
 NAMESPACE = "ml"
 JOB = "gpt3"

@@ -41,8 +41,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from agent_process import NODE, PROFILE, Agent, source_env, write_atomically
-from dashboard_queries import (
+from perseus_api import resources
+from support.agent_process import NODE, PROFILE, Agent, source_env, write_atomically
+from support.dashboard_queries import (
     PromClient,
     Query,
     _finite,
@@ -56,9 +57,9 @@ from dashboard_queries import (
     scrape_jobs,
     substitute,
 )
-from factories import pipeline_plan_fields
-from kmock_server import KmockServer
-from operator_harness import (
+from support.factories import pipeline_plan_fields
+from support.kmock_server import KmockServer
+from support.operator_harness import (
     JOBS,
     RESOURCES,
     OperatorProcess,
@@ -67,10 +68,7 @@ from operator_harness import (
     pod,
     profile_of,
 )
-from perseus_api import resources
-from prometheus_server import PROMETHEUS
-
-pytestmark = pytest.mark.e2e
+from support.prometheus_server import PROMETHEUS
 
 STAGES, MICROBATCHES = 8, 4
 # The operator's jobs (2 pods x 4 GPUs = 2 replicas x 4 stages; their agents simulated).

@@ -30,14 +30,12 @@ import kubernetes
 import pytest
 import yaml
 
-from cluster_harness import api_client, require
-from control_plane import ControlPlane, binaries
-from helm_render import CHART
-from hook_runner import HookRunner
-from operator_harness import OperatorProcess, perseus_job
 from perseus_api import resources
-
-pytestmark = pytest.mark.e2e
+from support.cluster_harness import api_client, require
+from support.control_plane import ControlPlane, binaries
+from support.helm_render import CHART
+from support.hook_runner import HookRunner
+from support.operator_harness import OperatorProcess, perseus_job
 
 RELEASE, NAMESPACE, JOB_NAMESPACE = "perseus", "perseus-system", "ml"
 OPERATOR_SA = LEASE = "perseus-operator"  # the chart's names for release "perseus"

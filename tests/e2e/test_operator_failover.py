@@ -22,11 +22,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from cluster_harness import OPERATOR_SA, Cluster
-from operator_harness import OperatorProcess, SimulatedAgents, perseus_job, pod, profile_of
 from perseus_api import resources
-
-pytestmark = pytest.mark.e2e
+from support.cluster_harness import OPERATOR_SA, Cluster
+from support.operator_harness import OperatorProcess, SimulatedAgents, perseus_job, pod, profile_of
 
 NS = "failover"
 LEASE = "perseus-operator-failover"  # not the chart's: other tests' operators run standalone

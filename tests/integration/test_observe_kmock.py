@@ -12,9 +12,17 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kmock_server import KmockServer
-from operator_harness import JOBS, PLANS, RESOURCES, OperatorProcess, cut_profile, perseus_job, pod
 from perseus_api import resources
+from support.kmock_server import KmockServer
+from support.operator_harness import (
+    JOBS,
+    PLANS,
+    RESOURCES,
+    OperatorProcess,
+    cut_profile,
+    perseus_job,
+    pod,
+)
 
 NS = "ml"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4

@@ -14,9 +14,10 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kmock_server import KmockServer
-from malformed_jobs import MALFORMED, malformed
-from operator_harness import (
+from perseus_api import resources
+from support.kmock_server import KmockServer
+from support.malformed_jobs import MALFORMED, malformed
+from support.operator_harness import (
     JOBS,
     PLANS,
     RESOURCES,
@@ -26,7 +27,6 @@ from operator_harness import (
     pod,
     profile_of,
 )
-from perseus_api import resources
 
 NS = "ml"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4

@@ -17,8 +17,13 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kmock_server import KmockServer
-from operator_harness import (
+from perseus_api import resources
+from perseus_api.profile import Measurements, Profile, parse_profile
+from perseus_api.schedule import Schedule, Step, gpu_computation_order
+from perseus_operator.profile_source import PIPELINE_KEY, PROFILE_KEY
+from perseus_planner.model_stages import derive_profile
+from support.kmock_server import KmockServer
+from support.operator_harness import (
     JOBS,
     PLANS,
     RESOURCES,
@@ -27,12 +32,7 @@ from operator_harness import (
     pod,
     profile_of,
 )
-from perseus_api import resources
-from perseus_api.profile import Measurements, Profile, parse_profile
-from perseus_api.schedule import Schedule, Step, gpu_computation_order
-from perseus_operator.profile_source import PIPELINE_KEY, PROFILE_KEY
-from perseus_planner.model_stages import derive_profile
-from schedule_agents import BLOCKING_W, ScheduleAgents
+from support.schedule_agents import BLOCKING_W, ScheduleAgents
 
 NS = "ml"
 P, M = 2, 4

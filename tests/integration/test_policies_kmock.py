@@ -11,12 +11,12 @@ from typing import Any
 import kubernetes
 import pytest
 
-from kmock_server import KmockServer
-from operator_harness import RESOURCES, VERBS, OperatorProcess
 from perseus_api import resources
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.kube import WORKLOAD_RESOURCES
-from policy_scenario import policy_body, policy_status, run_opt_in_scenario
+from support.kmock_server import KmockServer
+from support.operator_harness import RESOURCES, VERBS, OperatorProcess
+from support.policy_scenario import policy_body, policy_status, run_opt_in_scenario
 
 POLICY_RESOURCES: dict[str, dict[str, Any]] = {
     **RESOURCES,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from perseus_api.schedule import gpu_computation_order, stage_instruction_order
-from torch_job import Event, require_torch, run_example, run_recorded
+from support.torch_job import Event, require_torch, run_example, run_recorded
 
 MICROBATCHES = 4
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from factories import pipeline_plan_fields
 from perseus_api import NodePlan
 from perseus_api.node_plan import ProfilingSpec
+from support.factories import pipeline_plan_fields
 
 
 def _node_plan(assignments: list[dict[str, Any]]) -> dict[str, Any]:

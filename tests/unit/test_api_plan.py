@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from factories import pipeline_plan_fields
 from perseus_api import Granularity, PipelinePlan, PlanObjective
+from support.factories import pipeline_plan_fields
 
 
 def test_valid_plan_round_trips_through_json() -> None:

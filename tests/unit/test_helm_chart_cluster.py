@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from helm_render import NAMESPACE, helm_python, lint, render, validate_values
+from support.helm_render import NAMESPACE, helm_python, lint, render, validate_values
 
 EXTRA: dict[str, Any] = {
     "agent": {

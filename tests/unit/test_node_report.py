@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from factories import OLD_AGENT_STATUS, merge_patch, node_report
 from perseus_agent.plan_status import invalid_status, report_status, stopped_status
 from perseus_api import resources
 from perseus_api.node_report import (
@@ -23,6 +22,7 @@ from perseus_api.node_report import (
     wire_name,
 )
 from perseus_operator.node_status import node_plan_status
+from support.factories import OLD_AGENT_STATUS, merge_patch, node_report
 
 SNAKE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)+$")
 

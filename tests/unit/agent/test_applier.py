@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeBackend
 from test_profiler import BLOCKING_W, PROFILE_CSV, TABLE, SimTime
 
-from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus, NodeReport, PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
 from perseus_agent.gpu.base import GpuInfo
@@ -25,6 +23,8 @@ from perseus_agent.profiler import EnergySampler, profile_csv
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan, ProfilingSpec
 from perseus_api.profile import parse_profile
+from support.factories import pipeline_plan_fields
+from support.fake_gpu import FakeBackend
 
 NODE = "node-1"
 

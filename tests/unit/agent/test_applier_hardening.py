@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeBackend
 from prometheus_client import generate_latest
 from test_applier import (
     NODE,
@@ -24,6 +23,7 @@ from perseus_agent.applier import PlanApplier
 from perseus_agent.local_server import ClientSession
 from perseus_agent.log_limit import DEFAULT_BURST, RateLimitedLog
 from perseus_agent.reset_state import ResetState
+from support.fake_gpu import FakeBackend
 
 
 @pytest.fixture

@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fakes import FakeBackend
 from test_profiler import MS, SimTime, manual_sampler, ns
 
-from factories import pipeline_plan_fields, profiling_report
 from perseus_agent.applier import PlanApplier
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.local_server import ClientSession
@@ -21,6 +19,8 @@ from perseus_api.profile import INSTRUCTIONS, parse_profile
 from perseus_api.schedule import Step, gpu_computation_order
 from perseus_operator.planning import gather_profile
 from perseus_planner.model_stages import schedule_profile
+from support.factories import pipeline_plan_fields, profiling_report
+from support.fake_gpu import FakeBackend
 
 NODE = "node-1"
 P, V, M = 2, 2, 4

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.samples import Sample
 
-from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus, PlanApplier
 from perseus_agent.clock_owners import (
     ClockOwnerGuard,
@@ -27,6 +26,7 @@ from perseus_agent.local_server import ClientSession
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import load_profile
+from support.factories import pipeline_plan_fields
 
 REPO = Path(__file__).resolve().parents[3]
 PROFILE = REPO / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"

@@ -8,16 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeBackend
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from factories import pipeline_plan_fields
 from perseus_agent.applier import PlanApplier
 from perseus_agent.errors import GpuLostError
 from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, ManagedGpu, MetricsServer
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan
+from support.factories import pipeline_plan_fields
+from support.fake_gpu import FakeBackend
 
 NODE = "node-1"
 

@@ -12,12 +12,6 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from kubelet_pod_resources import (
-    KubeletStandIn,
-    StandInPod,
-    message_class,
-    pod_message,
-)
 from perseus_agent.pod_resources import (
     ContainerDevices,
     PodDevices,
@@ -27,6 +21,12 @@ from perseus_agent.pod_resources import (
     decode_list_response,
     encode_get_request,
     encode_list_response,
+)
+from support.kubelet_pod_resources import (
+    KubeletStandIn,
+    StandInPod,
+    message_class,
+    pod_message,
 )
 
 TRAINER = StandInPod(

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeBackend
 
-from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus, PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNotSupportedError
 from perseus_agent.reset_state import STATE_FILENAME, ResetState
 from perseus_api.node_plan import NodePlan
+from support.factories import pipeline_plan_fields
+from support.fake_gpu import FakeBackend
 
 
 def _stage_plan(indices: list[int]) -> NodePlan:

@@ -15,9 +15,6 @@ from typing import Any
 
 import pytest
 
-from factories import pipeline_plan_fields
-from malformed_jobs import MALFORMED, Mutation, malformed
-from operator_harness import agent_status, cut_profile, profiled
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.node_plan import NodePlan
@@ -32,6 +29,9 @@ from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
 from perseus_operator.running_decisions import expected_iteration_s, planned_target_s, rank_samples
 from perseus_operator.workloads import RankPlacement
+from support.factories import pipeline_plan_fields
+from support.malformed_jobs import MALFORMED, Mutation, malformed
+from support.operator_harness import agent_status, cut_profile, profiled
 
 NS, JOB = "ml", "gpt3"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from factories import profiling_report
 from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
 from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PlanObjective
@@ -31,6 +30,7 @@ from perseus_operator.planning import (
 )
 from perseus_operator.workloads import RankPlacement
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
+from support.factories import profiling_report
 
 STAGES, MICROBATCHES = 4, 8
 

@@ -42,7 +42,7 @@ from perseus_operator.policies import (
     workload_kind,
 )
 from perseus_operator.workloads import matches
-from workload_objects import NAMESPACES, container, job_pod, jobset, pytorch_job, train_job
+from support.workload_objects import NAMESPACES, container, job_pod, jobset, pytorch_job, train_job
 
 Obj = dict[str, Any]
 

@@ -14,7 +14,7 @@ from perseus_api.job import WorkloadKind
 from perseus_operator.kube import KubeError
 from perseus_operator.policy_controller import PolicyController, get_event
 from perseus_operator.policy_sync import WorkloadEvent
-from workload_objects import NAMESPACES, pytorch_job
+from support.workload_objects import NAMESPACES, pytorch_job
 
 Obj = dict[str, Any]
 

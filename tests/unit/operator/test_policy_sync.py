@@ -19,7 +19,7 @@ from perseus_operator.policy_sync import (
     merge_patch,
     parse_policies,
 )
-from workload_objects import NAMESPACES, job_pod, jobset, pytorch_job
+from support.workload_objects import NAMESPACES, job_pod, jobset, pytorch_job
 
 Obj = dict[str, Any]
 NOW, LATER = "2026-11-30T10:00:00Z", "2026-11-30T10:05:00Z"

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from helm_render import CHART, render
-from prometheus_server import running_prometheus
+from support.helm_render import CHART, render
+from support.prometheus_server import running_prometheus
 
 SCRAPE_S = 1.0
 RATE_INTERVAL = "5s"  # Grafana: max($__interval + scrape interval, 4 x scrape interval)

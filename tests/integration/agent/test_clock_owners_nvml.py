@@ -1,7 +1,8 @@
 """Clocks the agent did not set, through the real nvidia-ml-py bindings and the emulated
-``libnvidia-ml.so.1`` (``tests/fake_nvml.py``): clock event reasons (and the older function name
-of old drivers), application clocks, and an administrator's ``nvidia-smi -lgc``/``-ac`` made in
-another process that the agent's guard leaves, or overrides and puts back."""
+``libnvidia-ml.so.1`` (``tests/support/fake_nvml.py``): clock event reasons (and the older
+function name of old drivers), application clocks, and an administrator's
+``nvidia-smi -lgc``/``-ac`` made in another process that the agent's guard leaves, or overrides
+and puts back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fake_nvml import (
+from support.fake_nvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     FakeNvml,
     FakeNvmlUnavailableError,

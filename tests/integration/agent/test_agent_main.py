@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent_process import (
+from perseus_agent.main import main
+from support.agent_process import (
     NODE,
     REPO_ROOT,
     TIMEOUT_S,
@@ -25,8 +26,7 @@ from agent_process import (
     wait_for,
     write_atomically,
 )
-from factories import pipeline_plan_fields
-from perseus_agent.main import main
+from support.factories import pipeline_plan_fields
 
 emulated = pytest.importorskip("perseus_agent.gpu.emulated")
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from cluster_harness import (
+from perseus_api import resources
+from perseus_operator.workloads import GPU_RESOURCE, PYTORCH_CONTAINER
+from support.cluster_harness import (
     OPERATOR_SA,
     WORKLOAD_KINDS,
     Cluster,
@@ -26,17 +28,15 @@ from cluster_harness import (
     require,
     workload_crd,
 )
-from control_plane import (
+from support.control_plane import (
     KWOK_NODE_ANNOTATION,
     KWOK_NODE_VALUE,
     ControlPlane,
     binaries,
     optional_binary,
 )
-from kubeflow_trainer import start_jobset, start_trainer
-from perseus_api import resources
-from perseus_operator.workloads import GPU_RESOURCE, PYTORCH_CONTAINER
-from training_operator import start_training_operator
+from support.kubeflow_trainer import start_jobset, start_trainer
+from support.training_operator import start_training_operator
 
 NAMESPACE = "ml"  # the chart's RBAC lets the operator read workloads and pods there
 JOB = "gpt-kwok"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helm_render import NAMESPACE, render
+from support.helm_render import NAMESPACE, render
 
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from operator_harness import free_port
+from support.operator_harness import free_port
 
 READY_TIMEOUT_S = 60.0
 # Writes only, at Metadata level (no bodies): a small log, enough to say who changed what when.

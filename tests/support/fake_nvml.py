@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 SOURCE = TESTS_DIR / "fixtures" / "fake_nvml" / "fake_nvml.c"
 LIBRARY_NAME = "libnvidia-ml.so.1"

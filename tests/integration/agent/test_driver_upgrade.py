@@ -3,7 +3,8 @@ node says the driver is being replaced, the agent resets its clocks, releases NV
 its plans' status and its metrics, and takes the GPUs back afterwards.
 
 The decision is pure (:mod:`perseus_agent.driver_upgrade`); the release is checked through the
-real nvidia-ml-py bindings on the emulated ``libnvidia-ml.so.1`` (``tests/fake_nvml.py``), and
+real nvidia-ml-py bindings on the emulated ``libnvidia-ml.so.1``
+(``tests/support/fake_nvml.py``), and
 end to end with the real agent process (NVML backend on that library) against an emulated API
 server (kmock) holding the Node and the PerseusNodePlans.
 """
@@ -23,8 +24,6 @@ from typing import Any
 
 import pytest
 
-from factories import pipeline_plan_fields
-from fake_nvml import FakeNvml, FakeNvmlUnavailableError, build_fake_nvml, read_state
 from perseus_agent.driver_upgrade import (
     HOLD_STATES,
     RELEASE_STATES,
@@ -33,6 +32,8 @@ from perseus_agent.driver_upgrade import (
 )
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
+from support.factories import pipeline_plan_fields
+from support.fake_nvml import FakeNvml, FakeNvmlUnavailableError, build_fake_nvml, read_state
 
 TIMEOUT_S = 30.0
 NODE = "gpu-node-1"
@@ -162,7 +163,7 @@ def test_the_agent_lets_go_of_nvml_during_a_driver_upgrade_and_takes_the_gpus_ba
     pytest.importorskip("pynvml", reason="nvidia-ml-py (the agent extra) is not installed")
     kubernetes = pytest.importorskip("kubernetes")
     pytest.importorskip("kmock")
-    from kmock_server import KmockServer
+    from support.kmock_server import KmockServer
 
     plural = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
     info = {
@@ -306,14 +307,13 @@ class _Writer:
 def test_the_gate_holds_plan_changes_and_retries_a_driver_that_is_not_back(
     tmp_path: Path,
 ) -> None:
-    from fakes import FakeBackend
-
     from perseus_agent.clock_owners import ClockOwnerGuard
     from perseus_agent.driver_release import DriverUpgradeGate
     from perseus_agent.errors import GpuLibraryNotFoundError
     from perseus_agent.gpu.releasable import ReleasableBackend
     from perseus_agent.job_plans import JobPlans
     from perseus_agent.reset_state import ResetState
+    from support.fake_gpu import FakeBackend
 
     hardware = FakeBackend(num_gpus=2)
     opens: list[str] = []

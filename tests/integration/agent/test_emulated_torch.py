@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from agent_process import PROFILE
 from perseus_agent.emulated_torch import emulate_stage
 from perseus_agent.gpu.emulated import EmulatedBackend
+from support.agent_process import PROFILE
 
 
 def gpus() -> EmulatedBackend:

@@ -16,7 +16,6 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from factories import pipeline_plan_fields
 from perseus_api import crd
 from perseus_api.job import (
     FREQUENCY_RULES,
@@ -33,6 +32,7 @@ from perseus_api.job import (
 )
 from perseus_api.node_plan import NodePlan
 from perseus_api.resources import node_plan_object
+from support.factories import pipeline_plan_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO_ROOT / "crds"
@@ -260,7 +260,6 @@ def test_conversions() -> None:
 
 
 def test_node_plan_status_is_the_agents_model_and_keeps_an_older_agents_keys() -> None:
-    from factories import OLD_AGENT_STATUS, merge_patch, node_report
     from perseus_agent.plan_status import invalid_status, report_status
 
     status = _at(_open_api_schema(crd.get_node_plan_crd()), "status")

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from operator_harness import cut_profile, profile_of
 from perseus_agent.emulated_job import (
     OVERHEADS,
     EmulatedJob,
@@ -34,6 +33,7 @@ from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api.profile import Profile
 from perseus_api.schedule import BACKWARD, FORWARD, stage_instruction_order
 from perseus_planner import Baseline, build_pipeline_dag, build_problem, max_frequency_baseline
+from support.operator_harness import cut_profile, profile_of
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -25,7 +25,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from control_plane import ControlPlane, binaries
+from support.control_plane import ControlPlane, binaries
 
 OPERATOR_SA = "perseus-operator"
 AGENT_SA = "perseus-node-agent"
@@ -140,7 +140,7 @@ def install_chart(
     """CRDs first (Established before anything uses them), then the rendered templates; the
     release namespace. The workload kinds' CRDs are stand-ins unless ``workload_crds`` are
     given (e.g. the training operator's own)."""
-    from helm_render import NAMESPACE, crds, render  # skips without helm-python-sdk
+    from support.helm_render import NAMESPACE, crds, render  # skips without helm-python-sdk
 
     if workload_crds is None:
         workload_crds = [workload_crd(*kind) for kind in WORKLOAD_KINDS]

@@ -18,9 +18,6 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from agent_process import PROFILE
-from factories import pipeline_plan_fields
-from kubelet_pod_resources import KubeletStandIn, StandInPod
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.gpu_ownership import (
     KubeletOwnership,
@@ -34,6 +31,9 @@ from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan
 from perseus_client import PerseusClient
 from perseus_client.protocol import decode_reply, encode_request, hello_request
+from support.agent_process import PROFILE
+from support.factories import pipeline_plan_fields
+from support.kubelet_pod_resources import KubeletStandIn, StandInPod
 
 NODE = "n1"
 UID_A = "0c8f6a52-1d5e-4b8e-9a0b-2f4d6c8e0a11"

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from control_plane import ControlPlane
-from operator_harness import free_port
-from training_operator import wait_ready, webhook_certificates
+from support.control_plane import ControlPlane
+from support.operator_harness import free_port
+from support.training_operator import wait_ready, webhook_certificates
 
 TRAINER_NAMESPACE = "kubeflow-system"  # its default (no service-account namespace file here)
 TRAINER_SECRET = "kubeflow-trainer-webhook-cert"
@@ -42,7 +42,7 @@ def _at_localhost(configuration: dict[str, Any], name: str, port: int, ca_pem: s
 
 
 def _crds(plane: ControlPlane, paths: list[Path]) -> None:
-    from cluster_harness import wait_established
+    from support.cluster_harness import wait_established
 
     crds = [d for p in paths for d in _docs(p)]
     plane.apply(crds)

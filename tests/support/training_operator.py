@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from control_plane import ControlPlane
-from operator_harness import free_port
+from support.control_plane import ControlPlane
+from support.operator_harness import free_port
 
 NAMESPACE = "kubeflow"  # the operator's (MY_POD_NAMESPACE): its Secret is looked up there
 SERVICE = "training-operator"  # --webhook-service-name: the DNS name the rotator checks
@@ -136,7 +136,7 @@ def wait_ready(plane: ControlPlane, name: str, probe_port: int) -> None:
 def start_training_operator(plane: ControlPlane, binary: Path, manifests: Path) -> None:
     """The PyTorchJob CRD (Established), the webhook's Secret and configuration, then the
     operator (PyTorchJob controller only, admin credentials), stopped with ``plane``."""
-    from cluster_harness import wait_established
+    from support.cluster_harness import wait_established
 
     crd = pytorch_job_crd(manifests)
     plane.apply([crd])

@@ -35,7 +35,7 @@ from perseus_client.protocol import (
     StepEndRequest,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "torch_pipeline.py"
 JOB_TIMEOUT_S = 300
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from support.helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 
 ALL = "*"  # a ClusterRoleBinding: every namespace, and cluster-scoped resources
 GROUP = resources.GROUP
@@ -474,10 +474,10 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
 
     kubernetes = pytest.importorskip("kubernetes")
     pytest.importorskip("kmock")
-    from agent_process import NODE, Agent, wait_for
-    from factories import pipeline_plan_fields
-    from kmock_server import KmockServer
     from perseus_api.node_plan import NodePlan
+    from support.agent_process import NODE, Agent, wait_for
+    from support.factories import pipeline_plan_fields
+    from support.kmock_server import KmockServer
 
     plural = f"{GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
     info = {

@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agent_process import REPO_ROOT, source_env
-from control_plane import ControlPlane
+from support.agent_process import REPO_ROOT, source_env
+from support.control_plane import ControlPlane
 
 HOOK_TIMEOUT_S = 300.0
 

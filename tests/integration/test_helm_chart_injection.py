@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from helm_render import NAMESPACE, lint, render, validate_values
 from perseus_operator.main import build_parser
+from support.helm_render import NAMESPACE, lint, render, validate_values
 
 
 def _operator(values: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from typing import Any, Self
 import kubernetes
 import pytest
 
-from agent_process import REPO_ROOT, source_env
 from perseus_api import resources
 from perseus_api.node_report import (
     GpuProfilingReport,
@@ -42,6 +41,7 @@ from perseus_api.node_report import (
 from perseus_api.profile import Profile, parse_profile
 from perseus_operator.running_decisions import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
+from support.agent_process import REPO_ROOT, source_env
 
 JOBS = f"{resources.GROUP}/{resources.VERSION}/perseusjobs"
 PLANS = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"

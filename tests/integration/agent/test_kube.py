@@ -1,5 +1,6 @@
 """Kubernetes mode of the node agent: the PerseusNodePlan format, GPU arbitration between jobs,
-status documents, and the agent against an emulated API server (kmock, tests/kmock_server.py).
+status documents, and the agent against an emulated API server (kmock,
+``tests/support/kmock_server.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeBackend
 
-from agent_process import NODE, TIMEOUT_S, Agent, wait_for
-from factories import pipeline_plan_fields
 from perseus_agent.applier import GpuStatus
 from perseus_agent.gpu_arbitration import arbitrate_gpus
 from perseus_agent.job_plans import JobPlans
@@ -31,12 +29,15 @@ from perseus_agent.plan_status import invalid_status, report_status
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
+from support.agent_process import NODE, TIMEOUT_S, Agent, wait_for
+from support.factories import pipeline_plan_fields
+from support.fake_gpu import FakeBackend
 
 kubernetes = pytest.importorskip("kubernetes")
 pytest.importorskip("kmock")
 emulated = pytest.importorskip("perseus_agent.gpu.emulated")
 
-from kmock_server import KmockServer  # noqa: E402  (needs kmock)
+from support.kmock_server import KmockServer  # noqa: E402  (needs kmock)
 
 RESOURCE = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
 RESOURCE_INFO: dict[str, Any] = {
@@ -581,7 +582,7 @@ def test_the_agent_locks_only_the_gpus_the_kubelet_gave_the_pod(
 ) -> None:
     pytest.importorskip("grpc")
     pytest.importorskip("google.protobuf")
-    from kubelet_pod_resources import KubeletStandIn, StandInPod
+    from support.kubelet_pod_resources import KubeletStandIn, StandInPod
 
     kubelet_sock = socket_dir / "kubelet.sock"
     plan = node_plan().model_dump(mode="json")

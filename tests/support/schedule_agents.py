@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from operator_harness import ReportLoop
 from perseus_agent.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
@@ -33,6 +32,7 @@ from perseus_api.node_plan import GpuAssignment, NodePlan
 from perseus_api.profile import Profile
 from perseus_api.schedule import Step
 from perseus_client import protocol
+from support.operator_harness import ReportLoop
 
 MS = 1_000_000
 BLOCKING_W = 80.0

@@ -1,7 +1,7 @@
 """NvmlBackend through the real nvidia-ml-py bindings and an emulated libnvidia-ml.so.1.
 
 Each scenario runs in its own Python process (the bindings load the library once per process);
-see ``tests/fake_nvml.py``. The fake models A100-SXM GPUs: 1410..210 MHz step 15 at the
+see ``tests/support/fake_nvml.py``. The fake models A100-SXM GPUs: 1410..210 MHz step 15 at the
 highest memory clock (1593 MHz), power 100 + 300 (f / 1410)^3 W.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fake_nvml import (
+from support.fake_nvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
@@ -127,7 +127,7 @@ def test_lock_and_reset_sm_clock_skip_no_op_changes(fake: FakeNvml, state: Path)
         """
         import os
         from pathlib import Path
-        from fake_nvml import read_state
+        from support.fake_nvml import read_state
         b = NvmlBackend()
         out["lock"] = b.lock_sm_clock(0, 1200)
         out["clock_locked"] = b.sm_clock_mhz(0)
@@ -484,7 +484,7 @@ def test_gpu_lost_while_running(fake: FakeNvml, state: Path) -> None:
         f"""
         import os
         from pathlib import Path
-        from fake_nvml import update_state
+        from support.fake_nvml import update_state
         b = NvmlBackend()
         out["before"] = call(b.power_w, 1)
         update_state(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "helm" / "perseus"
 RELEASE = "perseus"
 NAMESPACE = "perseus-system"

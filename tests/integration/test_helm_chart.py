@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helm_render import (
+from support.helm_render import (
     CHART,
     NAMESPACE,
     REPO_ROOT,
