@@ -423,7 +423,7 @@ def get_policy_crd() -> dict[str, Any]:
 def render_yaml(document: Mapping[str, Any]) -> str:
     """``document`` as YAML after :data:`HEADER`, keys in their given order, multi-line strings
     as literal blocks."""
-    import yaml  # type: ignore[import-untyped]  # only needed to write files
+    import yaml  # only needed to write files
 
     def represent_str(dumper: Any, text: str) -> Any:
         style = "|" if "\n" in text else None

@@ -89,7 +89,7 @@ def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
 
 
 def _resource_version(obj: Mapping[str, Any]) -> int | None:
-    value = (obj.get("metadata") or {}).get("resourceVersion")
+    value: Any = (obj.get("metadata") or {}).get("resourceVersion")
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -184,7 +184,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _stamp_update(self, request: rendering.Request) -> None:
         assert request.resource is not None
-        key = (request.resource, request.namespace, request.name)
+        # kmock's key types say a name is always there; an update request always has one.
+        key: Any = (request.resource, request.namespace, request.name)
         async with self._lock:
             if key not in self.objects or self.objects[key].deleted:
                 return  # kmock answers 404
@@ -211,10 +212,11 @@ class Emulator(kmock.KubernetesEmulator):
                 data.append({"op": "add", "path": "/metadata/resourceVersion", "value": rv})
 
     async def _serve_create(self, request: rendering.Request) -> Any:
-        return kmock.Response(status=201, payload=await super()._serve_create(request))
+        response: Any = kmock.Response  # type: ignore[attr-defined]  # kmock exports it untyped
+        return response(status=201, payload=await super()._serve_create(request))
 
     async def _serve_list(self, request: rendering.Request) -> Any:
-        result = await super()._serve_list(request)
+        result: Any = await super()._serve_list(request)  # a list document (dict)
         assert request.resource is not None
         items = result.get("items", [])
         selector = request.params.get("labelSelector")
@@ -243,7 +245,7 @@ class Emulator(kmock.KubernetesEmulator):
             timeout_s = None
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        events = super()._serve_watch(request)
+        events: Any = super()._serve_watch(request)  # an async generator (aclose below)
         try:
             while True:
                 remaining = None if deadline is None else deadline - loop.time()
