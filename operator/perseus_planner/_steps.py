@@ -96,6 +96,7 @@ class WarmStepper:
         self._cut_pos = np.full(num, -1, dtype=np.int64)
         self._pending = np.zeros(4 * num, dtype=np.int64)
         self._last = np.zeros(num, dtype=np.int64)
+        self._near = np.zeros(2 * len(tables.edge_u), dtype=np.int64)  # (dependency, float)
         self.kc = np.zeros(_kept_cut.KC_SIZE, dtype=np.int64)
         self.kc[_kept_cut.FULL] = 1
         self.kc[_kept_cut.MAKESPAN] = ef[num - 1]  # the sink finishes last
@@ -111,7 +112,7 @@ class WarmStepper:
             self._touched, self._listed, self._level, self._seen, self._state, self._queue,
             self._cursor, self._stack, self._parent, self._out_ptr, self._out_eid, self._in_ptr,
             self._in_eid, self.crit, self.ecrit, self._in_s, self._cut_list, self._cut_pos,
-            self._pending, self._last, self.kc, up, down, out_i, out_f,
+            self._pending, self._last, self._near, self.kc, up, down, out_i, out_f,
         )  # fmt: skip
 
     def sync_times(self) -> int:
