@@ -29,12 +29,13 @@ from perseus_agent.agent_config import (
     fail,
     open_backend,
 )
+from perseus_agent.client_dispatch import ClientHandler
 from perseus_agent.clock_owners import ClockOwnerGuard, ForeignClockPolicy
 from perseus_agent.errors import AgentError, GpuError
 from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, ManagedGpu, MetricsServer
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.gpu.releasable import ReleasableBackend
-from perseus_agent.local_server import ClientHandler, LocalServer
+from perseus_agent.local_server import LocalServer
 from perseus_agent.reset_state import ResetState, StateDirBusyError, StateDirLock
 
 __all__ = ["Mode", "Plans", "Runner", "Server", "run_agent"]

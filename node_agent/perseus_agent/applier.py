@@ -40,11 +40,9 @@ from perseus_api.node_plan import GpuAssignment, NodePlan
 # The report models are perseus_api's (the operator reads them too); re-exported here, where
 # the agent builds them.
 from perseus_api.node_report import (
-    GpuProfilingReport,
     GpuReport,
     GpuStatus,
     NodeReport,
-    RankReport,
 )
 from perseus_api.plan import Granularity, StagePlan
 
@@ -58,15 +56,7 @@ if TYPE_CHECKING:
         StepEndRequest,
     )
 
-__all__ = [
-    "GpuProfilingReport",
-    "GpuReport",
-    "GpuStatus",
-    "NodeReport",
-    "PlanApplier",
-    "RankReport",
-    "SamplerFactory",
-]
+__all__ = ["PlanApplier", "SamplerFactory"]
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from perseus_agent.applier import GpuReport, GpuStatus
 from perseus_agent.gpu.base import GpuInfo
 from perseus_api.node_plan import GpuAssignment, NodePlan
+from perseus_api.node_report import GpuReport, GpuStatus
 from perseus_api.plan import Granularity
 
 __all__ = ["GpuGrant", "arbitrate_gpus", "resolve_gpu", "restrict_plan"]

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
-from perseus_agent.applier import GpuReport, unresolved_gpu_report
+from perseus_agent.applier import unresolved_gpu_report
 from perseus_agent.client_dispatch import ClientSession, RequestError
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.pod_resources import PodDevices, PodResourcesClient, PodResourcesError
 from perseus_api.node_plan import GpuAssignment, NodePlan
+from perseus_api.node_report import GpuReport
 
 __all__ = [
     "GPU_RESOURCE",

@@ -17,20 +17,21 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from perseus_agent.applier import NodeReport, PlanApplier
+from perseus_agent.applier import PlanApplier
+from perseus_agent.client_dispatch import RequestError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.gpu_arbitration import GpuGrant, arbitrate_gpus, restrict_plan
 from perseus_agent.gpu_ownership import Binding, LocalRankIndexOwnership, Ownership, PeerPod
 from perseus_agent.kube import ObjectKey
-from perseus_agent.local_server import RequestError
 from perseus_agent.plan_status import invalid_status, report_status
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import NodeReport
 
 if TYPE_CHECKING:
-    from perseus_agent.local_server import ClientSession
+    from perseus_agent.client_dispatch import ClientSession
     from perseus_client.protocol import (
         HelloRequest,
         InstructionBeginRequest,

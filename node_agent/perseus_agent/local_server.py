@@ -69,17 +69,14 @@ from typing import Any, Final
 # The handler's side (sessions, requests, errors) and the socket file's are modules of their
 # own; their names are re-exported here, where the agent's callers have always found them.
 from perseus_agent.client_dispatch import (
-    MAX_EVENT_AGE_NS,
     ClientHandler,
     ClientSession,
     RequestError,
     dispatch,
-    event_time_ns,
 )
 from perseus_agent.log_limit import RateLimitedLog
 from perseus_agent.socket_file import (
     DEFAULT_SOCKET_MODE,
-    DIRECTORY_MODE,
     MAX_SOCKET_PATH_BYTES,
     LocalServerError,
     SocketId,
@@ -96,16 +93,7 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "DEFAULT_MAX_PENDING",
     "DEFAULT_MAX_PENDING_PER_PEER",
-    "DEFAULT_SOCKET_MODE",
-    "DIRECTORY_MODE",
-    "MAX_EVENT_AGE_NS",
-    "MAX_SOCKET_PATH_BYTES",
-    "ClientHandler",
-    "ClientSession",
     "LocalServer",
-    "LocalServerError",
-    "RequestError",
-    "event_time_ns",
 ]
 
 logger = logging.getLogger(__name__)

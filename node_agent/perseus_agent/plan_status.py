@@ -10,9 +10,15 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from perseus_agent.applier import GpuReport, GpuStatus, NodeReport
 from perseus_api import resources
-from perseus_api.node_report import NodePlanStatus, StatusCondition, status_document
+from perseus_api.node_report import (
+    GpuReport,
+    GpuStatus,
+    NodePlanStatus,
+    NodeReport,
+    StatusCondition,
+    status_document,
+)
 
 __all__ = ["invalid_status", "report_status", "stopped_status"]
 

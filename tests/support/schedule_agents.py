@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from perseus_agent.applier import PlanApplier
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.gpu_ownership import LocalRankIndexOwnership
-from perseus_agent.local_server import ClientSession
 from perseus_agent.plan_status import report_status
 from perseus_agent.profiler import EnergySampler
 from perseus_agent.reset_state import ResetState

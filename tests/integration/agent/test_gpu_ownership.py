@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
+from perseus_agent.client_dispatch import ClientSession, RequestError
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.gpu_ownership import (
     KubeletOwnership,
@@ -25,7 +26,7 @@ from perseus_agent.gpu_ownership import (
     pod_uid_of_pid,
 )
 from perseus_agent.job_plans import JobPlans
-from perseus_agent.local_server import ClientSession, LocalServer, RequestError
+from perseus_agent.local_server import LocalServer
 from perseus_agent.pod_resources import PodDevices, PodResourcesClient, decode_list_response
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan

@@ -19,16 +19,16 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.applier import GpuStatus
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.gpu_arbitration import arbitrate_gpus
 from perseus_agent.job_plans import JobPlans
 from perseus_agent.kube.plan_source import NodePlanSource
 from perseus_agent.kube.report_writer import ReportWriter
-from perseus_agent.local_server import ClientSession
 from perseus_agent.plan_status import invalid_status, report_status
 from perseus_agent.reset_state import ResetState
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import GpuStatus
 from support.agent_process import NODE, TIMEOUT_S, Agent, wait_for
 from support.factories import pipeline_plan_fields
 from support.fake_gpu import FakeBackend

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.local_server import (
+from perseus_agent.client_dispatch import (
     MAX_EVENT_AGE_NS,
     ClientSession,
-    LocalServer,
-    LocalServerError,
     RequestError,
     event_time_ns,
 )
+from perseus_agent.local_server import LocalServer
+from perseus_agent.socket_file import LocalServerError
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,

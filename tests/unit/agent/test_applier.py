@@ -14,14 +14,16 @@ from typing import Any
 import pytest
 from test_profiler import BLOCKING_W, PROFILE_CSV, TABLE, SimTime
 
-from perseus_agent.applier import GpuStatus, NodeReport, PlanApplier
+from perseus_agent.applier import PlanApplier
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.local_server import ClientSession, LocalServer
+from perseus_agent.local_server import LocalServer
 from perseus_agent.profiler import EnergySampler, profile_csv
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan, ProfilingSpec
+from perseus_api.node_report import GpuStatus, NodeReport
 from perseus_api.profile import parse_profile
 from support.factories import pipeline_plan_fields
 from support.fake_gpu import FakeBackend

@@ -20,7 +20,7 @@ from test_applier import (
 )
 
 from perseus_agent.applier import PlanApplier
-from perseus_agent.local_server import ClientSession
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.log_limit import DEFAULT_BURST, RateLimitedLog
 from perseus_agent.reset_state import ResetState
 from support.fake_gpu import FakeBackend

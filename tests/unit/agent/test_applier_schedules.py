@@ -10,8 +10,8 @@ import pytest
 from test_profiler import MS, SimTime, manual_sampler, ns
 
 from perseus_agent.applier import PlanApplier
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.local_server import ClientSession
 from perseus_agent.profiler import StageProfiler
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 import perseus_client
-from perseus_agent.local_server import ClientSession, LocalServer, RequestError
+from perseus_agent.client_dispatch import ClientSession, RequestError
+from perseus_agent.local_server import LocalServer
 from perseus_client import PerseusClient, protocol
 from perseus_client import client as client_module
 from perseus_client.protocol import (

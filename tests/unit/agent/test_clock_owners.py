@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.samples import Sample
 
-from perseus_agent.applier import GpuStatus, PlanApplier
+from perseus_agent.applier import PlanApplier
+from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.clock_owners import (
     ClockOwnerGuard,
     ForeignClockPolicy,
@@ -22,9 +23,9 @@ from perseus_agent.errors import GpuForeignClocksError
 from perseus_agent.exporter import AgentMetrics, GpuCollector
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.local_server import ClientSession
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import GpuStatus
 from perseus_api.profile import load_profile
 from support.factories import pipeline_plan_fields
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.applier import GpuStatus, PlanApplier
+from perseus_agent.applier import PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNotSupportedError
 from perseus_agent.reset_state import STATE_FILENAME, ResetState
 from perseus_api.node_plan import NodePlan
+from perseus_api.node_report import GpuStatus
 from support.factories import pipeline_plan_fields
 from support.fake_gpu import FakeBackend
 

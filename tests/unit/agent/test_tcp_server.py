@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.local_server import ClientSession, RequestError
+from perseus_agent.client_dispatch import ClientSession, RequestError
 from perseus_agent.tcp_server import (
     CLIENT_LABEL,
     PodAddressBook,
