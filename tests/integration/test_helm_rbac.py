@@ -148,6 +148,11 @@ KOPF_CALLS = [
     Call("patch", GROUP, JOB_PLURAL, False, "kopf patching.patch_obj: finalizer, annotations"),
     Call("patch", GROUP, f"{JOB_PLURAL}/status", False, "kopf patch_obj: status subresource"),
     Call("create", "", "events", False, "kopf posting (handlers: kopf.event, kopf.warn)"),
+    # handlers.perseus_pods, handlers.perseus_node_plans (kopf.index): what reconciles read.
+    Call("list", "", "pods", False, "kopf watcher: initial listing of the pod index"),
+    Call("watch", "", "pods", False, "kopf watcher: the pod index"),
+    Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "kopf watcher: node plan index"),
+    Call("watch", GROUP, resources.NODE_PLAN_PLURAL, False, "kopf watcher: node plan index"),
     Call(
         "list", CRD_GROUP, "customresourcedefinitions", True, "kopf observation.resource_observer"
     ),

@@ -55,7 +55,7 @@ def operator(monkeypatch: pytest.MonkeyPatch) -> tuple[kopf.Memo, list[int]]:
 
 def run(memo: kopf.Memo, job: kopf.Body) -> kopf.Patch:
     patch = kopf.Patch()
-    asyncio.run(handlers._reconcile(job, patch, memo))
+    asyncio.run(handlers._reconcile(job, patch, memo, {}, {}))  # type: ignore[arg-type]
     return patch
 
 
