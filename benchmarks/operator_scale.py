@@ -624,6 +624,7 @@ class Simulation:
             job=(job.namespace, job.name),
             pods=c.pod_index,
             node_plans=c.plan_index,
+            workloads={},  # the jobs' workloads are of kind Pods
             writes=job.plan_writes,
         )
 

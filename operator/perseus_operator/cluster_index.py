@@ -1,6 +1,7 @@
-"""Reads from what the operator watches, not from the API: pods and node plans kept current
-by kopf's indexes (:mod:`perseus_operator.handlers`), so that a reconcile round or a policy
-round lists nothing and the API load does not grow with jobs times the reconcile interval.
+"""Reads from what the operator watches, not from the API: pods, node plans and workload
+objects kept current by kopf's indexes (:mod:`perseus_operator.handlers`), so that a reconcile
+round or a policy round lists nothing and the API load does not grow with jobs times the
+reconcile interval.
 
 An index maps a key to the objects filed under it (a ``kopf.Index``: key -> ``kopf.Store``,
 one value per object); kopf fills every index from its initial listing before any handler
@@ -12,7 +13,9 @@ The one read an index cannot answer is a job's own write of a moment ago, whose 
 has not arrived yet: a reconcile that has just written its node plans must read those, not
 the ones they replace (to delete what it no longer wants, to see the revision it wrote). So
 each job keeps its writes the index has not shown yet (:class:`PlanWrites`), and until the
-index shows them all, that job's node plans come from the API.
+index shows them all, that job's node plans come from the API. A workload the index does not
+hold is asked of the API too: its kind may not be watched (a CRD installed after the operator
+started, or none), and a missing workload is a job's problem to report, not a fast path.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "node_plan_entries",
     "pod_entries",
     "read_all",
+    "workload_entries",
 ]
 
 
@@ -100,6 +104,12 @@ def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
     return {(namespace, entry.labels.get(resources.JOB_LABEL)): entry, (namespace, None): entry}
 
 
+def workload_entries(kind: WorkloadKind, obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
+    """A workload object's entry in the workload index: under ``(namespace, kind, name)``."""
+    namespace, name = resources.object_key(obj)
+    return {(namespace, kind, name): indexed(obj)}
+
+
 def read_all(objects: Iterable[IndexedObject]) -> list[dict[str, Any]]:
     """The objects parsed, by name (the order of an API list)."""
     return [o.read() for o in sorted(objects, key=lambda o: o.name)]
@@ -147,6 +157,7 @@ class IndexedJobIO:
         pods: Pods by namespace (:func:`pod_entries`).
         node_plans: Node plans by ``(namespace, job label)`` and ``(namespace, None)``
             (:func:`node_plan_entries`).
+        workloads: Workload objects by ``(namespace, kind, name)`` (:func:`workload_entries`).
         writes: The job's node plan writes not shown yet; kept by the caller between steps.
     """
 
@@ -157,12 +168,14 @@ class IndexedJobIO:
         job: tuple[str, str],
         pods: Index,
         node_plans: Index,
+        workloads: Index,
         writes: PlanWrites,
     ) -> None:
         self._api = api
         self._job = job
         self._pods = pods
         self._node_plans = node_plans
+        self._workloads = workloads
         self._writes = writes
 
     # -- from the indexes --
@@ -183,6 +196,13 @@ class IndexedJobIO:
         # Read for the other jobs' plans: this job's own writes do not matter there.
         return read_all(self._node_plans.get((namespace, None), ()))
 
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None:
+        for found in self._workloads.get((namespace, kind, name), ()):
+            return found.read()
+        return await self._api.get_workload(namespace, kind, name)
+
     # -- writes, noted until the index shows them --
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
@@ -196,11 +216,6 @@ class IndexedJobIO:
         self._writes.deleted(name)
 
     # -- from the API --
-
-    async def get_workload(
-        self, namespace: str, kind: WorkloadKind, name: str
-    ) -> dict[str, Any] | None:
-        return await self._api.get_workload(namespace, kind, name)
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._api.get_config_map(namespace, name)

@@ -30,11 +30,12 @@ from perseus_operator.cluster_index import (
     PlanWrites,
     node_plan_entries,
     pod_entries,
+    workload_entries,
 )
 from perseus_operator.config import OperatorConfig
 from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
 from perseus_operator.job_release import RELEASE_PENDING, decide_release
-from perseus_operator.kube import KubeClient, load_api_client
+from perseus_operator.kube import WORKLOAD_RESOURCES, KubeClient, load_api_client
 from perseus_operator.lifecycle import JobMemo, Outcome, force_release, reconcile, release
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.objects import owner_reference
@@ -50,6 +51,8 @@ RELEASE_POLL_S: Final = 1.0
 """Between two steps of a deletion that waits for the agents (a kopf retry, not a sleep)."""
 RECONCILE_SLACK_S: Final = 120.0
 """A reconcile may take the planner's time limit plus this for its API calls."""
+WORKLOAD_KINDS: Final = {resource: kind for kind, resource in WORKLOAD_RESOURCES.items()}
+"""The workload kind of each (group, version, plural) the operator reads workloads of."""
 
 log = logging.getLogger("perseus_operator")
 
@@ -149,7 +152,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 # What a reconcile reads, kept current by kopf's watches (perseus_operator.cluster_index);
 # each reaches every handler as the keyword argument of its function's name (_indexes). kopf
-# fills them before it calls any handler.
+# fills them (from its first listing) before it calls any handler.
 
 
 @kopf.index("v1", "pods")
@@ -162,17 +165,29 @@ def perseus_node_plans(body: kopf.Body, **_: Any) -> dict[Hashable, IndexedObjec
     return node_plan_entries(body)
 
 
+def _is_workload(resource: kopf.Resource) -> bool:
+    return (resource.group, resource.version, resource.plural) in WORKLOAD_KINDS
+
+
+@kopf.index(_is_workload)  # those whose CRD is installed
+def perseus_workloads(
+    body: kopf.Body, resource: kopf.Resource, **_: Any
+) -> dict[Hashable, IndexedObject]:
+    kind = WORKLOAD_KINDS[(resource.group, resource.version, resource.plural)]
+    return workload_entries(kind, body)
+
+
 @kopf.on.create(*JOB)
 @kopf.on.update(*JOB, field="spec")
 async def changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
-    await _reconcile(body, patch, memo, *_indexes(kwargs))
+    await _reconcile(body, patch, memo, _indexes(kwargs))
 
 
 @kopf.timer(*JOB, interval=CONFIG.reconcile_interval_s)
 async def progress(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
     if body.get("metadata", {}).get("deletionTimestamp"):
         return
-    await _reconcile(body, patch, memo, *_indexes(kwargs))
+    await _reconcile(body, patch, memo, _indexes(kwargs))
 
 
 @kopf.on.delete(*JOB, retries=None, timeout=None)
@@ -186,7 +201,7 @@ async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **kwargs
     """
     state = _state(memo)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    io = _job_io(state, (namespace, name), *_indexes(kwargs))
+    io = _job_io(state, (namespace, name), _indexes(kwargs))
     outcome = await release(namespace, name, io, owner_reference(_raw(body)))
     # kopf's runtime counts from this handler's first call, across retries and restarts; the
     # deletion timestamp also covers time the job waited before (e.g. with no operator).
@@ -223,38 +238,46 @@ async def policy_changed(memo: kopf.Memo, **kwargs: Any) -> None:
     """A PerseusPolicy was created, changed or deleted: act on it now, not at the next round."""
     state = memo.get("perseus")
     if state is not None:
-        pods, _ = _indexes(kwargs)
-        state.policies.read_pods_from(pods)  # filled: kopf calls handlers only then
+        # Filled: kopf calls handlers only then.
+        state.policies.read_pods_from(_indexes(kwargs).pods)
         state.policies.wake()
 
 
 # -- adapters ----------------------------------------------------------------------------------
 
 
-def _indexes(kwargs: Mapping[str, Any]) -> tuple[ObjectIndex, ObjectIndex]:
-    """The pod and node plan indexes among a handler's keyword arguments."""
-    return kwargs["perseus_pods"], kwargs["perseus_node_plans"]
+@dataclass(frozen=True)
+class _Indexes:
+    pods: ObjectIndex
+    node_plans: ObjectIndex
+    workloads: ObjectIndex
 
 
-def _job_io(
-    state: _Operator, key: tuple[str, str], pods: ObjectIndex, node_plans: ObjectIndex
-) -> IndexedJobIO:
+def _indexes(kwargs: Mapping[str, Any]) -> _Indexes:
+    """The indexes among a handler's keyword arguments."""
+    return _Indexes(
+        kwargs["perseus_pods"], kwargs["perseus_node_plans"], kwargs["perseus_workloads"]
+    )
+
+
+def _job_io(state: _Operator, key: tuple[str, str], indexes: _Indexes) -> IndexedJobIO:
     job = state.jobs.setdefault(key, _Job())
     return IndexedJobIO(
-        state.kube, job=key, pods=pods, node_plans=node_plans, writes=job.node_plan_writes
+        state.kube,
+        job=key,
+        pods=indexes.pods,
+        node_plans=indexes.node_plans,
+        workloads=indexes.workloads,
+        writes=job.node_plan_writes,
     )
 
 
 async def _reconcile(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    pods: ObjectIndex,
-    node_plans: ObjectIndex,
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, indexes: _Indexes
 ) -> None:
     state = _state(memo)
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    io = _job_io(state, key, pods, node_plans)
+    io = _job_io(state, key, indexes)
     job = state.jobs[key]
     async with job.lock:  # a timer tick and a spec change never reconcile at once
         raw = _raw(body)

@@ -95,7 +95,12 @@ class IndexedOperator:
     def io(self) -> IndexedJobIO:
         c = self.cluster
         return IndexedJobIO(
-            c, job=(NS, JOB), pods=c.pod_index, node_plans=c.plan_index, writes=self.writes
+            c,
+            job=(NS, JOB),
+            pods=c.pod_index,
+            node_plans=c.plan_index,
+            workloads={},
+            writes=self.writes,
         )
 
     def step(self) -> Outcome:
@@ -257,6 +262,7 @@ def test_pods_are_selected_in_the_index_as_the_api_server_selects_them() -> None
         job=("ml", "j"),
         pods=index_of(pod_entries, pods),
         node_plans={},
+        workloads={},
         writes=PlanWrites(),
     )
 
@@ -327,3 +333,28 @@ def test_policy_rounds_read_pods_from_the_index_once_kopf_has_filled_it() -> Non
     controller.read_pods_from({})
     asyncio.run(controller.sync())
     assert kube.pods_listed == listed
+
+
+def test_a_workload_comes_from_the_index_else_from_the_api() -> None:
+    from perseus_api.job import WorkloadKind
+    from perseus_operator.cluster_index import workload_entries
+
+    api = FakeCluster()
+    api.workloads[("ml", "asked")] = {"metadata": {"name": "asked"}, "status": {"from": "api"}}
+    watched = {"metadata": {"name": "w", "namespace": "ml"}, "status": {"from": "index"}}
+    io = IndexedJobIO(
+        api,
+        job=("ml", "j"),
+        pods={},
+        node_plans={},
+        workloads=index_of(lambda o: workload_entries(WorkloadKind.PYTORCH_JOB, o), [watched]),
+        writes=PlanWrites(),
+    )
+
+    def get(kind: WorkloadKind, name: str) -> dict[str, Any] | None:
+        return asyncio.run(io.get_workload("ml", kind, name))
+
+    assert get(WorkloadKind.PYTORCH_JOB, "w") == watched
+    # Not in the index (its kind unwatched, or it is gone): the API says.
+    assert get(WorkloadKind.JOB_SET, "w") is None
+    assert get(WorkloadKind.PYTORCH_JOB, "asked") == api.workloads[("ml", "asked")]

@@ -911,7 +911,7 @@ def _indexes(cluster: FakeCluster) -> dict[str, Any]:
     for obj in cluster.node_plans.values():
         for key, value in node_plan_entries(obj).items():
             plans.setdefault(key, []).append(value)
-    return {"perseus_pods": {}, "perseus_node_plans": plans}
+    return {"perseus_pods": {}, "perseus_node_plans": plans, "perseus_workloads": {}}
 
 
 def _plan_key(job: str, node: str) -> tuple[str, str]:
