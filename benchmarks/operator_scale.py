@@ -338,13 +338,13 @@ class Cluster:
         stored = self.plans.get((namespace, resources.label_value(job)), {})
         return [json.loads(stored[name].text()) for name in sorted(stored)]
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
-        self._count("list_namespace_node_plans")
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        self._count("list_node_plans_on")
+        on_nodes = (self.on_node.get(node) for node in sorted(set(nodes)))
         return [
-            json.loads(plan.text())
-            for (ns, _), by_name in sorted(self.plans.items())
-            if ns == namespace
-            for _, plan in sorted(by_name.items())
+            json.loads(p.text()) for p in on_nodes if p is not None and p.namespace == namespace
         ]
 
     async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:

@@ -36,6 +36,8 @@ __all__ = [
     "IndexedObject",
     "PlanWrites",
     "indexed",
+    "job_key",
+    "node_key",
     "node_plan_entries",
     "pod_entries",
     "read_all",
@@ -90,18 +92,44 @@ def indexed(obj: Mapping[str, Any]) -> IndexedObject:
 
 
 def pod_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
-    """A pod's entry in the pod index: under its namespace."""
+    """A pod's entries in the pod index: under its namespace, and under ``(namespace, key,
+    value)`` for each of its labels (a job's selector names one: its pods are found without
+    looking at every pod of the namespace)."""
     namespace, _ = resources.object_key(obj)
-    return {namespace: indexed(obj)}
+    entry = indexed(obj)
+    entries: dict[Hashable, IndexedObject] = {namespace: entry}
+    for key, value in entry.labels.items():
+        entries[(namespace, key, value)] = entry
+    return entries
+
+
+def job_key(namespace: str, job: str) -> tuple[str, str]:
+    """The node plan index's key of a job's plans."""
+    return (namespace, resources.label_value(job))
+
+
+def node_key(namespace: str, node: str) -> tuple[str, str, str]:
+    """The node plan index's key of the plans (of every job) on a node."""
+    return (namespace, resources.NODE_LABEL, resources.label_value(node))
 
 
 def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
-    """A node plan's entries in the node plan index: under ``(namespace, job label)``, its
-    job's plans, and ``(namespace, None)``, every plan of the namespace (one object, two
-    keys)."""
+    """A node plan's entries in the node plan index: its job's plans (:func:`job_key`), whole,
+    and the plans on its node (:func:`node_key`) as far as they claim GPUs: without the
+    pipeline plans (``spec.plans``, most of a plan) and the status, which every job reads at
+    every step of the plans on its nodes (are its GPUs claimed?)."""
     namespace, _ = resources.object_key(obj)
     entry = indexed(obj)
-    return {(namespace, entry.labels.get(resources.JOB_LABEL)): entry, (namespace, None): entry}
+    spec = obj.get("spec")
+    claim = entry
+    if isinstance(spec, Mapping):
+        rest = {k: v for k, v in obj.items() if k not in ("spec", "status")}
+        claim = indexed({**rest, "spec": {k: v for k, v in spec.items() if k != "plans"}})
+    labels = entry.labels
+    return {
+        (namespace, labels.get(resources.JOB_LABEL)): entry,
+        (namespace, resources.NODE_LABEL, labels.get(resources.NODE_LABEL)): claim,
+    }
 
 
 def workload_entries(kind: WorkloadKind, obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
@@ -154,8 +182,8 @@ class IndexedJobIO:
     Args:
         api: Everything else, and the job's node plans while ``writes`` has some the index
             has not shown.
-        pods: Pods by namespace (:func:`pod_entries`).
-        node_plans: Node plans by ``(namespace, job label)`` and ``(namespace, None)``
+        pods: Pods by namespace and by label (:func:`pod_entries`).
+        node_plans: Node plans by job and, what they claim, by node
             (:func:`node_plan_entries`).
         workloads: Workload objects by ``(namespace, kind, name)`` (:func:`workload_entries`).
         writes: The job's node plan writes not shown yet; kept by the caller between steps.
@@ -182,19 +210,25 @@ class IndexedJobIO:
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         wanted = parse_selector(selector)
-        return read_all(
-            p for p in self._pods.get(namespace, ()) if wanted is None or matches(wanted, p.labels)
-        )
+        if wanted is None:
+            return read_all(self._pods.get(namespace, ()))
+        candidates = self._pods.get(namespace, ())
+        for key, value in sorted(wanted.match_labels.items())[:1]:
+            candidates = self._pods.get((namespace, key, value), ())
+        return read_all(p for p in candidates if matches(wanted, p.labels))
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        plans = self._node_plans.get((namespace, resources.label_value(job)), ())
+        plans = self._node_plans.get(job_key(namespace, job), ())
         if (namespace, job) == self._job and not self._writes.shown_in(plans):
             return await self._api.list_node_plans(namespace, job)
         return read_all(plans)
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
         # Read for the other jobs' plans: this job's own writes do not matter there.
-        return read_all(self._node_plans.get((namespace, None), ()))
+        on_nodes = (self._node_plans.get(node_key(namespace, n), ()) for n in set(nodes))
+        return read_all(p for plans in on_nodes for p in plans)
 
     async def get_workload(
         self, namespace: str, kind: WorkloadKind, name: str

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 import pytest
@@ -76,9 +76,11 @@ class WatchedCluster(FakeCluster):
         self.api_lists.append("node plans")
         return await super().list_node_plans(namespace, job)
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
-        self.api_lists.append("namespace node plans")
-        return await super().list_namespace_node_plans(namespace)
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        self.api_lists.append("node plans on nodes")
+        return await super().list_node_plans_on(namespace, nodes)
 
 
 class IndexedOperator:
@@ -358,3 +360,25 @@ def test_a_workload_comes_from_the_index_else_from_the_api() -> None:
     # Not in the index (its kind unwatched, or it is gone): the API says.
     assert get(WorkloadKind.JOB_SET, "w") is None
     assert get(WorkloadKind.PYTORCH_JOB, "asked") == api.workloads[("ml", "asked")]
+
+
+def test_the_plans_on_a_jobs_nodes_are_what_they_claim_not_their_pipeline_plans(
+    cluster: WatchedCluster,
+) -> None:
+    from perseus_operator.gpu_conflicts import claims_of_node_plans, planned_gpus
+
+    op = IndexedOperator(cluster, job_body())
+    op.step()  # the profiling plans, with the agents' reports on them
+    for node in ("node-0", "node-1"):
+        cluster.report(node, profiling=profiling_reports(cluster.spec(node)))
+    cluster.deliver()
+    whole = asyncio.run(op.io().list_node_plans(NS, JOB))
+    claims = asyncio.run(op.io().list_node_plans_on(NS, ["node-0", "node-1", "node-9"]))
+    assert asyncio.run(op.io().list_node_plans_on(NS, ["node-9"])) == []
+    assert len(asyncio.run(op.io().list_node_plans_on(NS, ["node-1"]))) == 1
+    assert [p["metadata"]["name"] for p in claims] == [p["metadata"]["name"] for p in whole]
+    assert all("plans" not in p["spec"] and "status" not in p for p in claims)
+    assert all(p["spec"]["plans"] and p["status"] for p in whole)
+    assert planned_gpus(claims) == planned_gpus(whole) != frozenset()
+    jobs = list(cluster.jobs.values())
+    assert claims_of_node_plans(claims, jobs) == claims_of_node_plans(whole, jobs)

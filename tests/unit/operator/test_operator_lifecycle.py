@@ -9,7 +9,7 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -113,9 +113,13 @@ class FakeCluster:
                 listed.append(obj)
         return listed
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
         return [
-            copy.deepcopy(p) for (ns, _), p in sorted(self.node_plans.items()) if ns == namespace
+            copy.deepcopy(p)
+            for (ns, _), p in sorted(self.node_plans.items())
+            if ns == namespace and p["spec"]["node"] in nodes
         ]
 
     async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
