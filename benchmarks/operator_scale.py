@@ -8,7 +8,11 @@ so the operator does 10x the work per second it would do in production).
 * **Cluster**: an in-memory :class:`~perseus_operator.job_observation.JobIO` that keeps every object
   as JSON text and hands out freshly parsed copies, as the real client does after an API call
   (the operator's own (de)serialization is measured; the network, the API server, etcd and the
-  client's worker-thread hop are not). Node plans are indexed by (namespace, job).
+  client's worker-thread hop are not). Node plans are indexed by (namespace, job). Beside it,
+  the operator's watch indexes (:mod:`perseus_operator.cluster_index`, kopf's indexes in
+  ``perseus-operator``): pods, and node plans, whose every write (the operator's and the
+  agents') is delivered to the index as a watch event would be, parsed and re-filed, one turn
+  of the event loop after the write.
 * **Jobs**: ``--jobs`` PerseusJobs of workload kind ``Pods``, each with ``--nodes-per-job`` pods
   on as many distinct nodes (1,000 nodes by default), policy ``StragglerAware`` at
   ``Instruction`` granularity. Layouts cycle through data-parallel 2-5, 4/5/8 pipeline stages
@@ -19,10 +23,12 @@ so the operator does 10x the work per second it would do in production).
   (60 s in production).
 * **Operator**: per job, a timer task like kopf's (reconcile, then sleep the interval; random
   first phase) runs :func:`~perseus_operator.lifecycle.reconcile` under the job's lock and
-  ``asyncio.timeout``, with a :class:`~perseus_operator.planner_pool.CachingPlanner` over a
-  one-worker :class:`~perseus_operator.planner_pool.PoolPlanner` (what ``perseus-operator``
-  runs). Around it, what the kopf handler does: the JSON copy of the body, the status written
-  back as a merge patch (applied at once: no watch round trip), the straggler-state
+  ``asyncio.timeout``, through an :class:`~perseus_operator.cluster_index.IndexedJobIO` over the
+  cluster and its indexes (as the handlers do), with a
+  :class:`~perseus_operator.planner_pool.CachingPlanner` over a one-worker
+  :class:`~perseus_operator.planner_pool.PoolPlanner` (what ``perseus-operator`` runs).
+  Around it, what the kopf handler does: the JSON copy of the body, the status written back
+  as a merge patch (applied at once: no watch round trip), the straggler-state
   annotation, the job's metrics (:class:`~perseus_operator.metrics.OperatorMetrics`).
   Events are counted, not posted.
 * **Agents**: one task per node writes its node plan's status every report interval (random
@@ -73,7 +79,8 @@ import random
 import resource
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -86,6 +93,13 @@ if importlib.util.find_spec("perseus_operator") is None:
 
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
+from perseus_operator.cluster_index import (  # noqa: E402
+    IndexedJobIO,
+    IndexedObject,
+    PlanWrites,
+    node_plan_entries,
+    pod_entries,
+)
 from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
 from perseus_operator.kube import config_map_object  # noqa: E402
 from perseus_operator.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
@@ -197,12 +211,48 @@ class PlanWrite:
     retargeted: bool
 
 
+class WatchIndex(Mapping[Hashable, Collection[IndexedObject]]):
+    """What a ``kopf.Index`` is to the handlers: key -> the objects filed under it, each
+    object filed again (under the keys ``entries`` gives it) whenever it changes."""
+
+    def __init__(self, entries: Callable[[Mapping[str, Any]], dict[Hashable, IndexedObject]]):
+        self._entries = entries
+        self._filed: dict[Hashable, dict[tuple[str, str], IndexedObject]] = {}
+        self._keys_of: dict[tuple[str, str], tuple[Hashable, ...]] = {}
+
+    def __getitem__(self, key: Hashable) -> Collection[IndexedObject]:
+        return self._filed[key].values()
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._filed)
+
+    def __len__(self) -> int:
+        return len(self._filed)
+
+    def put(self, obj: Mapping[str, Any]) -> None:
+        ref = resources.object_key(obj)
+        self.discard(ref)
+        entries = self._entries(obj)
+        for key, value in entries.items():
+            self._filed.setdefault(key, {})[ref] = value
+        self._keys_of[ref] = tuple(entries)
+
+    def discard(self, ref: tuple[str, str]) -> None:
+        for key in self._keys_of.pop(ref, ()):
+            filed = self._filed[key]
+            filed.pop(ref, None)
+            if not filed:
+                del self._filed[key]
+
+
 class Cluster:
-    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster.
+    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster, and the
+    operator's watch indexes over it.
 
     Objects are kept as JSON text and every read parses a fresh copy, which is what the
     operator pays with a real API client; writes are serialized. Nothing yields to the event
-    loop (there is no network to wait for).
+    loop (there is no network to wait for). Every call counts as one API call; a node plan
+    written is delivered to the index (parsed, then filed) one turn of the loop later.
     """
 
     def __init__(self) -> None:
@@ -212,12 +262,39 @@ class Cluster:
         self.on_node: dict[str, StoredPlan] = {}
         self.writes: dict[tuple[str, str], list[PlanWrite]] = {}
         self.calls = 0
+        self.calls_by: Counter[str] = Counter()
         self.versions = 0  # resourceVersion: the operator validates a status once per version
+        self.pod_index = WatchIndex(pod_entries)
+        self.plan_index = WatchIndex(node_plan_entries)
+        self.watch_events = 0
+
+    def _count(self, method: str) -> None:
+        self.calls += 1
+        self.calls_by[method] += 1
+
+    # -- the watches --
+
+    def add_pods(self, namespace: str, selector: str, pods: list[dict[str, Any]]) -> None:
+        self.pods[(namespace, selector)] = json.dumps(pods)
+        for obj in pods:
+            self.pod_index.put(obj)
+
+    def _deliver(self, plan: StoredPlan | None, ref: tuple[str, str]) -> None:
+        """A watch event of node plan ``ref`` (None: deleted), one loop turn from now."""
+
+        def arrived() -> None:
+            self.watch_events += 1
+            if plan is None:
+                self.plan_index.discard(ref)
+            else:
+                self.plan_index.put(json.loads(plan.text()))
+
+        asyncio.get_running_loop().call_soon(arrived)
 
     # -- JobIO --
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        self.calls += 1
+        self._count("list_pods")
         text = self.pods.get((namespace, selector))
         items: list[dict[str, Any]] = json.loads(text) if text else []
         return items
@@ -225,11 +302,11 @@ class Cluster:
     async def get_workload(
         self, namespace: str, kind: WorkloadKind, name: str
     ) -> dict[str, Any] | None:
-        self.calls += 1
+        self._count("get_workload")
         return None
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.calls += 1
+        self._count("get_config_map")
         text = self.config_maps.get((namespace, name))
         found: dict[str, Any] | None = json.loads(text) if text else None
         return found
@@ -243,39 +320,39 @@ class Cluster:
         annotations: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> None:
-        self.calls += 1
+        self._count("put_config_map")
         self.config_maps[(namespace, name)] = json.dumps(
             config_map_object(namespace, name, data, owner, annotations, labels)
         )
 
     async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        self.calls += 1
+        self._count("list_config_maps")
         return []  # the simulated jobs name no model: never called
 
     async def get_node(self, name: str) -> dict[str, Any] | None:
-        self.calls += 1
+        self._count("get_node")
         return None
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        self.calls += 1
+        self._count("list_node_plans")
         stored = self.plans.get((namespace, resources.label_value(job)), {})
         return [json.loads(stored[name].text()) for name in sorted(stored)]
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
-        self.calls += 1
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        self._count("list_node_plans_on")
+        on_nodes = (self.on_node.get(node) for node in sorted(set(nodes)))
         return [
-            json.loads(plan.text())
-            for (ns, _), by_name in sorted(self.plans.items())
-            if ns == namespace
-            for _, plan in sorted(by_name.items())
+            json.loads(p.text()) for p in on_nodes if p is not None and p.namespace == namespace
         ]
 
     async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
-        self.calls += 1
+        self._count("list_jobs")
         return []  # read only when another job's plan is on a job's GPU: never here
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
-        self.calls += 1
+        self._count("put_node_plan")
         namespace, name = resources.object_key(body)
         metadata = {**body["metadata"], "ownerReferences": [dict(owner)]}
         job = str(metadata["labels"][resources.JOB_LABEL])
@@ -301,6 +378,7 @@ class Cluster:
         )
         by_name[name] = plan
         self.on_node[plan.node] = plan
+        self._deliver(plan, (namespace, name))
         retargeted = any(a["plan"] == RETARGETED_PLAN for a in plan.assignments)
         writes = self.writes.setdefault((namespace, job), [])
         revision = plan.revision
@@ -312,13 +390,14 @@ class Cluster:
             writes.append(PlanWrite(now, revision, retargeted))
 
     async def delete_node_plan(self, namespace: str, name: str) -> None:
-        self.calls += 1
+        self._count("delete_node_plan")
         for by_name in self.plans.values():
             plan = by_name.get(name)
             if plan is not None and plan.namespace == namespace:
                 del by_name[name]
                 if self.on_node.get(plan.node) is plan:
                     del self.on_node[plan.node]
+                self._deliver(None, (namespace, name))
                 return
 
     # -- the agents' side --
@@ -326,6 +405,7 @@ class Cluster:
     def write_status(self, plan: StoredPlan, status: Mapping[str, Any]) -> None:
         plan.status_json = json.dumps(status)
         plan.resource_version = self._next_version()
+        self._deliver(plan, (plan.namespace, plan.name))
 
     def _next_version(self) -> int:
         self.versions += 1
@@ -361,6 +441,7 @@ class SimJob:
     memo: JobMemo = field(default_factory=JobMemo)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     injection: Injection | None = None
+    plan_writes: PlanWrites = field(default_factory=PlanWrites)
 
     def slow_dp(self, now: float) -> int | None:
         i = self.injection
@@ -472,6 +553,10 @@ class Simulation:
         self.stop = asyncio.Event()
         self.gc = GcWatch()
         self.iterations: dict[str, int] = {}
+        self.calls_by: Counter[str] = Counter()
+        """API calls in the window, by JobIO method."""
+        self.watch_events = 0
+        """Node plan watch events delivered to the index in the window."""
 
     # -- set-up --
 
@@ -500,7 +585,7 @@ class Simulation:
             gpus = layout.world // s.nodes_per_job
             nodes = [f"gpu-node-{index * s.nodes_per_job + k:05d}" for k in range(s.nodes_per_job)]
             pods = [pod(name, namespace, k, node, gpus) for k, node in enumerate(nodes)]
-            self.cluster.pods[(namespace, f"app={name}")] = json.dumps(pods)
+            self.cluster.add_pods(namespace, f"app={name}", pods)
             job = SimJob(
                 index, namespace, name, layout, nodes, job_body(index, namespace, name, layout, s)
             )
@@ -533,11 +618,20 @@ class Simulation:
         raw: dict[str, Any] = json.loads(json.dumps(job.body))  # kopf.Body -> plain dict
         writes = len(self.cluster.writes.get((job.namespace, job.name), ()))
         timed: list[float] = []
+        c = self.cluster
+        io = IndexedJobIO(
+            c,
+            job=(job.namespace, job.name),
+            pods=c.pod_index,
+            node_plans=c.plan_index,
+            workloads={},  # the jobs' workloads are of kind Pods
+            writes=job.plan_writes,
+        )
 
         async def timed_reconcile() -> Outcome:
             r0 = time.perf_counter()
             try:
-                return await reconcile(raw, self.cluster, self.planner, job.memo)
+                return await reconcile(raw, io, self.planner, job.memo)
             finally:
                 timed.append(time.perf_counter() - r0)
 
@@ -734,9 +828,12 @@ class Simulation:
             window_start = loop.time()
             self.inject(window_start)
             cpu0, calls0 = cpu_seconds(), self.cluster.calls
+            by0, events0 = Counter(self.cluster.calls_by), self.cluster.watch_events
             await asyncio.sleep(s.duration_s)
             window_end = loop.time()
             cpu, calls = cpu_seconds() - cpu0, self.cluster.calls - calls0
+            self.calls_by = self.cluster.calls_by - by0
+            self.watch_events = self.cluster.watch_events - events0
         finally:
             self.stop.set()
             for task in tasks:
@@ -1016,6 +1113,11 @@ def report(results: Results) -> bool:
         ["operator handler steps (work), % of one core", 100 * busy],
         [f"  same at the production cadence (/{scale:g})", 100 * busy / scale],
         ["API calls / s (served in memory here)", results.api_calls / window],
+        *(
+            [f"  {method} / s", count / window]
+            for method, count in sorted(sim.calls_by.items(), key=lambda kv: -kv[1])
+        ),
+        ["node plan watch events / s (into the index; no API call)", sim.watch_events / window],
         ["  status patches, % of ticks", 100 * sum(t.status_patched for t in ticks) / len(ticks)],
         [
             "  straggler-state annotation patches, % of ticks",

@@ -13,10 +13,10 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import kopf
 
@@ -24,10 +24,18 @@ from perseus_api import resources
 from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from perseus_operator.cluster_index import (
+    IndexedJobIO,
+    IndexedObject,
+    PlanWrites,
+    node_plan_entries,
+    pod_entries,
+    workload_entries,
+)
 from perseus_operator.config import OperatorConfig
 from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
 from perseus_operator.job_release import RELEASE_PENDING, decide_release
-from perseus_operator.kube import KubeClient, load_api_client
+from perseus_operator.kube import WORKLOAD_RESOURCES, KubeClient, load_api_client
 from perseus_operator.lifecycle import JobMemo, Outcome, force_release, reconcile, release
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.objects import owner_reference
@@ -43,8 +51,12 @@ RELEASE_POLL_S: Final = 1.0
 """Between two steps of a deletion that waits for the agents (a kopf retry, not a sleep)."""
 RECONCILE_SLACK_S: Final = 120.0
 """A reconcile may take the planner's time limit plus this for its API calls."""
+WORKLOAD_KINDS: Final = {resource: kind for kind, resource in WORKLOAD_RESOURCES.items()}
+"""The workload kind of each (group, version, plural) the operator reads workloads of."""
 
 log = logging.getLogger("perseus_operator")
+
+ObjectIndex: TypeAlias = kopf.Index[Hashable, IndexedObject]
 
 _watched_namespaces: list[str] = []
 
@@ -62,6 +74,8 @@ class _Job:
     written: dict[str, Any] | None = None
     """The status this process last decided for the job (uid ``written_uid``)."""
     written_uid: str = ""
+    node_plan_writes: PlanWrites = field(default_factory=PlanWrites)
+    """Its node plan writes the index has not shown yet."""
 
 
 @dataclass
@@ -136,21 +150,48 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs)
 
 
+# What a reconcile reads, kept current by kopf's watches (perseus_operator.cluster_index);
+# each reaches every handler as the keyword argument of its function's name (_indexes). kopf
+# fills them (from its first listing) before it calls any handler.
+
+
+@kopf.index("v1", "pods")
+def perseus_pods(body: kopf.Body, **_: Any) -> dict[Hashable, IndexedObject]:
+    return pod_entries(body)
+
+
+@kopf.index(resources.GROUP, resources.VERSION, resources.NODE_PLAN_PLURAL)
+def perseus_node_plans(body: kopf.Body, **_: Any) -> dict[Hashable, IndexedObject]:
+    return node_plan_entries(body)
+
+
+def _is_workload(resource: kopf.Resource) -> bool:
+    return (resource.group, resource.version, resource.plural) in WORKLOAD_KINDS
+
+
+@kopf.index(_is_workload)  # those whose CRD is installed
+def perseus_workloads(
+    body: kopf.Body, resource: kopf.Resource, **_: Any
+) -> dict[Hashable, IndexedObject]:
+    kind = WORKLOAD_KINDS[(resource.group, resource.version, resource.plural)]
+    return workload_entries(kind, body)
+
+
 @kopf.on.create(*JOB)
 @kopf.on.update(*JOB, field="spec")
-async def changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(body, patch, memo)
+async def changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
+    await _reconcile(body, patch, memo, _indexes(kwargs))
 
 
 @kopf.timer(*JOB, interval=CONFIG.reconcile_interval_s)
-async def progress(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+async def progress(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
     if body.get("metadata", {}).get("deletionTimestamp"):
         return
-    await _reconcile(body, patch, memo)
+    await _reconcile(body, patch, memo, _indexes(kwargs))
 
 
 @kopf.on.delete(*JOB, retries=None, timeout=None)
-async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **_: Any) -> None:
+async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **kwargs: Any) -> None:
     """Keep the job (and its finalizer) until every agent has reset its GPUs, or the release
     timeout has passed.
 
@@ -160,7 +201,8 @@ async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **_: Any
     """
     state = _state(memo)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    outcome = await release(namespace, name, state.kube, owner_reference(_raw(body)))
+    io = _job_io(state, (namespace, name), _indexes(kwargs))
+    outcome = await release(namespace, name, io, owner_reference(_raw(body)))
     # kopf's runtime counts from this handler's first call, across retries and restarts; the
     # deletion timestamp also covers time the job waited before (e.g. with no operator).
     waited_s = max(
@@ -172,7 +214,7 @@ async def deleted(body: kopf.Body, memo: kopf.Memo, runtime: timedelta, **_: Any
     if decision.force:
         log.warning("PerseusJob %s/%s: %s", namespace, name, decision.message)
         kopf.warn(body, reason="ReleaseTimeout", message=decision.message)
-        await force_release(namespace, name, state.kube)
+        await force_release(namespace, name, io)
     state.jobs.pop((namespace, name), None)
     state.metrics.forget_job(namespace, name)
 
@@ -192,27 +234,60 @@ logging.getLogger("kopf.objects").addFilter(RELEASE_RETRY_FILTER)
 
 
 @kopf.on.event(*POLICY)
-async def policy_changed(memo: kopf.Memo, **_: Any) -> None:
+async def policy_changed(memo: kopf.Memo, **kwargs: Any) -> None:
     """A PerseusPolicy was created, changed or deleted: act on it now, not at the next round."""
     state = memo.get("perseus")
     if state is not None:
+        # Filled: kopf calls handlers only then.
+        state.policies.read_pods_from(_indexes(kwargs).pods)
         state.policies.wake()
 
 
 # -- adapters ----------------------------------------------------------------------------------
 
 
-async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+@dataclass(frozen=True)
+class _Indexes:
+    pods: ObjectIndex
+    node_plans: ObjectIndex
+    workloads: ObjectIndex
+
+
+def _indexes(kwargs: Mapping[str, Any]) -> _Indexes:
+    """The indexes among a handler's keyword arguments."""
+    return _Indexes(
+        kwargs["perseus_pods"], kwargs["perseus_node_plans"], kwargs["perseus_workloads"]
+    )
+
+
+def _job_io(state: _Operator, key: tuple[str, str], indexes: _Indexes) -> IndexedJobIO:
+    job = state.jobs.setdefault(key, _Job())
+    return IndexedJobIO(
+        state.kube,
+        job=key,
+        pods=indexes.pods,
+        node_plans=indexes.node_plans,
+        workloads=indexes.workloads,
+        writes=job.node_plan_writes,
+    )
+
+
+async def _reconcile(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, indexes: _Indexes
+) -> None:
     state = _state(memo)
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    job = state.jobs.setdefault(key, _Job())
+    io = _job_io(state, key, indexes)
+    job = state.jobs[key]
     async with job.lock:  # a timer tick and a spec change never reconcile at once
         raw = _raw(body)
+        if job.written_uid and job.written_uid != str(raw["metadata"].get("uid") or ""):
+            job.node_plan_writes.pending.clear()  # those of an earlier job of the same name
         current = with_written_status(raw, job.written, job.written_uid)
         # Bounded, so that nothing (a hung connection) can stop this job's progress for good.
         async with asyncio.timeout(CONFIG.planner_timeout_s + RECONCILE_SLACK_S):
             outcome = await reconcile(
-                current, state.kube, state.planner, job.memo, default_policy=DEFAULT_POLICY
+                current, io, state.planner, job.memo, default_policy=DEFAULT_POLICY
             )
         job.written = outcome.status.model_dump(mode="json", by_alias=True)
         job.written_uid = str(raw["metadata"].get("uid") or "")

@@ -352,8 +352,8 @@ def _clear_pod_trouble(d: StatusDraft) -> None:
 
 @dataclass(frozen=True)
 class ConflictView:
-    """The node plans of the namespace's other jobs, and its jobs (for their ages; read only
-    when some plan is on one of this job's GPUs, :func:`gpus_of`)."""
+    """The node plans of the namespace's other jobs (those on this job's nodes), and its jobs
+    (for their ages; read only when some plan is on one of this job's GPUs, :func:`gpus_of`)."""
 
     others: Sequence[Mapping[str, Any]]
     jobs: Sequence[Mapping[str, Any]] = ()

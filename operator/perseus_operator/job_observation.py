@@ -3,12 +3,13 @@ themselves, each of what one decision needs (:mod:`perseus_operator.job_decision
 :mod:`perseus_operator.phase_decisions`).
 
 Reads only: a read that only one outcome needs (the pods of a workload that has not ended, the
-jobs of the namespace when some other job's plan is on our GPUs) is made only then.
+jobs of the namespace when some other job's plan is on our GPUs) is made only then, and of the
+other jobs' node plans only those on the job's nodes are read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from perseus_api.job import PerseusJobSpec, WorkloadKind
@@ -56,7 +57,12 @@ class JobIO(Protocol):
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]: ...
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]: ...
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        """Every job's node plans in ``namespace`` on one of ``nodes``, at least what they
+        claim: their metadata and their spec but ``plans`` (an index leaves the rest out)."""
+        ...
 
     async def list_jobs(
         self, namespace: str | None, selector: str = ""
@@ -86,11 +92,12 @@ async def observe_workload(io: JobIO, ref: JobRef, spec: PerseusJobSpec) -> Work
 
 
 async def observe_conflict(io: JobIO, ref: JobRef, ranks: Sequence[RankPlacement]) -> ConflictView:
-    """The other jobs' node plans in the namespace; its jobs (for their ages) only when some
-    of those plans is on one of this job's GPUs."""
+    """The other jobs' node plans on this job's nodes (only those can claim its GPUs); the
+    namespace's jobs (for their ages) only when some of those plans is on one of its GPUs."""
+    nodes = sorted({r.node for r in ranks})
     others = [
         p
-        for p in await io.list_namespace_node_plans(ref.namespace)
+        for p in await io.list_node_plans_on(ref.namespace, nodes)
         if (p.get("spec") or {}).get("job") != ref.name
     ]
     if not overlaps(others, ranks):

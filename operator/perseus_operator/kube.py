@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC
 from http import HTTPStatus
 from typing import Any, Final, TypeVar
@@ -289,9 +289,17 @@ class KubeClient:
         selector = f"{resources.JOB_LABEL}={resources.label_value(job)}"
         return await self._node_plans(namespace, label_selector=selector)
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
-        """Every job's node plans in ``namespace`` (which GPUs are claimed, and by whom)."""
-        return await self._node_plans(namespace)
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        """Every job's node plans in ``namespace`` on one of ``nodes`` (which of their GPUs
+        are claimed, and by whom)."""
+        wanted = {resources.label_value(n) for n in nodes}
+        return [
+            p
+            for p in await self._node_plans(namespace)
+            if ((p.get("metadata") or {}).get("labels") or {}).get(resources.NODE_LABEL) in wanted
+        ]
 
     async def _node_plans(self, namespace: str, **selector: str) -> list[dict[str, Any]]:
         return await self._items(

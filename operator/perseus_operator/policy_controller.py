@@ -4,7 +4,9 @@
 One controller per operator runs a round every ``interval_s`` and as soon as a PerseusPolicy
 changes (:meth:`PolicyController.wake`). A round that cannot read everything it needs changes
 nothing (a partial view could look like deleted workloads); one failed write is logged and
-the rest of the round goes on (the next round retries it).
+the rest of the round goes on (the next round retries it). The namespaces' pods come from the
+operator's pod index once kopf has filled it (:meth:`PolicyController.read_pods_from`), until
+then from the API: an index not yet filled would look like pods deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from perseus_api.conventions import now_rfc3339
 from perseus_api.job import WorkloadKind
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL
 from perseus_api.resources import object_key
+from perseus_operator.cluster_index import Index, read_all
 from perseus_operator.kube import KubeClient, KubeError
 from perseus_operator.policy_sync import (
     ClusterView,
@@ -78,10 +81,16 @@ class PolicyController:
         self._wake = asyncio.Event()
         self._posted: set[tuple[str, str, str]] = set()
         self._crd_missing_logged = False
+        self._pods: Index | None = None
 
     def wake(self) -> None:
         """Run the next round now (a PerseusPolicy changed)."""
         self._wake.set()
+
+    def read_pods_from(self, pods: Index) -> None:
+        """Take the namespaces' pods from ``pods`` (by namespace, filled: kopf has run a
+        handler) from now on, not from the API."""
+        self._pods = pods
 
     async def run(self) -> None:
         """Rounds until cancelled; a failed round is logged and retried at the next one."""
@@ -131,7 +140,10 @@ class PolicyController:
         for namespace, kinds in sorted(listing.items()):
             for kind in sorted(kinds - {WorkloadKind.PODS}):
                 workloads += await kube.list_workloads(namespace, kind)
-            pods += await kube.list_pods(namespace, "")
+            if self._pods is None:
+                pods += await kube.list_pods(namespace, "")
+            else:
+                pods += read_all(self._pods.get(namespace, ()))
             jobs += await kube.list_jobs(namespace)
         jobs += await self._policy_jobs_outside(listing)
         return ClusterView(policies, namespaces, workloads, pods, jobs)

@@ -141,6 +141,46 @@ def _render_requirement(req: LabelSelectorRequirement) -> str:
     return f"!{req.key}"
 
 
+_SET_TERM: Final = re.compile(r"^\s*(\S+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def parse_selector(text: str) -> LabelSelector | None:
+    """A selector in the API server's string syntax (what :func:`render_selector` writes, and
+    ``k==v``, ``k!=v``); None for the empty selector, which selects everything.
+
+    Raises:
+        ValueError: ``text`` is not a selector.
+    """
+    labels: dict[str, str] = {}
+    requirements: list[LabelSelectorRequirement] = []
+    # Commas separate terms, except inside the parentheses of a set.
+    for term in re.findall(r"(?:[^,(]|\([^)]*\))+", text):
+        if not term.strip():
+            continue
+        found = _SET_TERM.match(term)
+        if found is not None:
+            key, op, values = found.groups()
+            listed = [v.strip() for v in values.split(",") if v.strip()]
+            operator = "In" if op == "in" else "NotIn"
+            requirements.append(LabelSelectorRequirement(key=key, operator=operator, values=listed))
+        elif "!=" in term:
+            key, value = (s.strip() for s in term.split("!=", 1))
+            requirements.append(LabelSelectorRequirement(key=key, operator="NotIn", values=[value]))
+        elif "=" in term:
+            key, value = (s.strip() for s in term.split("=", 1))
+            labels[key] = value.removeprefix("=").strip()
+        elif term.strip().startswith("!"):
+            key = term.strip()[1:].strip()
+            requirements.append(LabelSelectorRequirement(key=key, operator="DoesNotExist"))
+        else:
+            requirements.append(LabelSelectorRequirement(key=term.strip(), operator="Exists"))
+    if not labels and not requirements:
+        if text.strip():
+            raise ValueError(f"not a label selector: {text!r}")
+        return None
+    return LabelSelector(match_labels=labels, match_expressions=requirements)
+
+
 def matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
     """Whether a pod with ``labels`` is selected, with the API server's semantics."""
     if any(labels.get(key) != value for key, value in selector.match_labels.items()):

@@ -22,6 +22,7 @@ import pytest
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from perseus_operator.kube import WORKLOAD_RESOURCES
 from support.helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 
 ALL = "*"  # a ClusterRoleBinding: every namespace, and cluster-scoped resources
@@ -47,8 +48,6 @@ class Call:
 
 
 def _workload_calls(verb: str, method: str) -> list[Call]:
-    from perseus_operator.kube import WORKLOAD_RESOURCES
-
     return [
         Call(verb, group, plural, False, f"perseus_operator/kube.py {method} ({kind.value})")
         for kind, (group, _version, plural) in WORKLOAD_RESOURCES.items()
@@ -148,6 +147,17 @@ KOPF_CALLS = [
     Call("patch", GROUP, JOB_PLURAL, False, "kopf patching.patch_obj: finalizer, annotations"),
     Call("patch", GROUP, f"{JOB_PLURAL}/status", False, "kopf patch_obj: status subresource"),
     Call("create", "", "events", False, "kopf posting (handlers: kopf.event, kopf.warn)"),
+    # handlers.perseus_pods, perseus_node_plans (kopf.index): what reconciles read.
+    Call("list", "", "pods", False, "kopf watcher: initial listing of the pod index"),
+    Call("watch", "", "pods", False, "kopf watcher: the pod index"),
+    Call("list", GROUP, resources.NODE_PLAN_PLURAL, False, "kopf watcher: node plan index"),
+    Call("watch", GROUP, resources.NODE_PLAN_PLURAL, False, "kopf watcher: node plan index"),
+    # handlers.perseus_workloads: the kinds whose CRD is installed.
+    *(
+        Call(verb, group, plural, False, f"kopf watcher: the workload index ({kind.value})")
+        for kind, (group, _version, plural) in WORKLOAD_RESOURCES.items()
+        for verb in ("list", "watch")
+    ),
     Call(
         "list", CRD_GROUP, "customresourcedefinitions", True, "kopf observation.resource_observer"
     ),

@@ -5,6 +5,7 @@ do not disturb it."""
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from support.operator_harness import (
 
 NS = "ml"
 STAGES, DP, MICROBATCHES, GPUS_PER_POD = 4, 2, 8, 4
+JOB_SELECTOR = f"{resources.JOB_LABEL}=gpt3"
+"""The label selector of the job's node plans."""
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -87,6 +90,10 @@ def test_operator_runs_a_job_through_its_life(
                 out.setdefault(a["dp_rank"], set()).add(a["plan"])
         return out
 
+    def saved_joules() -> float:
+        text = get(operator.metrics_port, "/metrics")[1]
+        return metric(text, 'perseus_job_energy_saved_joules_total{job="gpt3",namespace="ml"}') or 0
+
     custom.create_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NS, "perseusjobs", job_body("gpt3")
     )
@@ -123,6 +130,25 @@ def test_operator_runs_a_job_through_its_life(
                 for c in job()["status"].get("conditions", [])
             ),
         )
+
+        # The reconciles read the pods and the job's node plans from kopf's indexes: over a
+        # few timer ticks (0.5 s), none of them lists either from the API (kopf's own lists
+        # and the agents' carry no such selector), though they did reconcile (the energy saved
+        # counts the iterations the agents report).
+        served, saved_before = len(server.requests()), saved_joules()
+        time.sleep(2.5)
+
+        def own_lists(since: int) -> list[tuple[str, str]]:
+            return [
+                (plural, params["labelSelector"])
+                for action, plural, params in server.requests()[since:]
+                if action == "list" and params.get("labelSelector") in ("app=gpt3", JOB_SELECTOR)
+            ]
+
+        assert own_lists(served) == []
+        assert saved_joules() > saved_before
+        # Such lists do show in the log: the job's plans read back right after it wrote them.
+        assert (resources.NODE_PLAN_PLURAL, JOB_SELECTOR) in own_lists(0)
 
         agents.slow = {1: 1.2}
         wait_for("the straggler", lambda: job()["status"].get("stragglers"))

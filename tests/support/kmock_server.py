@@ -378,6 +378,25 @@ class KmockServer:
         result: dict[tuple[str | None, str], dict[str, Any]] = self.call(collect)
         return result
 
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """Every request served so far (but those of the namespaces' collection), in order:
+        its action (``list``, ``watch``, ``fetch``, ``create``, ``update``, ``delete``; the
+        HTTP method when it has none),
+        the plural of its resource (empty when none) and its query parameters."""
+
+        def collect(emulator: Emulator) -> list[tuple[str, str, dict[str, str]]]:
+            return [
+                (
+                    str(getattr(r.action, "value", r.action or r.method)).lower(),
+                    str(getattr(r.resource, "plural", "") or ""),
+                    dict(r.params),
+                )
+                for r in emulator
+            ]
+
+        result: list[tuple[str, str, dict[str, str]]] = self.call(collect)
+        return result
+
     def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         """Write a kubeconfig (JSON, which is YAML) for this server to ``path``."""
         config = {

@@ -56,6 +56,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
         "verbs": VERBS,
     },
     "v1/events": {"kind": "Event", "singular": "event", "namespaced": True, "verbs": VERBS},
+    # Watched by the operator's pod index.
+    "v1/pods": {"kind": "Pod", "singular": "pod", "namespaced": True, "verbs": VERBS},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
         "kind": "CustomResourceDefinition",
         "singular": "customresourcedefinition",

@@ -55,7 +55,8 @@ def operator(monkeypatch: pytest.MonkeyPatch) -> tuple[kopf.Memo, list[int]]:
 
 def run(memo: kopf.Memo, job: kopf.Body) -> kopf.Patch:
     patch = kopf.Patch()
-    asyncio.run(handlers._reconcile(job, patch, memo))
+    indexes = handlers._Indexes({}, {}, {})  # type: ignore[arg-type]
+    asyncio.run(handlers._reconcile(job, patch, memo, indexes))
     return patch
 
 

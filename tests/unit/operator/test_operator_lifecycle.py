@@ -9,7 +9,7 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -113,9 +113,13 @@ class FakeCluster:
                 listed.append(obj)
         return listed
 
-    async def list_namespace_node_plans(self, namespace: str) -> list[dict[str, Any]]:
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
         return [
-            copy.deepcopy(p) for (ns, _), p in sorted(self.node_plans.items()) if ns == namespace
+            copy.deepcopy(p)
+            for (ns, _), p in sorted(self.node_plans.items())
+            if ns == namespace and p["spec"]["node"] in nodes
         ]
 
     async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
@@ -903,6 +907,17 @@ def _deleting(cluster: FakeCluster, jobs: int) -> tuple[Any, list[Any]]:
     return {"perseus": state}, bodies
 
 
+def _indexes(cluster: FakeCluster) -> dict[str, Any]:
+    """The handlers' index arguments as kopf has them once the watch events are in."""
+    from perseus_operator.cluster_index import node_plan_entries
+
+    plans: dict[Any, list[Any]] = {}
+    for obj in cluster.node_plans.values():
+        for key, value in node_plan_entries(obj).items():
+            plans.setdefault(key, []).append(value)
+    return {"perseus_pods": {}, "perseus_node_plans": plans, "perseus_workloads": {}}
+
+
 def _plan_key(job: str, node: str) -> tuple[str, str]:
     return (NS, resources.node_plan_name(job, node))
 
@@ -922,7 +937,9 @@ def test_deleting_many_jobs_never_sleeps_in_the_handler(
 
     async def delete_all(runtime_s: float) -> list[BaseException | None]:
         calls = [
-            handlers.deleted(body=b, memo=memo, runtime=timedelta(seconds=runtime_s))
+            handlers.deleted(
+                body=b, memo=memo, runtime=timedelta(seconds=runtime_s), **_indexes(cluster)
+            )
             for b in bodies
         ]
         return await asyncio.gather(*calls, return_exceptions=True)
@@ -958,10 +975,15 @@ def test_a_deletion_past_the_release_timeout_warns_and_deletes_the_plans(
     memo, (body,) = _deleting(cluster, jobs=1)
     timeout_s = handlers.CONFIG.release_timeout_s
     with pytest.raises(kopf.TemporaryError):
-        asyncio.run(handlers.deleted(body=body, memo=memo, runtime=timedelta(seconds=1)))
+        asyncio.run(
+            handlers.deleted(
+                body=body, memo=memo, runtime=timedelta(seconds=1), **_indexes(cluster)
+            )
+        )
     # Counted across retries (kopf's runtime), although the deletion timestamp is recent.
     runtime = timedelta(seconds=timeout_s)
-    assert asyncio.run(handlers.deleted(body=body, memo=memo, runtime=runtime)) is None
+    deleted = handlers.deleted(body=body, memo=memo, runtime=runtime, **_indexes(cluster))
+    assert asyncio.run(deleted) is None
     assert cluster.node_plans == {}
     assert warnings == [
         {
