@@ -1,6 +1,6 @@
 """The chart's Grafana dashboards, as code: ``python scripts/sync_chart.py`` writes them to
-``helm/perseus/dashboards/*.json`` and ``tests/unit/test_helm_chart.py`` fails when the files and
-this module differ.
+``helm/perseus/dashboards/*.json`` and ``tests/integration/test_helm_chart.py`` fails when the
+files and this module differ.
 
 Every query is PromQL over the metrics of the node agents (``perseus_gpu_*``,
 ``perseus_agent_*``, ``perseus_iteration_seconds``) and the operator (``perseus_job*``,

@@ -9,7 +9,7 @@ What is generated in ``helm/perseus/``:
   turned from OpenAPI v3 into JSON Schema; and ``properties.clusterPolicy.properties.spec``:
   the PerseusPolicy CRD's ``spec`` schema, likewise.
 
-``tests/unit/test_helm_chart.py`` fails, naming this script, when any of them is stale.
+``tests/integration/test_helm_chart.py`` fails, naming this script, when any of them is stale.
 
 Usage: ``python scripts/sync_chart.py [--check]``
 """

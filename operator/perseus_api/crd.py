@@ -4,7 +4,7 @@ The models in :mod:`perseus_api.job`, :mod:`perseus_api.node_plan` and
 :mod:`perseus_api.policy` are the single definition of the resources; the YAML in ``crds/`` is
 derived from them and committed so that it can be applied without Python
 (``kubectl apply -f crds/``) and packaged by the Helm chart. Regenerate it after changing a
-model, and check that it is current (CI and ``tests/unit/test_crd.py`` do)::
+model, and check that it is current (CI and ``tests/integration/test_crd.py`` do)::
 
     python -m perseus_api.crd --out crds/           # write the CRDs
     python -m perseus_api.crd --out crds/ --check   # exit 1, with a diff, if they are stale

@@ -7,7 +7,7 @@ would die with a ``ModuleNotFoundError`` traceback from somewhere deep in its st
 agent imports ``prometheus_client`` only once it serves metrics): :func:`check_extra` checks
 the whole extra first and says, in one line, what to install.
 
-``tests/unit/test_packaging.py`` checks :data:`EXTRA_MODULES` against pyproject.toml.
+``tests/integration/test_packaging.py`` checks :data:`EXTRA_MODULES` against pyproject.toml.
 """
 
 from __future__ import annotations

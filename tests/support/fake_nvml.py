@@ -6,7 +6,7 @@ reads ``LD_LIBRARY_PATH`` only at process start), so every scenario runs in a fr
 subprocess, configured through the fake's ``FAKE_NVML_*`` environment variables; its state
 file lets a test see what a process locked, even after that process was killed.
 
-Typical use (see ``tests/unit/agent/test_nvml_backend.py``)::
+Typical use (see ``tests/integration/agent/test_nvml_backend.py``)::
 
     fake = FakeNvml(build_fake_nvml(tmp_dir))
     result = fake.run_python("...", gpus=2, state=tmp_path / "state")

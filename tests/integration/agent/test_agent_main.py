@@ -182,7 +182,7 @@ def test_kubernetes_mode_without_a_usable_configuration_exits_1(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fatal before any GPU is touched; an API that is merely unreachable is retried instead
-    (tests/unit/agent/test_kube.py)."""
+    (tests/integration/agent/test_kube.py)."""
     pytest.importorskip("kubernetes")
     for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
         monkeypatch.delenv(name, raising=False)
