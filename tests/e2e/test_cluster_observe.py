@@ -27,16 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster_training import (
-    BLOCKING_W,
-    GPUS,
-    REPLICAS,
-    STAGES,
-    Training,
-    perseus_job,
-    pytorch_job,
-    training_pod,
-)
 
 from perseus_api import resources
 from perseus_api.job import PerseusJobSpec
@@ -51,6 +41,8 @@ from perseus_operator.profile_source import (
 )
 from support.agent_process import Agent
 from support.cluster_harness import Cluster
+from support.emulated_training import BLOCKING_W, GPUS, REPLICAS, STAGES, Training
+from support.emulated_training_objects import perseus_job, pytorch_job, training_pod
 from support.operator_harness import OperatorProcess, cut_profile
 
 NAMESPACE = "ml"  # the chart's RBAC and the training's pods are set up for it

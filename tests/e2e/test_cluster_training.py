@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +38,6 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.emulated_job import OVERHEADS
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.job import Granularity, Policy, ScheduleName
@@ -48,16 +45,22 @@ from perseus_api.profile import Profile, parse_profile
 from perseus_operator.phase_decisions import profile_config_map_name
 from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier
 from perseus_operator.profile_source import BLOCKING_POWER_KEY, PROFILE_KEY
-from perseus_operator.workloads import (
-    GPU_RESOURCE,
-    PYTORCH_CONTAINER,
-    PYTORCH_JOB_NAME,
-    PYTORCH_REPLICA_INDEX,
-    PYTORCH_REPLICA_TYPE,
-)
-from support.agent_process import Agent, source_env
+from perseus_operator.workloads import PYTORCH_CONTAINER
+from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs
+from support.emulated_training import (
+    BLOCKING_W,
+    GPUS,
+    MICROBATCHES,
+    REPLICAS,
+    STAGES,
+    TIME_SCALE,
+    TIMEOUT_S,
+    Training,
+    Window,
+)
+from support.emulated_training_objects import NAMESPACE, perseus_job, pytorch_job, training_pod
 from support.operator_harness import OperatorProcess, cut_profile
 from support.prometheus_server import PROMETHEUS
 
@@ -67,17 +70,9 @@ except ImportError:  # pragma: no cover - the test extra installs both
     KubeletStandIn = None  # type: ignore[assignment,misc]
 
 
-NAMESPACE = "ml"
 JOB = "gpt3"
 KEPT_PROFILE = "gpt3-a100-profile"  # the copy of the measured profile a user keeps
-STAGES, REPLICAS, MICROBATCHES, GPUS = 4, 2, 8, 4
 NODES = [f"gpu-node-{i}" for i in range(REPLICAS)]  # one pipeline replica each
-BLOCKING_W = 83.64
-# Profiled instruction times scaled by this; at 1, the profile's own times, an iteration of
-# these 4 stages x 8 microbatches takes ~1.6 s, so hooks and hand-offs are a small share.
-TIME_SCALE = 1.0
-TIMEOUT_S = 240.0
-MEASURED_ITERATIONS = 8
 SETTLE_ITERATIONS = 2  # after a plan change: the iteration it lands in, and one more
 # Iteration time under a plan vs. all GPUs at their highest clock (the measured T_min). Over
 # eight runs on this 2-core VM the T_min plan ran +0.05% to +1.56% (median ~0.6%): once the
@@ -99,23 +94,6 @@ SAVINGS_SHARE = 0.9
 
 
 # -- the emulated training job ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Window:
-    """Iterations between two records: energy per iteration (the mean) and each replica's
-    median iteration time."""
-
-    iterations: int
-    energy_j: float
-    node_energy_j: dict[str, float]
-    replica_times_s: list[float]
-    overheads: dict[str, float]
-    """Per iteration, the emulation's own costs (``emulated_job.OVERHEADS``), mean."""
-
-    @property
-    def iteration_s(self) -> float:
-        return max(self.replica_times_s)
 
 
 def savings(all_max: Window, planned: Window) -> float:
@@ -194,146 +172,7 @@ def measure_plan(
     return planned, report
 
 
-class Training:
-    """``perseus_agent.emulated_job`` over the nodes' emulated GPUs, until :meth:`stop`."""
-
-    def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
-        self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
-        self.out = workdir / f"training-{'hooks' if hooks else 'no-hooks'}.out"
-        nodes = []
-        for agent in agents:
-            spec = f"name={agent.node},gpus={agent.num_gpus},state={agent.gpu_state}"
-            if hooks:
-                spec += f",socket={agent.socket_dir / 'agent.sock'}"
-            nodes += ["--node", spec]
-        profile = workdir / "profile.csv"
-        profile.write_text(cut_profile(STAGES) + "\n")
-        with self.out.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "perseus_agent.emulated_job",
-                    f"--profile={profile}", f"--blocking-power={BLOCKING_W}",
-                    f"--stages={STAGES}", f"--replicas={REPLICAS}",
-                    f"--microbatches={MICROBATCHES}", f"--time-scale={TIME_SCALE}",
-                    f"--log={self.log}", "--client-retry-s=1", *nodes,
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=source_env(),
-            )  # fmt: skip
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        lines = self.log.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.endswith("}")]
-
-    def wait_iterations(self, count: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
-        """The records of the next ``count`` iterations, and the one before them."""
-        start = len(self.records())
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            records = self.records()
-            if len(records) > start + count:
-                return records[start : start + count + 1]
-            if self.proc.poll() is not None:
-                pytest.fail(f"the training exited ({self.proc.returncode}):\n{self.output()}")
-            time.sleep(0.1)
-        pytest.fail(f"{count} iterations took over {timeout_s} s:\n{self.output()}")
-
-    def measure(self, count: int = MEASURED_ITERATIONS) -> Window:
-        records = self.wait_iterations(count)
-        first, last = records[0], records[-1]
-        n = last["iteration"] - first["iteration"]
-        return Window(
-            n,
-            (last["energy_j"] - first["energy_j"]) / n,
-            {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
-            # The median: a 2-core machine stalls every process now and then (an iteration ~10%
-            # longer on both replicas at once), which says nothing about the plan.
-            [
-                statistics.median(r["replica_times_s"][d] for r in records[1:])
-                for d in range(REPLICAS)
-            ],
-            {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
-        )
-
-    def output(self) -> str:
-        return self.out.read_text(errors="replace")[-10000:] if self.out.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-
 # -- the cluster side ------------------------------------------------------------------------
-
-
-def pytorch_job(name: str) -> dict[str, Any]:
-    replica = {
-        "replicas": 1,
-        "template": {"spec": {"containers": [{"name": PYTORCH_CONTAINER, "image": "trainer"}]}},
-    }
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": replica}},
-    }
-
-
-def training_pod(job: str, replica_type: str, node: str) -> dict[str, Any]:
-    """A pod as the training operator makes it, bound to ``node`` as the scheduler would."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"{job}-{replica_type}-0",
-            "namespace": NAMESPACE,
-            "labels": {
-                PYTORCH_JOB_NAME: job,
-                PYTORCH_REPLICA_TYPE: replica_type,
-                PYTORCH_REPLICA_INDEX: "0",
-            },
-        },
-        "spec": {
-            "nodeName": node,
-            "containers": [
-                {
-                    "name": PYTORCH_CONTAINER,
-                    "image": "trainer",
-                    "resources": {"limits": {GPU_RESOURCE: str(GPUS)}},
-                }
-            ],
-        },
-    }
-
-
-def perseus_job(name: str, workload: str, **policy: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "workload": {"kind": "PyTorchJob", "name": workload},
-        "parallelism": {
-            "pipelineStages": STAGES,
-            "dataParallel": REPLICAS,
-            "microbatches": MICROBATCHES,
-        },
-        # Node k runs replica k (the emulated job's layout): one slow node, one slow replica.
-        "rankMapping": {"order": "tp-pp-dp"},
-        "policy": {"blockingPowerWatts": BLOCKING_W, **policy},
-        "profiling": {"iterationsPerFrequency": 2, "warmupIterations": 1, "frequencyStepMHz": 30},
-        "stragglers": {"persistenceReports": 2, "warmupIterations": 2, "windowIterations": 3},
-    }
-    return {
-        "apiVersion": resources.API_VERSION,
-        "kind": "PerseusJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": spec,
-    }
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A standalone ``perseus-node-agent`` process over emulated GPUs, for tests."""
+"""A standalone ``perseus-node-agent`` process over emulated GPUs, and its plan file, for tests."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.factories import pipeline_plan_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = REPO_ROOT / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
@@ -59,6 +61,37 @@ def locked_clocks(gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE) -
         num_gpus, PROFILE, blocking_power_w=83.64, node_name=node, state_file=gpu_state
     )
     return [gpus.locked_sm_clock_mhz(i) for i in range(num_gpus)]
+
+
+def plan_document(
+    *,
+    revision: int = 1,
+    granularity: str = "Stage",
+    stage_mhz: tuple[int, int] = (1200, 1005),
+    gpus: tuple[int, ...] = (0, 1),
+    node: str = NODE,
+) -> dict[str, Any]:
+    """A plan file for the agent on ``node``: two stages, two microbatches, a rank on each of
+    ``gpus``."""
+    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
+    for stage in fields["stages"]:
+        stage["frequency_mhz"] = stage_mhz[stage["stage"]]
+        stage["instructions"][0]["frequency_mhz"] = 1110  # forward of microbatch 0
+    return {
+        "node": node,
+        "namespace": "ml",
+        "job": "gpt3",
+        "revision": revision,
+        "granularity": granularity,
+        "plans": {"tmin": fields},
+        "assignments": [
+            # GPU 0 by UUID, the others by index.
+            {"gpu_uuid": f"GPU-emu-{node}-{i}", "plan": "tmin", "stage": i % 2, "rank": i}
+            if i == 0
+            else {"gpu_index": i, "plan": "tmin", "stage": i % 2, "rank": i}
+            for i in gpus
+        ],
+    }
 
 
 class Agent:

@@ -1,6 +1,6 @@
 """The frontier solver against exhaustive search for interleaved 1F1B and ZB-H1.
 
-As :mod:`test_solver_bruteforce` does for 1F1B and GPipe (its helpers are reused): every point
+As :mod:`test_solver_bruteforce` does for 1F1B and GPipe (with the same helpers): every point
 the solver emits must cost no more than the cheapest of all integer duration assignments that
 finish within the point's iteration time, on pipelines small enough to enumerate. Interleaved
 1F1B with P=2, V=2, M=2 has 16 computations, so most of its (model stage, instruction) pairs
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_solver_bruteforce import (
+
+from perseus_planner.dag import build_pipeline_dag
+from perseus_planner.model_stages import solver_profile
+from perseus_planner.solver import build_problem, iterate_frontier
+from support.exhaustive_frontier import (
     BLOCKING_W,
     UNIT_S,
     Spec,
     best_cost_by_makespan,
     synthetic_profile,
 )
-
-from perseus_planner.dag import build_pipeline_dag
-from perseus_planner.model_stages import solver_profile
-from perseus_planner.solver import build_problem, iterate_frontier
 
 # Model stage v*P + p runs on GPU p: stages 0 and 2 on GPU 0, 1 and 3 on GPU 1.
 SPEC_INTERLEAVED_P2_V2: Spec = {

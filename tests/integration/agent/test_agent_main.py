@@ -23,41 +23,12 @@ from support.agent_process import (
     TIMEOUT_S,
     Agent,
     locked_clocks,
+    plan_document,
     wait_for,
     write_atomically,
 )
-from support.factories import pipeline_plan_fields
 
 emulated = pytest.importorskip("perseus_agent.gpu.emulated")
-
-
-def plan_document(
-    *,
-    revision: int = 1,
-    granularity: str = "Stage",
-    stage_mhz: tuple[int, int] = (1200, 1005),
-    gpus: tuple[int, ...] = (0, 1),
-    node: str = NODE,
-) -> dict[str, Any]:
-    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
-    for stage in fields["stages"]:
-        stage["frequency_mhz"] = stage_mhz[stage["stage"]]
-        stage["instructions"][0]["frequency_mhz"] = 1110  # forward of microbatch 0
-    return {
-        "node": node,
-        "namespace": "ml",
-        "job": "gpt3",
-        "revision": revision,
-        "granularity": granularity,
-        "plans": {"tmin": fields},
-        "assignments": [
-            # GPU 0 by UUID, the others by index.
-            {"gpu_uuid": f"GPU-emu-{node}-{i}", "plan": "tmin", "stage": i % 2, "rank": i}
-            if i == 0
-            else {"gpu_index": i, "plan": "tmin", "stage": i % 2, "rank": i}
-            for i in gpus
-        ],
-    }
 
 
 @pytest.fixture

@@ -13,10 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_agent_main import plan_document
 
 from perseus_agent.reset_state import LOCK_FILENAME, STATE_FILENAME
-from support.agent_process import NODE, TIMEOUT_S, Agent, locked_clocks, source_env, wait_for
+from support.agent_process import (
+    NODE,
+    TIMEOUT_S,
+    Agent,
+    locked_clocks,
+    plan_document,
+    source_env,
+    wait_for,
+)
 
 pytest.importorskip("perseus_agent.gpu.emulated")
 

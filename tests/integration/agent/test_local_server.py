@@ -12,7 +12,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,113 +29,12 @@ from perseus_agent.socket_file import LocalServerError
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
-    HelloRequest,
-    InstructionBeginRequest,
-    InstructionEndRequest,
     ProtocolError,
     StepBeginRequest,
-    StepEndRequest,
     validate_request,
 )
-
-HELLO: dict[str, Any] = {
-    "op": "hello",
-    "version": PROTOCOL_VERSION,
-    "rank": 0,
-    "local_rank": 0,
-    "gpu_uuids": ["GPU-0000"],
-    "pid": 1,
-    "job": "job",
-    "namespace": "ns",
-    "pod": "pod-0",
-}
-
-
-class Handler:
-    """Records every call; forward runs at 1410 MHz, backward at 1200 MHz."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.calls: list[tuple[str, int, dict[str, Any], int]] = []
-        self.disconnects: list[int] = []
-        self.disconnected_event = threading.Event()
-        self.fail: dict[str, BaseException] = {}
-        self.barrier: threading.Barrier | None = None
-        self.gate: threading.Event | None = None  # instruction_begin waits for it
-        self.entered = threading.Event()  # instruction_begin was called
-        self.clock_reply: Any = None
-
-    def _record(self, op: str, session: ClientSession, msg: Mapping[str, Any], ns: int) -> None:
-        with self.lock:
-            self.calls.append((op, session.connection_id, dict(msg), ns))
-        if op in self.fail:
-            raise self.fail[op]
-
-    def ops(self) -> list[str]:
-        with self.lock:
-            return [c[0] for c in self.calls]
-
-    def hello(self, session: ClientSession, msg: HelloRequest, received_ns: int) -> None:
-        self._record("hello", session, msg, received_ns)
-
-    def step_begin(self, session: ClientSession, msg: StepBeginRequest, received_ns: int) -> None:
-        self._record("step_begin", session, msg, received_ns)
-
-    def step_end(self, session: ClientSession, msg: StepEndRequest, received_ns: int) -> None:
-        self._record("step_end", session, msg, received_ns)
-
-    def instruction_begin(
-        self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
-    ) -> dict[str, Any]:
-        self._record("instruction_begin", session, msg, received_ns)
-        self.entered.set()
-        if self.barrier is not None:
-            self.barrier.wait()
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        if self.clock_reply is not None:
-            return {"sm_clock_mhz": self.clock_reply}
-        return {"sm_clock_mhz": 1410 if msg["name"] == "forward" else 1200}
-
-    def instruction_end(
-        self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
-    ) -> None:
-        self._record("instruction_end", session, msg, received_ns)
-
-    def disconnected(self, session: ClientSession) -> None:
-        with self.lock:
-            self.disconnects.append(session.connection_id)
-        self.disconnected_event.set()
-
-
-class Raw:
-    """A bare protocol client: send lines, read reply lines."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(5)
-        self.sock.connect(os.fspath(path))
-        self.file = self.sock.makefile("rb")
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def reply(self) -> dict[str, Any]:
-        line = self.file.readline()
-        assert line.endswith(b"\n"), f"connection closed (got {line!r})"
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def ask(self, msg: Mapping[str, Any] | bytes) -> dict[str, Any]:
-        self.send(msg if isinstance(msg, bytes) else json.dumps(msg).encode() + b"\n")
-        return self.reply()
-
-    def at_eof(self) -> bool:
-        return self.file.readline() == b""
-
-    def close(self) -> None:
-        self.file.close()
-        self.sock.close()
+from support.fake_client_handler import Handler
+from support.raw_protocol_client import HELLO, Raw
 
 
 def _server_threads() -> set[threading.Thread]:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_local_server import HELLO, Handler, Raw
 
 from perseus_agent.local_server import LocalServer
 from perseus_agent.socket_limits import Limits, make_room
 from perseus_client import PerseusClient
 from perseus_client.protocol import encode_reply
+from support.fake_client_handler import Handler
+from support.raw_protocol_client import HELLO, Raw
 
 TIMEOUT_S = 20.0
 

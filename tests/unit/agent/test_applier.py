@@ -12,74 +12,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_profiler import BLOCKING_W, PROFILE_CSV, TABLE, SimTime
 
 from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
 from perseus_agent.gpu.base import GpuInfo
-from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.local_server import LocalServer
 from perseus_agent.profiler import EnergySampler, profile_csv
 from perseus_agent.reset_state import ResetState
 from perseus_api.node_plan import NodePlan, ProfilingSpec
 from perseus_api.node_report import GpuStatus, NodeReport
 from perseus_api.profile import parse_profile
-from support.factories import pipeline_plan_fields
+from support.applier_calls import (
+    NODE,
+    STAGE0_SCHEDULE,
+    STAGE1_SCHEDULE,
+    begin,
+    gpu,
+    hello,
+    node_plan,
+    session,
+    step_begin,
+)
 from support.fake_gpu import FakeBackend
-
-NODE = "node-1"
-
-# 1F1B order of stage 0 of a 2-stage, 2-microbatch pipeline, each with its own clock.
-STAGE0_SCHEDULE = [
-    ("forward", 0, 1200),
-    ("forward", 1, 1110),
-    ("backward", 0, 1410),
-    ("backward", 1, 1305),
-]
-STAGE1_SCHEDULE = [
-    ("forward", 0, 1005),
-    ("backward", 0, 1095),
-    ("forward", 1, 1005),
-    ("backward", 1, 1097),  # not a supported clock: clamped to 1095
-]
-
-
-def _pipeline(stage_mhz: tuple[int, int] = (1200, 1005)) -> dict[str, Any]:
-    fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
-    for stage, schedule in zip(fields["stages"], (STAGE0_SCHEDULE, STAGE1_SCHEDULE), strict=True):
-        stage["frequency_mhz"] = stage_mhz[stage["stage"]]
-        stage["instructions"] = [
-            {"instruction": kind, "microbatch": mb, "frequency_mhz": mhz}
-            for kind, mb, mhz in schedule
-        ]
-    return fields
-
-
-def node_plan(
-    assignments: list[dict[str, Any]],
-    *,
-    granularity: str = "Stage",
-    revision: int = 1,
-    stage_mhz: tuple[int, int] = (1200, 1005),
-    node: str = NODE,
-) -> NodePlan:
-    return NodePlan.model_validate(
-        {
-            "node": node,
-            "namespace": "ml",
-            "job": "gpt3",
-            "revision": revision,
-            "granularity": granularity,
-            "plans": {"tmin": _pipeline(stage_mhz)},
-            "assignments": assignments,
-        }
-    )
-
-
-def gpu(index: int, stage: int, *, by_uuid: bool = True, **extra: Any) -> dict[str, Any]:
-    key = {"gpu_uuid": f"GPU-{index}"} if by_uuid else {"gpu_index": index}
-    return {**key, "plan": "tmin", "stage": stage, **extra}
+from support.profile_table import BLOCKING_W, TABLE
+from support.simulated_profiling import Profiling, RecordingSampler
 
 
 @pytest.fixture
@@ -95,45 +51,6 @@ def state(tmp_path: Path) -> ResetState:
 @pytest.fixture
 def applier(backend: FakeBackend, state: ResetState) -> PlanApplier:
     return PlanApplier(backend, state, NODE)
-
-
-def session(connection_id: int = 1) -> ClientSession:
-    return ClientSession(connection_id, None, None, None, 0)
-
-
-def hello(
-    applier: PlanApplier, s: ClientSession, *, uuids: list[str], rank: int | None = None
-) -> dict[str, Any]:
-    return applier.hello(
-        s,
-        {
-            "op": "hello",
-            "version": 1,
-            "rank": rank,
-            "local_rank": None,
-            "gpu_uuids": uuids,
-            "pid": 42,
-            "job": "gpt3",
-            "namespace": "ml",
-            "pod": "gpt3-worker-0",
-        },
-        0,
-    )
-
-
-def begin(applier: PlanApplier, s: ClientSession, name: str, mb: int | None) -> int | None:
-    reply = applier.instruction_begin(
-        s,
-        {"op": "instruction_begin", "name": name, "microbatch": mb},  # type: ignore[typeddict-item]
-        0,
-    )
-    assert reply["ok"] is True
-    clock: int | None = reply["sm_clock_mhz"]
-    return clock
-
-
-def step_begin(applier: PlanApplier, s: ClientSession, t_ns: int = 0) -> None:
-    applier.step_begin(s, {"op": "step_begin", "step": 1}, t_ns)
 
 
 # -- Stage granularity ---------------------------------------------------------------------------
@@ -610,137 +527,6 @@ def test_training_process_switches_clocks_over_the_socket(
 
 # -- profiling -----------------------------------------------------------------------------------
 
-EMU_NODE = NODE
-
-
-class RecordingSampler(EnergySampler):
-    """A manually driven sampler that remembers being stopped."""
-
-    stopped = False
-
-    def stop(self) -> None:
-        self.stopped = True
-        super().stop()
-
-
-class Profiling:
-    """An applier over emulated GPUs in simulated time, and training ranks calling it.
-
-    Every sampler the applier makes samples on every ``period_ns`` of simulated time and, with
-    ``at_power_changes``, whenever a GPU's power changes (closely enough to be exact).
-    """
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        num_gpus: int = 2,
-        *,
-        period_ns: int = 1_000_000,
-        at_power_changes: bool = True,
-    ) -> None:
-        self.period_ns = period_ns
-        self.at_power_changes = at_power_changes
-        self.sim = SimTime()
-        self.gpus = EmulatedBackend(
-            num_gpus,
-            parse_profile(PROFILE_CSV, "test-profile"),
-            blocking_power_w=BLOCKING_W,
-            node_name=EMU_NODE,
-            clock=self.sim.now_s,
-        )
-        self.state = ResetState(tmp_path / "state")
-        self.samplers: dict[int, RecordingSampler] = {}
-        self.applier = PlanApplier(self.gpus, self.state, NODE, sampler_factory=self._sampler)
-        self.next_sample_ns = self.sim.ns
-        self.locks: list[tuple[int, int, bool]] = []  # (gpu, clock, recorded before)
-        lock = self.gpus.lock_sm_clock
-
-        def recorded_lock(index: int, clock_mhz: int) -> bool:
-            recorded = self.state.is_recorded(self.gpus.devices()[index], "sm")
-            self.locks.append((index, clock_mhz, recorded))
-            return lock(index, clock_mhz)
-
-        self.gpus.lock_sm_clock = recorded_lock  # type: ignore[method-assign]
-
-    def _sampler(self, gpu: GpuInfo, read: Callable[[], float]) -> EnergySampler:
-        sampler = RecordingSampler(read, interval_s=None, time_ns=self.sim.now_ns)
-        self.samplers[gpu.index] = sampler
-        return sampler
-
-    def uuid(self, index: int) -> str:
-        return self.gpus.devices()[index].uuid
-
-    def plan(
-        self,
-        assignments: list[tuple[int, int]],
-        frequencies_mhz: list[int],
-        *,
-        iterations: int = 2,
-        warmup: int = 1,
-        revision: int = 1,
-    ) -> NodePlan:
-        return NodePlan.model_validate(
-            {
-                "node": NODE,
-                "namespace": "ml",
-                "job": "gpt3",
-                "revision": revision,
-                "granularity": "Instruction",
-                "plans": {"tmin": _pipeline()},
-                "assignments": [
-                    {"gpu_uuid": self.uuid(i), "plan": "tmin", "stage": stage, "rank": i}
-                    for i, stage in assignments
-                ],
-                "profiling": {
-                    "frequencies_mhz": frequencies_mhz,
-                    "iterations_per_frequency": iterations,
-                    "warmup_iterations": warmup,
-                },
-            }
-        )
-
-    def connect(self, index: int, connection_id: int | None = None) -> ClientSession:
-        s = session(index + 1 if connection_id is None else connection_id)
-        hello(self.applier, s, uuids=[self.uuid(index)], rank=index)
-        return s
-
-    def advance(self, duration_ns: int) -> None:
-        end = self.sim.ns + duration_ns
-        while self.next_sample_ns <= end:
-            self.sim.ns = max(self.sim.ns, self.next_sample_ns)
-            self.sample()
-            self.next_sample_ns += self.period_ns
-        self.sim.ns = end
-
-    def sample(self) -> None:
-        for sampler in self.samplers.values():
-            sampler.sample()
-
-    def iteration(self, s: ClientSession, index: int, stage: int) -> list[int | None]:
-        """One iteration of the rank on GPU ``index``; the clocks the agent replied."""
-        a = self.applier
-        a.step_begin(s, {"op": "step_begin", "step": 0}, self.sim.ns)
-        self.advance(3_000_000)
-        clocks = []
-        for name, mb, _ in STAGE0_SCHEDULE:
-            reply = a.instruction_begin(
-                s,
-                {"op": "instruction_begin", "name": name, "microbatch": mb},  # type: ignore[typeddict-item]
-                self.sim.ns,
-            )
-            clocks.append(reply["sm_clock_mhz"])
-            self.gpus.set_activity(index, stage, name)
-            if self.at_power_changes:
-                self.sample()
-            self.advance(round(self.gpus.instruction_time_s(index, stage, name) * 1e9))
-            self.gpus.set_activity(index, None, None)
-            if self.at_power_changes:
-                self.sample()
-            a.instruction_end(s, {"op": "instruction_end", "name": name}, self.sim.ns)  # type: ignore[typeddict-item]
-            self.advance(2_000_000)
-        a.step_end(s, {"op": "step_end", "step": 0}, self.sim.ns)
-        return clocks
-
 
 def profile_rows(report: NodeReport, index: int) -> list[tuple[Any, ...]]:
     (p,) = [p for p in report.profiling if p.index == index]
@@ -972,7 +758,7 @@ def test_reapplying_keeps_profiling_progress_and_a_plan_without_it_ends_it(
     report = a.apply(plan)
     assert run.samplers[0].stopped
     assert report.profiling == []
-    assert run.gpus.locked_sm_clock_mhz(0) == 1200  # stage 0's clock in _pipeline()
+    assert run.gpus.locked_sm_clock_mhz(0) == 1200  # stage 0's clock in pipeline_fields()
     assert report.gpus[0].status == GpuStatus.APPLIED
 
 

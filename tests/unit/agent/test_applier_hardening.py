@@ -9,15 +9,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
-from test_applier import (
-    NODE,
-    begin,
-    gpu,
-    hello,
-    node_plan,
-    session,
-    step_begin,
-)
+from support.applier_calls import NODE, begin, gpu, hello, node_plan, session, step_begin
 
 from perseus_agent.applier import PlanApplier
 from perseus_agent.client_dispatch import ClientSession

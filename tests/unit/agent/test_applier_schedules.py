@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_profiler import MS, SimTime, manual_sampler, ns
 
 from perseus_agent.applier import PlanApplier
 from perseus_agent.client_dispatch import ClientSession
@@ -21,6 +20,7 @@ from perseus_operator.planning import gather_profile
 from perseus_planner.model_stages import schedule_profile
 from support.factories import pipeline_plan_fields, profiling_report
 from support.fake_gpu import FakeBackend
+from support.profiler_time import MS, SimTime, manual_sampler, ns
 
 NODE = "node-1"
 P, V, M = 2, 2, 4

@@ -17,18 +17,14 @@ from typing import Any
 import pytest
 
 import perseus_client
-from perseus_agent.client_dispatch import ClientSession, RequestError
+from perseus_agent.client_dispatch import RequestError
 from perseus_agent.local_server import LocalServer
 from perseus_client import PerseusClient, protocol
 from perseus_client import client as client_module
 from perseus_client.protocol import (
-    HelloRequest,
-    InstructionBeginRequest,
-    InstructionEndRequest,
     ProtocolError,
-    StepBeginRequest,
-    StepEndRequest,
 )
+from support.fake_client_handler import Handler
 
 IDENTITY_ENV = (
     "RANK",
@@ -40,54 +36,6 @@ IDENTITY_ENV = (
     "PERSEUS_JOB",
     "PERSEUS_AGENT_SOCKET",
 )
-
-
-class Handler:
-    """Records calls; forward runs at 1410 MHz, backward at 1200 MHz."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.calls: list[tuple[str, int, dict[str, Any], int]] = []  # (op, conn, msg, t_ns)
-        self.fail: dict[str, BaseException] = {}
-
-    def _record(
-        self, op: str, session: ClientSession, msg: Mapping[str, Any], t_ns: int = 0
-    ) -> None:
-        with self.lock:
-            self.calls.append((op, session.connection_id, dict(msg), t_ns))
-        if op in self.fail:
-            raise self.fail[op]
-
-    def ops(self) -> list[str]:
-        with self.lock:
-            return [c[0] for c in self.calls]
-
-    def hellos(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [c[2] for c in self.calls if c[0] == "hello"]
-
-    def hello(self, session: ClientSession, msg: HelloRequest, received_ns: int) -> None:
-        self._record("hello", session, msg)
-
-    def step_begin(self, session: ClientSession, msg: StepBeginRequest, received_ns: int) -> None:
-        self._record("step_begin", session, msg, received_ns)
-
-    def step_end(self, session: ClientSession, msg: StepEndRequest, received_ns: int) -> None:
-        self._record("step_end", session, msg, received_ns)
-
-    def instruction_begin(
-        self, session: ClientSession, msg: InstructionBeginRequest, received_ns: int
-    ) -> dict[str, Any]:
-        self._record("instruction_begin", session, msg, received_ns)
-        return {"sm_clock_mhz": 1410 if msg["name"] == "forward" else 1200}
-
-    def instruction_end(
-        self, session: ClientSession, msg: InstructionEndRequest, received_ns: int
-    ) -> None:
-        self._record("instruction_end", session, msg, received_ns)
-
-    def disconnected(self, session: ClientSession) -> None:
-        pass
 
 
 def make_client(socket_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> PerseusClient:

@@ -13,42 +13,12 @@ from perseus_agent.errors import GpuLostError
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.profiler import EnergySampler, ProfileRow, StageProfiler, profile_csv
 from perseus_api.profile import Profile, parse_profile
+from support.profile_table import BLOCKING_W, PROFILE_CSV, TABLE
+from support.profiler_time import MS, SimTime, manual_sampler, ns
 
-BLOCKING_W = 80.0
 CLOCKS = (1410, 1200, 1005)
-# (stage, instruction) -> clock -> (seconds, joules). Stage 1 only serves to make warm-up
-# iterations look different from measured ones.
-TABLE: dict[tuple[int, str], dict[int, tuple[float, float]]] = {
-    (0, "forward"): {1410: (0.020, 6.0), 1200: (0.024, 5.52), 1005: (0.030, 5.1)},
-    (0, "backward"): {1410: (0.040, 12.4), 1200: (0.048, 11.04), 1005: (0.060, 10.2)},
-    (1, "forward"): {1410: (0.035, 14.0), 1200: (0.041, 12.3), 1005: (0.050, 11.0)},
-    (1, "backward"): {1410: (0.070, 28.0), 1200: (0.082, 24.6), 1005: (0.100, 22.0)},
-}
-PROFILE_CSV = "stage,instruction,frequency,time,energy\n" + "".join(
-    f"{stage},{name},{clock},{t},{e}\n"
-    for (stage, name), rows in TABLE.items()
-    for clock, (t, e) in rows.items()
-)
 # 1F1B order of a stage with two microbatches.
 ORDER = (("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1))
-MS = 1_000_000
-
-
-def ns(seconds: float) -> int:
-    return round(seconds * 1e9)
-
-
-class SimTime:
-    """Simulated time: integer nanoseconds for the profiler, seconds for the emulated GPU."""
-
-    def __init__(self) -> None:
-        self.ns = 5_000 * 10**9
-
-    def now_ns(self) -> int:
-        return self.ns
-
-    def now_s(self) -> float:
-        return self.ns / 1e9
 
 
 @pytest.fixture
@@ -64,10 +34,6 @@ def sim() -> SimTime:
 @pytest.fixture
 def gpus(profile: Profile, sim: SimTime) -> EmulatedBackend:
     return EmulatedBackend(2, profile, blocking_power_w=BLOCKING_W, clock=sim.now_s)
-
-
-def manual_sampler(gpus: EmulatedBackend, sim: SimTime, index: int = 0) -> EnergySampler:
-    return EnergySampler(lambda: gpus.energy_j(index), interval_s=None, time_ns=sim.now_ns)
 
 
 class Rank:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_applier import Profiling
+from support.simulated_profiling import Profiling
 
 from perseus_api.node_report import GpuProfilingReport
 from perseus_operator.profiling_watch import called_in, profiling_progress

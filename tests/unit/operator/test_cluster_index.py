@@ -11,16 +11,6 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 import pytest
-from test_operator_lifecycle import (
-    JOB,
-    NS,
-    FakeCluster,
-    job_body,
-    pod,
-    profiling_reports,
-    report_iterations,
-)
-from test_policy_controller import FakeKube, policy
 
 from perseus_api.job import LabelSelector
 from perseus_operator.cluster_index import (
@@ -36,6 +26,9 @@ from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.planning import RETARGETED_PLAN
 from perseus_operator.policy_controller import PolicyController
 from perseus_operator.workloads import matches, parse_selector, render_selector
+from support.fake_job_io import FakeCluster, profiling_reports, report_iterations
+from support.fake_policy_kube import FakeKube, policy
+from support.lifecycle_job import JOB, NS, job_body, pod
 from support.workload_objects import NAMESPACES
 
 Entries = Callable[[Mapping[str, Any]], dict[Hashable, IndexedObject]]

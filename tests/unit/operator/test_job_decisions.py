@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from test_operator_lifecycle import NS, job_body, pod
-
 from perseus_api.job import ConditionType, PerseusJobSpec, PerseusJobStatus, Phase, Stragglers
 from perseus_operator.job_decisions import (
     ForgetDetector,
@@ -19,6 +17,7 @@ from perseus_operator.job_decisions import (
 )
 from perseus_operator.job_release import DeleteNodePlan, EmptyNodePlan, decide_release_step
 from perseus_operator.stragglers import RankSample, StragglerDetector
+from support.lifecycle_job import NS, job_body, pod
 
 SPEC = PerseusJobSpec.model_validate(job_body()["spec"])
 REF = JobRef(NS, "gpt3", "uid-1", 2, {})

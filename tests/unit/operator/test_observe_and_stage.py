@@ -1,7 +1,7 @@
 """Observe changes no clock, ever; Stage without client hooks never profiles for ever.
 
 Through :func:`perseus_operator.lifecycle.reconcile` against the in-memory cluster of
-``test_operator_lifecycle``: every node plan the operator ever writes is recorded
+:mod:`support.fake_job_io`: every node plan the operator ever writes is recorded
 (``FakeCluster.plans_written``), so "no clock moved" is "no node plan with a profiling sweep
 or a plan was ever written"."""
 
@@ -13,12 +13,13 @@ import time
 from typing import Any
 
 import pytest
-from test_operator_lifecycle import NS, FakeCluster, job_body, pod, profiling_reports
 
 from perseus_operator.lifecycle import JobMemo, Outcome, reconcile
 from perseus_operator.phase_decisions import profile_config_map_name
 from perseus_operator.planner_pool import InlinePlanner
 from perseus_operator.profile_source import GPU_PRODUCT_LABEL, MODEL_LABEL, NODE_GPU_PRODUCT_LABEL
+from support.fake_job_io import FakeCluster, profiling_reports
+from support.lifecycle_job import NS, job_body, pod
 
 A100 = "NVIDIA-A100-SXM4-80GB"
 

@@ -1,0 +1,123 @@
+"""The end-to-end tests' training: ``perseus_agent.emulated_job``, all 2 x 4 ranks of a
+data-parallel x pipeline-parallel 1F1B job over the nodes' emulated GPUs (the bundled GPT-3 /
+A100 profile's first four stages), and what its iteration records say."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perseus_agent.emulated_job import OVERHEADS
+from support.agent_process import Agent, source_env
+from support.operator_harness import cut_profile
+
+STAGES, REPLICAS, MICROBATCHES, GPUS = 4, 2, 8, 4
+BLOCKING_W = 83.64
+# Profiled instruction times scaled by this; at 1, the profile's own times, an iteration of
+# these 4 stages x 8 microbatches takes ~1.6 s, so hooks and hand-offs are a small share.
+TIME_SCALE = 1.0
+TIMEOUT_S = 240.0
+MEASURED_ITERATIONS = 8
+
+
+@dataclass(frozen=True)
+class Window:
+    """Iterations between two records: energy per iteration (the mean) and each replica's
+    median iteration time."""
+
+    iterations: int
+    energy_j: float
+    node_energy_j: dict[str, float]
+    replica_times_s: list[float]
+    overheads: dict[str, float]
+    """Per iteration, the emulation's own costs (``emulated_job.OVERHEADS``), mean."""
+
+    @property
+    def iteration_s(self) -> float:
+        return max(self.replica_times_s)
+
+
+class Training:
+    """``perseus_agent.emulated_job`` over the nodes' emulated GPUs, until :meth:`stop`."""
+
+    def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
+        self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
+        self.out = workdir / f"training-{'hooks' if hooks else 'no-hooks'}.out"
+        nodes = []
+        for agent in agents:
+            spec = f"name={agent.node},gpus={agent.num_gpus},state={agent.gpu_state}"
+            if hooks:
+                spec += f",socket={agent.socket_dir / 'agent.sock'}"
+            nodes += ["--node", spec]
+        profile = workdir / "profile.csv"
+        profile.write_text(cut_profile(STAGES) + "\n")
+        with self.out.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "perseus_agent.emulated_job",
+                    f"--profile={profile}", f"--blocking-power={BLOCKING_W}",
+                    f"--stages={STAGES}", f"--replicas={REPLICAS}",
+                    f"--microbatches={MICROBATCHES}", f"--time-scale={TIME_SCALE}",
+                    f"--log={self.log}", "--client-retry-s=1", *nodes,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=source_env(),
+            )  # fmt: skip
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def wait_iterations(self, count: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+        """The records of the next ``count`` iterations, and the one before them."""
+        start = len(self.records())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = self.records()
+            if len(records) > start + count:
+                return records[start : start + count + 1]
+            if self.proc.poll() is not None:
+                pytest.fail(f"the training exited ({self.proc.returncode}):\n{self.output()}")
+            time.sleep(0.1)
+        pytest.fail(f"{count} iterations took over {timeout_s} s:\n{self.output()}")
+
+    def measure(self, count: int = MEASURED_ITERATIONS) -> Window:
+        records = self.wait_iterations(count)
+        first, last = records[0], records[-1]
+        n = last["iteration"] - first["iteration"]
+        return Window(
+            n,
+            (last["energy_j"] - first["energy_j"]) / n,
+            {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
+            # The median: a 2-core machine stalls every process now and then (an iteration ~10%
+            # longer on both replicas at once), which says nothing about the plan.
+            [
+                statistics.median(r["replica_times_s"][d] for r in records[1:])
+                for d in range(REPLICAS)
+            ],
+            {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
+        )
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")[-10000:] if self.out.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
