@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
-from support.applier_calls import NODE, begin, gpu, hello, node_plan, session, step_begin
 
 from perseus_agent.applier import PlanApplier
 from perseus_agent.client_dispatch import ClientSession
 from perseus_agent.log_limit import DEFAULT_BURST, RateLimitedLog
 from perseus_agent.reset_state import ResetState
+from support.applier_calls import NODE, begin, gpu, hello, node_plan, session, step_begin
 from support.fake_gpu import FakeBackend
 
 

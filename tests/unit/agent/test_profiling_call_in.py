@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.simulated_profiling import Profiling
-
 from perseus_api.node_report import GpuProfilingReport
 from perseus_operator.profiling_watch import called_in, profiling_progress
+from support.simulated_profiling import Profiling
 
 
 def report_of(run: Profiling, index: int) -> GpuProfilingReport:
