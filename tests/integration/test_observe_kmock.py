@@ -20,6 +20,7 @@ from support.operator_harness import (
     RESOURCES,
     OperatorProcess,
     cut_profile,
+    operator_problems,
     perseus_job,
     pod,
 )
@@ -141,5 +142,5 @@ def test_observe_writes_no_node_plan_and_stage_without_hooks_ends(
         (e["involvedObject"]["name"], e["reason"]) for e in server.objects("v1/events").values()
     }
     assert {("watch", "ProfileRequired"), ("stage", "NoTrainingProcess")} <= events
-    problems = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    problems = operator_problems(log)
     assert not problems, log

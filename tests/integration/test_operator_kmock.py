@@ -24,6 +24,7 @@ from support.operator_harness import (
     RESOURCES,
     OperatorProcess,
     SimulatedAgents,
+    operator_problems,
     perseus_job,
     pod,
     profile_of,
@@ -193,5 +194,5 @@ def test_operator_runs_a_job_through_its_life(
         "StragglerRecovered",
     } <= reasons
     log = operator.stop()
-    problems = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    problems = operator_problems(log)
     assert not problems, log

@@ -28,6 +28,7 @@ from support.operator_harness import (
     PLANS,
     RESOURCES,
     OperatorProcess,
+    operator_problems,
     perseus_job,
     pod,
     profile_of,
@@ -224,5 +225,5 @@ def test_a_job_of_the_schedule_profiles_and_runs(
         assert not agents.errors, agents.errors
 
     log = operator.stop()
-    problems = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    problems = operator_problems(log)
     assert not problems, log

@@ -15,7 +15,7 @@ from perseus_api import resources
 from perseus_api.policy import POLICY_PLURAL
 from perseus_operator.kube import WORKLOAD_RESOURCES
 from support.kmock_server import KmockServer
-from support.operator_harness import RESOURCES, VERBS, OperatorProcess
+from support.operator_harness import RESOURCES, VERBS, OperatorProcess, operator_problems
 from support.policy_scenario import policy_body, policy_status, run_opt_in_scenario
 
 POLICY_RESOURCES: dict[str, dict[str, Any]] = {
@@ -56,7 +56,7 @@ def apis(tmp_path: Path) -> Iterator[tuple[Any, Any, OperatorProcess]]:
         finally:
             log = operator.stop()
             client.close()
-        problems = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+        problems = operator_problems(log)
         assert not problems, log
 
 
