@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from perseus_api.profile import Profile, load_profile
 from perseus_planner.dag import build_pipeline_dag
 from perseus_planner.frontier import Frontier, compute_frontier
 from perseus_planner.solver import build_problem
+from support.agent_process import Agent
 
 # The end-to-end tests' Kubernetes control plane (a fixture module, not a second conftest.py:
 # test modules import helpers from this one as ``conftest``).
@@ -73,3 +76,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = item.path.relative_to(TESTS_DIR).parts[0]
         if tier in TIERS:
             item.add_marker(tier)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp for Unix sockets (AF_UNIX paths are short: no tmp_path)."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="perseus-sock-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(tmp_path: Path, socket_dir: Path) -> Iterator[Agent]:
+    """A node agent process (support.agent_process), killed if a test leaves it running."""
+    agent = Agent(tmp_path, socket_dir / "run")
+    yield agent
+    agent.kill_if_running()

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +26,6 @@ from support.agent_process import (
 )
 
 emulated = pytest.importorskip("perseus_agent.gpu.emulated")
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pna-"))  # AF_UNIX paths are short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def agent(tmp_path: Path, socket_dir: Path) -> Iterator[Agent]:
-    agent = Agent(tmp_path, socket_dir / "run")
-    yield agent
-    agent.kill_if_running()
 
 
 # -- usage errors (in process: nothing starts) -----------------------------------------------------

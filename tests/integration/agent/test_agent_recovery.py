@@ -4,12 +4,9 @@ agent per state directory (subprocesses over emulated GPUs shared through their 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,20 +25,6 @@ from support.agent_process import (
 pytest.importorskip("perseus_agent.gpu.emulated")
 
 RESET_LINE = "reset the clocks of 2 GPU(s) left by a previous run: 0, 1"
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pnr-"))  # AF_UNIX paths are short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def agent(tmp_path: Path, socket_dir: Path) -> Iterator[Agent]:
-    agent = Agent(tmp_path, socket_dir / "run")
-    yield agent
-    agent.kill_if_running()
 
 
 def run_to_exit(

@@ -12,13 +12,10 @@ server (kmock) holding the Node and the PerseusNodePlans.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,13 +145,6 @@ def _wait(condition: Any, what: str, proc: subprocess.Popen[bytes], log: Path) -
             pytest.fail(f"agent exited ({proc.returncode}) waiting for {what}:\n{log.read_text()}")
         time.sleep(0.05)
     pytest.fail(f"timed out waiting for {what}:\n{log.read_text()}")
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pdu-"))  # AF_UNIX paths are short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_the_agent_lets_go_of_nvml_during_a_driver_upgrade_and_takes_the_gpus_back(

@@ -10,9 +10,7 @@ import json
 import logging
 import queue
 import re
-import shutil
 import socket
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -555,13 +553,6 @@ def test_report_writer_patches_the_status_subresource(
 
 
 # -- the agent process in Kubernetes mode ----------------------------------------------------------
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pna-"))  # AF_UNIX paths are short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_agent_applies_reports_and_resets_plans_from_the_api(

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -474,13 +472,6 @@ def test_iteration_mean_restarts_with_each_plan_revision(applier: PlanApplier) -
 
 
 # -- through the real local server ---------------------------------------------------------------
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pa-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_training_process_switches_clocks_over_the_socket(

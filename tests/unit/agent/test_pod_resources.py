@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,13 +33,6 @@ TRAINER = StandInPod(
     other={"sidecar": {"example.com/nic": ["nic-1"]}},
 )
 OTHER = StandInPod("team-b", "infer-7", {"server": ["GPU-0"]})
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pkr-"))  # AF_UNIX paths are short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_decodes_what_the_protobuf_runtime_encodes() -> None:
