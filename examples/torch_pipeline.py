@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -84,10 +84,18 @@ def stage_module(stage_index: int, slow_s: float) -> nn.Module:
     return SlowForward(module, slow_s) if slow_s > 0 else module
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.dp * args.pp))
+def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
+    # Every rank is on this machine, so nothing listens beyond it: the ranks meet through a
+    # file (a tcp:// rendezvous's TCPStore listens on every address, whatever its host) and
+    # gloo's connections bind to the loopback interface rather than the hostname's address.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.dp * args.pp),
+        GLOO_SOCKET_IFNAME="lo",
+    )
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.dp * args.pp
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=args.dp * args.pp
     )
     dp_rank, pp_rank = divmod(rank, args.pp)
     # Every rank creates every group, in the same order (torch.distributed's rule).
@@ -191,13 +199,6 @@ def client_options(args: argparse.Namespace) -> dict[str, float]:
     return options
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -233,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--emulated-profile goes with --emulated-gpus or --node")
     if args.node and len(args.node) != args.dp:
         parser.error(f"--node: one per replica, {args.dp} in all; got {len(args.node)}")
-    mp.spawn(worker, args=(args, free_port()), nprocs=args.dp * args.pp, join=True)
+    with tempfile.TemporaryDirectory(prefix="torch-pipeline-") as directory:
+        store_file = str(Path(directory, "store"))  # created by the ranks' FileStore
+        mp.spawn(worker, args=(args, store_file), nprocs=args.dp * args.pp, join=True)
 
 
 if __name__ == "__main__":

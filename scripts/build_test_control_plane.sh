@@ -297,13 +297,15 @@ EOF
   cd - >/dev/null
 }
 
-# build_module NAME MODULE VERSION PACKAGE BIN [LDFLAGS]: build PACKAGE (in MODULE at
-# VERSION) into BIN from a module of our own that requires it, so the tidy/build/log path and
-# the module cache are the same as for the other binaries. Replaces in MODULE's go.mod are
+# build_module NAME MODULE VERSION PACKAGE BIN [LDFLAGS] [WEBHOOK_MAIN]: build PACKAGE (in
+# MODULE at VERSION) into BIN from a module of our own that requires it, so the tidy/build/log
+# path and the module cache are the same as for the other binaries; with WEBHOOK_MAIN (the
+# package's main.go in MODULE), that file bound to loopback (loopback_webhook_main). Replaces in MODULE's go.mod are
 # ignored for a dependency: none of the modules built this way has any (checked per version,
 # see scripts/control_plane.md).
 build_module() {
   local name="$1" module="$2" version="$3" package="$4" bin="$5" ldflags="${6:-}"
+  local webhook_main="${7:-}"
   local work="$CACHE/build/$name-$version"
   local logfile="$LOG_DIR/$name-$version.log"
   : >"$logfile"
@@ -317,19 +319,41 @@ go 1.26.0
 
 require $module $version
 EOF
-  cat >tools.go <<EOF
+  local target="$package"
+  if [[ -n "$webhook_main" ]]; then
+    loopback_webhook_main "$module" "$version" "$webhook_main" >main.go
+    target=.
+  else
+    cat >tools.go <<EOF
 //go:build tools
 
 package tools
 
 import _ "$package"
 EOF
+  fi
   run_logged "$logfile" "$GO" mod tidy
   mkdir -p "$(dirname "$bin")"
   run_logged "$logfile" "$GO" build -p "$BUILD_PARALLEL" -trimpath -ldflags "-s -w $ldflags" \
-    -o "$bin.tmp" "$package"
+    -o "$bin.tmp" "$target"
   mv -f "$bin.tmp" "$bin"
   cd - >/dev/null
+}
+
+# loopback_webhook_main MODULE VERSION MAIN: print MODULE's MAIN (a path in the module: a
+# package main that imports no internal package) with its controller-runtime webhook server
+# on 127.0.0.1, for build_module to build as its own main package (the rest comes from MODULE
+# as a dependency; go's -overlay may not replace files in the module cache).
+# controller-runtime's default host is "" (every address) and neither the training-operator
+# nor Trainer has a flag for it; the tests' servers bind to loopback only. Fails if MAIN no
+# longer has the one `webhook.NewServer(webhook.Options{` the patch expects.
+loopback_webhook_main() {
+  local main
+  main="$(module_dir "$1" "$2")/$3"
+  [[ "$(grep -c 'webhook\.NewServer(webhook\.Options{' "$main")" == 1 ]] \
+    || die "expected one webhook.NewServer(webhook.Options{ in $main (to bind it to 127.0.0.1)"
+  sed 's/webhook\.NewServer(webhook\.Options{/webhook.NewServer(webhook.Options{ Host: "127.0.0.1",/' \
+    "$main"
 }
 
 # module_dir MODULE VERSION: the module's source in the module cache.
@@ -415,12 +439,17 @@ fi
 if wanted training-operator; then
   # No --version flag: `-h` exits 0 once every flag (its own and controller-runtime's) is
   # registered, which proves the binary starts.
-  if check_bin "$TRAINING_OPERATOR_BIN" -h && [[ -f "$TRAINING_OPERATOR_MANIFESTS/webhook.yaml" ]]; then
+  # The mark says the binary's webhook server listens on 127.0.0.1 (loopback_webhook_overlay):
+  # a binary cached before it is rebuilt.
+  if check_bin "$TRAINING_OPERATOR_BIN" -h && [[ -f "$TRAINING_OPERATOR_MANIFESTS/webhook.yaml" ]] \
+      && [[ -f "$TRAINING_OPERATOR_BIN.webhook-loopback" ]]; then
     log "training-operator $TRAINING_OPERATOR_VERSION: cached"
   else
     timed training-operator "$TRAINING_OPERATOR_VERSION" build_module training-operator \
       github.com/kubeflow/training-operator "$TRAINING_OPERATOR_VERSION" \
-      github.com/kubeflow/training-operator/cmd/training-operator.v1 "$TRAINING_OPERATOR_BIN"
+      github.com/kubeflow/training-operator/cmd/training-operator.v1 "$TRAINING_OPERATOR_BIN" \
+      "" cmd/training-operator.v1/main.go
+    touch "$TRAINING_OPERATOR_BIN.webhook-loopback"
     check_bin "$TRAINING_OPERATOR_BIN" -h || die "built $TRAINING_OPERATOR_BIN but '$TRAINING_OPERATOR_BIN -h' fails: $("$TRAINING_OPERATOR_BIN" -h 2>&1 | tail -n 5 || true)"
     # The real CRDs and validating webhook, from the same module: the tests install them as
     # the operator's manifests do.
@@ -460,12 +489,14 @@ if wanted jobset; then
   fi
 fi
 if wanted trainer; then
-  if check_bin "$TRAINER_BIN" -h && [[ -f "$TRAINER_MANIFESTS/podgroups.yaml" ]]; then
+  if check_bin "$TRAINER_BIN" -h && [[ -f "$TRAINER_MANIFESTS/podgroups.yaml" ]] \
+      && [[ -f "$TRAINER_BIN.webhook-loopback" ]]; then
     log "trainer $TRAINER_VERSION: cached"
   else
     timed trainer "$TRAINER_VERSION" build_module trainer github.com/kubeflow/trainer/v2 \
       "$TRAINER_VERSION" github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
-      "$TRAINER_BIN"
+      "$TRAINER_BIN" "" cmd/trainer-controller-manager/main.go
+    touch "$TRAINER_BIN.webhook-loopback"
     check_bin "$TRAINER_BIN" -h || die "built $TRAINER_BIN but '$TRAINER_BIN -h' fails"
     src="$(module_dir github.com/kubeflow/trainer/v2 "$TRAINER_VERSION")"
     copy_manifests "$TRAINER_MANIFESTS" "$src" \

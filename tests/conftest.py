@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from perseus_planner.dag import build_pipeline_dag
 from perseus_planner.frontier import Frontier, compute_frontier
 from perseus_planner.solver import build_problem
 from support.agent_process import Agent
+from support.loopback_guard import Sampler, describe
 
 # The end-to-end tests' Kubernetes control plane (a fixture module, not a second conftest.py:
 # test modules import helpers from this one as ``conftest``).
@@ -69,6 +71,21 @@ def solved_frontier(shipped_profile: Callable[[str, str], Profile]) -> SolveFron
         return compute_frontier(problem)
 
     return solve
+
+
+@pytest.fixture(scope="session", autouse=True)
+def loopback_only() -> Iterator[Sampler]:
+    """The house rule: every server a test starts binds to 127.0.0.1 only. Watches the listening
+    sockets of this process and its descendants all session (support.loopback_guard: twice a
+    second, from a thread) and fails the session's last teardown naming each one it saw on
+    another address."""
+    sampler = Sampler(os.getpid()).start()
+    yield sampler
+    if found := sampler.stop():
+        pytest.fail(
+            f"test processes listened off loopback (bind to 127.0.0.1):\n{describe(found)}",
+            pytrace=False,
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
