@@ -29,12 +29,13 @@ A rank marks its GPU busy as an instruction starts, and idle only when it has to
 another stage or the all-reduce): between back-to-back instructions it goes straight from one
 to the next, so that no state-file write delays the hand-off to the next stage.
 
-Timing overhead: each hand-off along the pipeline's critical path costs a thread wake-up and
-some sleep overshoot (``time.sleep`` oversleeps by ~0.1 ms; the rank learns by how much and
-wakes up that much earlier). Measured on a 2-CPU test machine, 4 stages x 8 microbatches x 2
-replicas, iterations came out ~2-4 ms (~22 hand-offs) longer than the profile's critical path
-with in-memory GPUs, ~10 ms with state files (each GPU state change rewrites the file): use a
-``time_scale`` of 0.2 or more with state files to stay within a few percent.
+Timing overhead: a rank that waits on another stage's computation is woken when that
+computation enters its last stretch (its end then final) and sleeps until the end, so a thread
+wake-up (0.2-1 ms on a loaded 2-core machine) no longer lands on each hand-off along the
+critical path, as a GPU's data hand-off costs next to nothing; what is left of it is counted
+(``handoff_s``). ``time.sleep`` oversleeps by ~0.1 ms: each rank learns by how much and wakes
+up that much earlier. The hooks' own time stays on the rank's timeline (the client's
+``synchronize`` puts it there on a real GPU too) and is counted (``hook_s``).
 
 After every iteration (once all ranks are at the barrier, every GPU idle) the job records an
 :class:`IterationRecord`; as JSON (:meth:`IterationRecord.to_json`)::
@@ -212,7 +213,7 @@ OVERHEADS: dict[str, str] = {
     "hook_s": "time the ranks spent in perseus_client calls",
     "clock_lag_s": "time computations ran at the previous clock before the agent's change",
     "clock_changes": "computations whose clock changed while they ran",
-    "handoff_s": "from a computation's end to the rank waiting on it running again",
+    "handoff_s": "from a computation's end to the rank that waited on it running again",
     "handoffs": "waits on another stage's computation",
 }
 """The keys of :attr:`IterationRecord.overheads`, and what each sums over the ranks."""
@@ -462,7 +463,8 @@ class EmulatedJob:
         self._end_s = [0.0] * num_ranks
         # Per rank, this iteration's overheads (OVERHEADS): each rank adds to its own.
         self._overheads = [dict.fromkeys(OVERHEADS, 0.0) for _ in range(num_ranks)]
-        self._signalled_s: dict[_DepKey, float] = {}
+        # When each announced computation ends (time.monotonic()), for the rank that needs it.
+        self._ends_s: dict[_DepKey, float] = {}
         self._barrier = threading.Barrier(num_ranks, action=self._iteration_done)
         self._deps_lock = threading.Lock()
         self._deps: dict[_DepKey, threading.Event] = {}
@@ -624,18 +626,23 @@ class EmulatedJob:
                     dependency = (step, replica, stage + 1, BACKWARD, microbatch)
                 if dependency is not None:
                     event = self._event(dependency)
-                    if busy and not event.is_set():
+                    if busy and not self._ready(dependency, event):
                         backend.set_activity(index, None, None)  # it waits idle
                         busy = False
-                    self._wait(dependency, event, overheads)
-                hooks.on_instruction_begin(instruction, microbatch)
-                slack_s = self._compute(backend, index, stage, instruction, slack_s, overheads)
-                busy = True
-                hooks.on_instruction_end(instruction)
+                    slack_s = self._wait(dependency, event, slack_s, overheads)
+                announce: Callable[[float], None] | None = None
                 if (instruction == FORWARD and stage < last_stage) or (
                     instruction == BACKWARD and stage > 0
                 ):
-                    self._signal((step, replica, stage, instruction, microbatch))
+                    announce = functools.partial(
+                        self._signal, (step, replica, stage, instruction, microbatch)
+                    )
+                hooks.on_instruction_begin(instruction, microbatch)
+                slack_s = self._compute(
+                    backend, index, stage, instruction, slack_s, overheads, announce
+                )
+                busy = True
+                hooks.on_instruction_end(instruction)
             backend.set_activity(index, None, None)  # idle through the all-reduce
             hooks.on_step_end(step)
             self._end_s[rank] = time.monotonic()
@@ -652,6 +659,7 @@ class EmulatedJob:
         instruction: str,
         slack_s: float,
         overheads: dict[str, float],
+        announce: Callable[[float], None] | None = None,
     ) -> float:
         """Run one instruction: busy for its time, re-reading the rate as it runs.
 
@@ -663,6 +671,9 @@ class EmulatedJob:
         ``overheads`` (how long the computation ran before it). ``slack_s``
         is how much earlier than its end the last sleep wakes up, to make up for the usual
         oversleep of ``time.sleep``; returns it updated with this instruction's oversleep.
+        ``announce`` is called with the end time once it is final (the last stretch reads no
+        rate), so that the rank waiting on this computation can wake up before it ends and
+        start on time (:meth:`_wait`).
         """
         start_s = last_s = time.monotonic()
         backend.set_activity(index, stage, instruction)
@@ -675,11 +686,9 @@ class EmulatedJob:
             # The last stretch is at least one poll long, so that the oversleep correction
             # always has room (a sleep of a few microseconds cannot wake up early).
             if end_s - now_s <= 2 * poll_s:
-                delay_s = end_s - now_s - slack_s
-                if delay_s > 0:
-                    time.sleep(delay_s)
-                    late_s = time.monotonic() - end_s
-                    slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
+                if announce is not None:
+                    announce(end_s)
+                slack_s = _sleep_until(end_s, slack_s)
                 break
             time.sleep(poll_s)
             poll_s = min(2 * poll_s, self._clock_poll_s)
@@ -709,15 +718,32 @@ class EmulatedJob:
                     event.set()
             return event
 
-    def _signal(self, key: _DepKey) -> None:
+    def _signal(self, key: _DepKey, end_s: float) -> None:
+        """Announce that the computation ``key`` ends at ``end_s`` (``time.monotonic()``)."""
         event = self._event(key)
-        self._signalled_s[key] = time.monotonic()
+        with self._deps_lock:
+            self._ends_s[key] = end_s
         event.set()
 
-    def _wait(self, key: _DepKey, event: threading.Event, overheads: dict[str, float]) -> None:
-        """Wait for the computation ``key`` (its :meth:`_event`); each key has one waiter.
+    def _ready(self, key: _DepKey, event: threading.Event) -> bool:
+        """Whether the computation ``key`` has ended (not only been announced)."""
+        if not event.is_set():
+            return False
+        with self._deps_lock:
+            end_s = self._ends_s.get(key)
+        return end_s is None or end_s <= time.monotonic()
 
-        A wait that blocked counts as a hand-off in ``overheads``: from the signal to now.
+    def _wait(
+        self, key: _DepKey, event: threading.Event, slack_s: float, overheads: dict[str, float]
+    ) -> float:
+        """Wait until the computation ``key`` (its :meth:`_event`) ends; each key has one
+        waiter. Returns ``slack_s`` updated as :func:`_sleep_until` does.
+
+        The producer announces the end in its last stretch, a few milliseconds early, and this
+        rank sleeps until then: on a real GPU the next stage starts when the data arrives, and
+        a thread's wake-up (~0.2-1 ms on a loaded 2-core machine) would otherwise add to every
+        hand-off along the critical path. A wait that blocked or slept counts as a hand-off in
+        ``overheads``: from the end to now, what is left of the wake-up.
         """
         blocked = not event.is_set()
         event.wait()
@@ -725,10 +751,18 @@ class EmulatedJob:
             raise _AbortedError
         with self._deps_lock:
             del self._deps[key]
-            signalled_s = self._signalled_s.pop(key, None)
-        if blocked and signalled_s is not None:
+            end_s = self._ends_s.pop(key, None)
+        if end_s is None:
+            return slack_s
+        slept = end_s > time.monotonic()
+        if slept:
+            slack_s = _sleep_until(end_s, slack_s)
+            while time.monotonic() < end_s:  # woken early by the slack: never before the end
+                time.sleep(0)
+        if blocked or slept:
             overheads["handoffs"] += 1
-            overheads["handoff_s"] += max(0.0, time.monotonic() - signalled_s)
+            overheads["handoff_s"] += max(0.0, time.monotonic() - end_s)
+        return slack_s
 
     def _fail(self, rank: int | None, error: BaseException, where: str | None = None) -> None:
         """Record the first error and make every rank exit: wake every waiter."""
@@ -791,6 +825,17 @@ class EmulatedJob:
 
 
 # -- command line -------------------------------------------------------------------------------
+
+
+def _sleep_until(end_s: float, slack_s: float) -> float:
+    """Sleep until ``time.monotonic()`` is ``end_s``, waking ``slack_s`` early to make up for
+    the usual oversleep of ``time.sleep``; returns ``slack_s`` updated with this oversleep."""
+    delay_s = end_s - time.monotonic() - slack_s
+    if delay_s > 0:
+        time.sleep(delay_s)
+        late_s = time.monotonic() - end_s
+        slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
+    return slack_s
 
 
 def _positive_int(text: str) -> int:
