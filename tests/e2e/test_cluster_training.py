@@ -443,7 +443,11 @@ def test_a_straggler_is_detected_the_other_replica_retargeted_and_recovery_resto
         f"overheads per iteration: before {overheads(fast)}; after {overheads(back)}"
     )
     print(report)
-    assert back.iteration_s == pytest.approx(t_min_s, rel=ITERATION_TOLERANCE), report
+    # Back at the planner's T_min, as the first plan was. Not slower than before the straggler;
+    # it may be faster: "before" carries that window's own hand-off and hook times (one run
+    # measured 1.654 s before and 1.599 s after, for T_min 1.576 s).
+    assert back.iteration_s <= status["frontier"]["tMinSeconds"] * (1 + PLANNED_TOLERANCE), report
+    assert back.iteration_s <= t_min_s * (1 + ITERATION_TOLERANCE), report
     assert back.energy_j == pytest.approx(fast.energy_j, rel=0.02), report
 
 
@@ -489,7 +493,11 @@ def test_a_killed_agent_comes_back_and_no_gpu_stays_locked_once_the_job_is_delet
     after = training.measure()
     print(f"agent restarted: {before.iteration_s:.4f} -> {after.iteration_s:.4f} s, "
           f"{before.energy_j:.1f} -> {after.energy_j:.1f} J/iteration")  # fmt: skip
-    assert after.iteration_s == pytest.approx(before.iteration_s, rel=ITERATION_TOLERANCE)
+    # As fast as the plan runs: at the planner's T_min, and not slower than before the kill
+    # (a faster window is no regression; see the recovery test).
+    t_min_s = s.job()["status"]["frontier"]["tMinSeconds"]
+    assert after.iteration_s <= t_min_s * (1 + PLANNED_TOLERANCE)
+    assert after.iteration_s <= before.iteration_s * (1 + ITERATION_TOLERANCE)
     assert after.energy_j == pytest.approx(before.energy_j, rel=0.02)
 
     # The user keeps a copy of the profile the job measured (the last scenario plans from it):

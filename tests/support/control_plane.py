@@ -52,6 +52,12 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
 SCHEDULER_USER = "system:kube-scheduler"  # the bootstrap ClusterRoleBinding's subject
 
+# The cluster's own processes (etcd, kube-apiserver, the controllers, Prometheus) run niced:
+# on a real cluster they do not share a training node's cores, and here, on 2 cores, they
+# would otherwise delay the emulated GPUs' hand-offs and the hooks that the end-to-end tests
+# time (the training, the node agents and the operator, the parts under test, keep nice 0).
+BACKGROUND = ("nice", "-n", "10")
+
 
 def optional_binary(variable: str) -> Path | str:
     """The executable ``variable`` names (a component only some tests run), or why not."""
@@ -303,7 +309,9 @@ class ControlPlane:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         with (self.workdir / f"{name}.log").open("wb") as log:
             self._procs.append(
-                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+                subprocess.Popen(
+                    [*BACKGROUND, *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+                )
             )
 
     # -- identities ------------------------------------------------------------------------------

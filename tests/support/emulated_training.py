@@ -52,6 +52,8 @@ class Training:
     def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
         self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
         self.out = workdir / f"training-{'hooks' if hooks else 'no-hooks'}.out"
+        self._records: list[dict[str, Any]] = []
+        self._read_bytes = 0
         nodes = []
         for agent in agents:
             spec = f"name={agent.node},gpus={agent.num_gpus},state={agent.gpu_state}"
@@ -75,10 +77,18 @@ class Training:
             )  # fmt: skip
 
     def records(self) -> list[dict[str, Any]]:
+        """Every iteration's record so far. Read on from where the last call stopped: the tests
+        poll this ten times a second, and re-parsing the whole log would take CPU from the
+        training it measures."""
         if not self.log.exists():
             return []
-        lines = self.log.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.endswith("}")]
+        with self.log.open("rb") as log:
+            log.seek(self._read_bytes)
+            text = log.read()
+        complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits
+        self._read_bytes += len(complete)
+        self._records += [json.loads(line) for line in complete.splitlines() if line]
+        return list(self._records)
 
     def wait_iterations(self, count: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
         """The records of the next ``count`` iterations, and the one before them."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,11 @@ class HookRun:
 
 
 class HookRunner:
-    """Runs each new hook pod of ``namespace`` once, in a background thread."""
+    """Runs each new hook pod of ``namespace`` once, in a background thread.
+
+    :attr:`before_phase` maps a hook pod name suffix to what to do when that hook's command
+    has ended, before its phase is written (helm goes on once it reads the phase).
+    """
 
     def __init__(self, plane: ControlPlane, core: Any, namespace: str) -> None:
         self.plane = plane
@@ -40,6 +45,7 @@ class HookRunner:
         self.namespace = namespace
         self.runs: list[HookRun] = []
         self.errors: list[BaseException] = []
+        self.before_phase: dict[str, Callable[[], object]] = {}
         self._done: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -99,6 +105,9 @@ class HookRunner:
         self.runs.append(
             HookRun(pod.metadata.name, argv, done.returncode, done.stdout + done.stderr)
         )
+        for suffix, action in self.before_phase.items():
+            if pod.metadata.name.endswith(suffix):
+                action()
         phase = "Succeeded" if done.returncode == 0 else "Failed"
         self._set_phase(pod, phase, done.returncode)
 

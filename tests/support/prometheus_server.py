@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from support.control_plane import BACKGROUND
+
 PROMETHEUS = shutil.which("prometheus")
 
 
@@ -87,6 +89,7 @@ def running_prometheus(
     log = (workdir / "prometheus.log").open("w")
     process = subprocess.Popen(
         [
+            *BACKGROUND,
             PROMETHEUS,
             f"--config.file={config}",
             f"--storage.tsdb.path={workdir / 'tsdb'}",
