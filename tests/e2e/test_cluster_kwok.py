@@ -146,9 +146,15 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
         custom.create_namespaced_custom_object(
             resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job(JOB, 3)
         )
+        # The operator writes the node plans, then the job's status: wait for both (read
+        # between the two, the status had no nodes yet: 1 full e2e run in 9).
         plans = operator.wait_for(
-            "a node plan on each GPU node",
-            lambda: len(found := node_plans(cluster, JOB)) == 3 and found,
+            "a node plan on each GPU node, and the nodes in the job's status",
+            lambda: (
+                len(found := node_plans(cluster, JOB)) == 3
+                and "nodes" in job_status(cluster, JOB)
+                and found
+            ),
         )
         assert job_status(cluster, JOB)["nodes"] == GPU_NODES
         by_node = {p["spec"]["node"]: p["spec"] for p in plans}
