@@ -55,6 +55,7 @@ from support.kwok_cluster import (
     JOB,
     NAMESPACE,
     SCHEDULER,
+    CreatedObjects,
     expected_ranks,
     job_status,
     node_plans,
@@ -104,14 +105,14 @@ def test_agent_daemonset_is_scheduled_onto_the_gpu_nodes_only(kwok_cluster: Clus
 
 
 def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
-    kwok_training_operator: Cluster,
+    kwok_training_operator: Cluster, kwok_objects: CreatedObjects
 ) -> None:
     cluster = kwok_training_operator
-    core, custom = cluster.core, cluster.custom
-    custom.create_namespaced_custom_object(
-        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job(JOB, 2, "OnFailure")
-    )
+    core = cluster.core
     selector = f"{PYTORCH_JOB_NAME}={JOB}"
+    kwok_objects.create(
+        "kubeflow.org", "v1", "pytorchjobs", pytorch_job(JOB, 2, "OnFailure"), pods=selector
+    )
 
     def training_pods() -> dict[str, str] | None:
         pods = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
@@ -143,9 +144,7 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
 
     operator = OperatorProcess(cluster.operator_kubeconfig)
     try:
-        custom.create_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job(JOB, 3)
-        )
+        kwok_objects.create(resources.GROUP, resources.VERSION, "perseusjobs", perseus_job(JOB, 3))
         # The operator writes the node plans, then the job's status: wait for both (read
         # between the two, the status had no nodes yet: 1 full e2e run in 9).
         plans = operator.wait_for(
@@ -191,18 +190,22 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
         print(operator.stop()[-3000:])
 
 
-def test_real_pytorchjob_failure_fails_the_job(kwok_training_operator: Cluster) -> None:
+def test_real_pytorchjob_failure_fails_the_job(
+    kwok_training_operator: Cluster, kwok_objects: CreatedObjects
+) -> None:
     """The Master's container exits 1 under restartPolicy Never: the training-operator marks
     the PyTorchJob Failed, and the PerseusJob fails with its reason, plans released."""
     cluster, job = kwok_training_operator, "gpt-kwok-fails"
-    cluster.custom.create_namespaced_custom_object(
-        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", pytorch_job(job, 1, "Never")
+    kwok_objects.create(
+        "kubeflow.org",
+        "v1",
+        "pytorchjobs",
+        pytorch_job(job, 1, "Never"),
+        pods=f"{PYTORCH_JOB_NAME}={job}",
     )
     operator = OperatorProcess(cluster.operator_kubeconfig)
     try:
-        cluster.custom.create_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", perseus_job(job, 2)
-        )
+        kwok_objects.create(resources.GROUP, resources.VERSION, "perseusjobs", perseus_job(job, 2))
         operator.wait_for(
             "a node plan on each of its 2 nodes", lambda: len(node_plans(cluster, job)) == 2
         )
@@ -235,7 +238,9 @@ def test_real_pytorchjob_failure_fails_the_job(kwok_training_operator: Cluster) 
         print(operator.stop()[-3000:])
 
 
-def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(kwok_trainer: Cluster) -> None:
+def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(
+    kwok_trainer: Cluster, kwok_objects: CreatedObjects
+) -> None:
     """A TrainJob on the torch-distributed runtime: Trainer v2 makes a JobSet, JobSet a batch
     Job, the job controller its indexed pods; the operator ranks them by what those wrote."""
     cluster, job = kwok_trainer, "llama-kwok"
@@ -250,10 +255,8 @@ def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(kwok_trainer:
             "podSpecOverrides": [{"targetJobs": [{"name": "node"}], "tolerations": [toleration]}],
         },
     }
-    cluster.custom.create_namespaced_custom_object(
-        "trainer.kubeflow.org", "v1alpha1", NAMESPACE, "trainjobs", body
-    )
     selector = f"{JOBSET_NAME}={job}"
+    kwok_objects.create("trainer.kubeflow.org", "v1alpha1", "trainjobs", body, pods=selector)
 
     def training_pods() -> dict[str, str] | None:
         pods = cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
@@ -276,9 +279,7 @@ def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(kwok_trainer:
     try:
         body = perseus_job(job, 2)
         body["spec"]["workload"] = {"kind": "TrainJob", "name": job}
-        cluster.custom.create_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", body
-        )
+        kwok_objects.create(resources.GROUP, resources.VERSION, "perseusjobs", body)
         plans = operator.wait_for(
             "a node plan on each of its 2 nodes",
             lambda: len(found := node_plans(cluster, job)) == 2 and found,

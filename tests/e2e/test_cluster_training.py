@@ -84,7 +84,7 @@ ITERATION_TOLERANCE = 0.02
 # it ran +1.14% to +1.78% over the runs of the issue-13 work (emulation_breakdown.py: +0.6%
 # with an ideal agent; the rest hooks and hand-offs), at time scale 0.5 +2.4% to +2.6%; then
 # +0.4% to +2.5% in 8 full e2e runs, 2 over 2% (a thread wake-up on every hand-off). With the
-# hand-offs started on time (emulated_job._wait) and the cluster's processes niced: +0.99% to
+# hand-offs started on time (EmulatedJob._wait) and the cluster's processes niced: +0.99% to
 # +1.06% in 3 runs with a core busy.
 PLANNED_TOLERANCE = 0.02
 # Energy saved vs what the planner predicted. While the prediction was the frontier point's

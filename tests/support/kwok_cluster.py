@@ -4,17 +4,21 @@ chart, fake GPU nodes as the GPU Operator leaves them, and, as fixtures of their
 training-operator and Trainer v2 + JobSet; and the workloads the tests run on it.
 
 A pytest plugin (``pytest_plugins`` in ``tests/conftest.py``): the module-scoped fixtures
-``kwok_cluster``, ``kwok_training_operator`` and ``kwok_trainer``.
+``kwok_cluster``, ``kwok_training_operator`` and ``kwok_trainer``, and ``kwok_objects``, what
+one test creates there, deleted when it ends.
 Without a binary they need they skip with the reason, or fail under ``PERSEUS_REQUIRE_E2E=1``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 
 from perseus_api import resources
@@ -175,6 +179,80 @@ def kwok_trainer(kwok_cluster: Cluster) -> Cluster:
     start_jobset(kwok_cluster.plane, jobset, jobset_manifests)
     start_trainer(kwok_cluster.plane, trainer, trainer_manifests)
     return kwok_cluster
+
+
+class CreatedObjects:
+    """What one test created in ``NAMESPACE``, deleted when it ends, passed or failed: a failed
+    test must leave neither pods holding the fake nodes' GPUs nor a PerseusJob to the tests
+    after it (one failure used to fail the next two: their pods stayed Pending)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._created: list[tuple[str, str, str, str, str | None]] = []
+
+    def create(
+        self, group: str, version: str, plural: str, body: dict[str, Any], pods: str | None = None
+    ) -> None:
+        """Create ``body``; ``pods``: the label selector of the pods it makes, waited out."""
+        self._cluster.custom.create_namespaced_custom_object(
+            group, version, NAMESPACE, plural, body
+        )
+        self._created.append((group, version, plural, body["metadata"]["name"], pods))
+
+    def delete_all(self) -> None:
+        """Newest first (the PerseusJob before its workload), then wait until all are gone."""
+        custom = self._cluster.custom
+        for group, version, plural, name, _ in reversed(self._created):
+            with _absent_ok():
+                custom.delete_namespaced_custom_object(
+                    group, version, NAMESPACE, plural, name, propagation_policy="Background"
+                )
+            if plural == "perseusjobs":
+                # The test has stopped its operator: no one else would remove the finalizer.
+                with _absent_ok():
+                    custom.patch_namespaced_custom_object(
+                        group, version, NAMESPACE, plural, name, {"metadata": {"finalizers": None}}
+                    )
+        for group, version, plural, name, pods in self._created:
+            gone = functools.partial(self._gone, group, version, plural, name)
+            wait(self._cluster, f"{plural} {name} deleted", gone)
+            if pods is not None:
+                no_pods = functools.partial(self._no_pods, pods)
+                wait(self._cluster, f"the pods of {plural} {name} deleted", no_pods)
+        self._created.clear()
+
+    def _no_pods(self, selector: str) -> bool:
+        return not self._cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+
+    def _gone(self, group: str, version: str, plural: str, name: str) -> bool:
+        try:
+            self._cluster.custom.get_namespaced_custom_object(
+                group, version, NAMESPACE, plural, name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return False
+
+
+@contextlib.contextmanager
+def _absent_ok() -> Iterator[None]:
+    try:
+        yield
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+@pytest.fixture
+def kwok_objects(kwok_cluster: Cluster) -> Iterator[CreatedObjects]:
+    """Create a test's objects through this; they are deleted when the test ends."""
+    created = CreatedObjects(kwok_cluster)
+    try:
+        yield created
+    finally:
+        created.delete_all()
 
 
 def found_or_require(variable: str) -> Path:

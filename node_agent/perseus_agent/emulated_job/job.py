@@ -1,119 +1,33 @@
-"""An emulated data-parallel x pipeline-parallel training job: every rank a thread.
-
-It plays all the pods of a training job, on several emulated nodes, for end-to-end tests and
-demos without GPUs. Each rank is a thread that behaves like :mod:`perseus_agent.emulated_rank`
-(the ``perseus_client`` hooks around each forward and backward, the emulated GPU busy for the
-time the profile measured at the clock now in effect, scaled by ``time_scale``), but the ranks
-also wait on each other as real pipeline-parallel training does:
-
-* Layout, as the operator assigns it: global rank ``r`` is stage ``r % S`` of data-parallel
-  replica ``r // S`` (``S`` stages); node ``k`` (in the order given) hosts ranks
-  ``k*G .. k*G+G-1`` on its GPU indices ``0..G-1`` (``G`` GPUs per node, the same on every
-  node, and nodes x ``G`` = ``S`` x replicas).
-* Pipeline dependencies: before the forward of microbatch ``m``, stage ``s > 0`` waits until
-  stage ``s-1`` of its replica has finished the forward of ``m``; before the backward of ``m``,
-  stage ``s < S-1`` waits until stage ``s+1`` has finished the backward of ``m``. A waiting
-  GPU is idle (it draws blocking power).
-* Gradient all-reduce: after its iteration's ``on_step_end`` every rank waits for all ranks of
-  every replica (a barrier), outside the step hooks: each replica's reported iteration time is
-  its own pipeline's, as the operator's straggler detection expects, while the GPUs of a fast
-  replica idle at blocking power until the slowest replica is done.
-
-An instruction runs for its profiled time at the GPU's current SM clock times the GPU's
-slowdown (:meth:`EmulatedBackend.set_slowdown`), scaled by ``time_scale``. The clock and the
-slowdown are read again while an instruction runs, 0.5 ms after it starts and then at doubling
-intervals up to ``clock_poll_s`` (except in its last stretch, up to twice that), and the rest
-of its work goes at the new rate: the node agent applies the clock of an instruction a moment
-after the (pipelined) hook that announced it.
-A rank marks its GPU busy as an instruction starts, and idle only when it has to wait (for
-another stage or the all-reduce): between back-to-back instructions it goes straight from one
-to the next, so that no state-file write delays the hand-off to the next stage.
-
-Timing overhead: a rank that waits on another stage's computation is woken when that
-computation enters its last stretch (its end then final) and sleeps until the end, so a thread
-wake-up (0.2-1 ms on a loaded 2-core machine) no longer lands on each hand-off along the
-critical path, as a GPU's data hand-off costs next to nothing; what is left of it is counted
-(``handoff_s``). ``time.sleep`` oversleeps by ~0.1 ms: each rank learns by how much and wakes
-up that much earlier. The hooks' own time stays on the rank's timeline (the client's
-``synchronize`` puts it there on a real GPU too) and is counted (``hook_s``).
-
-After every iteration (once all ranks are at the barrier, every GPU idle) the job records an
-:class:`IterationRecord`; as JSON (:meth:`IterationRecord.to_json`)::
-
-    {"iteration": 3,                       # step number, from 0
-     "end_s": 81234.567,                   # time.monotonic() when the iteration ended
-     "replica_times_s": [0.081, 0.097],    # per replica: its ranks' earliest on_step_begin
-                                           # to their latest on_step_end, in seconds
-     "energy_j": 51234.5,                  # sum of the energy counters of all the job's GPUs
-     "node_energy_j": {"node-0": 25617.2, "node-1": 25617.3},
-     "busy_s": 12.34,                      # sum of the GPUs' busy-time counters
-     "node_busy_s": {"node-0": 6.17, "node-1": 6.17},
-     "overheads": {"hook_s": 0.004, ...}}   # the emulation's own costs, summed over the
-                                           # ranks (OVERHEADS says what each key means)
-
-Counters are the emulated GPUs' own (:meth:`EmulatedBackend.metered_energy_j`,
-:meth:`EmulatedBackend.busy_s`): cumulative since the GPU state was created, so with a shared
-state file they include whatever ran before; the energy of an iteration is the difference of
-two records'.
-
-The job runs ``steps`` iterations, or until :meth:`EmulatedJob.stop` (SIGTERM or SIGINT in the
-command line); it stops between iterations. An error in any rank (or in the iteration
-bookkeeping) stops every rank and :meth:`EmulatedJob.run` raises :class:`EmulatedJobError`.
-On the way out every rank leaves its GPU idle and closes its client (which first waits for
-the agent to answer the hooks already sent).
-
-Command line (one JSON record a line appended to ``--log`` after each iteration, flushed; a
-summary JSON line on stdout at the end; exit status 0, 1 when the job failed, 2 for bad
-arguments)::
-
-    python -m perseus_agent.emulated_job --profile gpt3.csv --blocking-power 83.64 \\
-        --stages 4 --replicas 2 --microbatches 8 --time-scale 0.1 --steps 20 \\
-        --log iterations.jsonl \\
-        --node name=node-0,gpus=4,socket=/run/perseus-0/agent.sock,state=/tmp/node-0.json \\
-        --node name=node-1,gpus=4,socket=/run/perseus-1/agent.sock,state=/tmp/node-1.json
-
-``--node`` is repeated in node-rank order: ``gpus`` is required; ``name`` defaults to
-``node-<k>``; ``socket`` (the node agent's socket; a missing socket makes the hooks no-ops)
-and ``state`` (the emulated GPU state file shared with that node's agent) are optional: without
-``socket`` no hooks are sent, without ``state`` the GPUs live in memory. Paths cannot contain
-commas.
-"""
+"""The emulated job itself: one thread per rank, the pipeline's waits, the all-reduce
+barrier, and a record after every iteration (see the package docstring)."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import functools
-import json
 import math
-import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import FrameType
-from typing import Any, Protocol, TextIO
+from collections.abc import Callable, Sequence
 
+from perseus_agent.emulated_job.clients import (
+    ClientFactory,
+    RankClient,
+    TimedClient,
+    default_client,
+)
+from perseus_agent.emulated_job.records import (
+    OVERHEADS,
+    EmulatedJobError,
+    IterationRecord,
+    JobResult,
+    NodeSpec,
+    RankInfo,
+)
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_api.profile import Profile, load_profile
+from perseus_api.profile import Profile
 from perseus_api.schedule import BACKWARD, FORWARD, Schedule, stage_instruction_order
-from perseus_client import PerseusClient
-from perseus_client.client import DEFAULT_RETRY_INTERVAL_S
 
-__all__ = [
-    "OVERHEADS",
-    "ClientFactory",
-    "EmulatedJob",
-    "EmulatedJobError",
-    "IterationRecord",
-    "JobResult",
-    "NodeSpec",
-    "RankClient",
-    "RankInfo",
-    "main",
-]
+__all__ = ["DEFAULT_CLOCK_POLL_S", "EmulatedJob"]
 
 DEFAULT_CLOCK_POLL_S = 0.005
 # The first re-read of an instruction's rate: the agent applies the clock the instruction's
@@ -127,222 +41,8 @@ _SLACK_GAIN = 0.25
 _MAX_SLACK_S = 0.001
 
 
-class RankClient(Protocol):
-    """What a rank calls: the hooks of :class:`perseus_client.PerseusClient`, and ``close``."""
-
-    def on_step_begin(self, step: int) -> None: ...
-
-    def on_step_end(self, step: int) -> None: ...
-
-    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None: ...
-
-    def on_instruction_end(self, name: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One emulated node (one pod of the job).
-
-    Attributes:
-        name: Node name; part of its GPUs' UUIDs (``GPU-emu-<name>-<index>``).
-        gpus: Its GPUs, one rank each.
-        socket: The node agent's socket; ``None``: the ranks send no hooks.
-        state_file: Emulated GPU state file shared with the node's agent; ``None``: in memory.
-    """
-
-    name: str
-    gpus: int
-    socket: Path | None = None
-    state_file: Path | None = None
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one rank sits: what a :data:`ClientFactory` is given."""
-
-    rank: int
-    replica: int
-    stage: int
-    node_rank: int
-    node: NodeSpec
-    gpu_index: int
-    gpu_uuid: str
-
-
-ClientFactory = Callable[[RankInfo], RankClient]
-"""Makes a rank's client; called in the rank's thread before its first iteration."""
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """One completed iteration of the whole job (see the module docstring)."""
-
-    iteration: int
-    end_s: float
-    """``time.monotonic()`` when the last rank reached the all-reduce barrier."""
-    replica_times_s: tuple[float, ...]
-    """Per replica: its ranks' earliest ``on_step_begin`` to their latest ``on_step_end``."""
-    energy_j: float
-    """Sum of the energy counters of all the job's GPUs, read after the iteration."""
-    node_energy_j: dict[str, float]
-    """Per node name, the sum of its GPUs' energy counters."""
-    busy_s: float
-    """Sum of the busy-time counters of all the job's GPUs."""
-    node_busy_s: dict[str, float]
-    """Per node name, the sum of its GPUs' busy-time counters."""
-    overheads: dict[str, float] = field(default_factory=dict)
-    """What the emulation spent on the iteration, summed over its ranks (see
-    :data:`OVERHEADS`)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "iteration": self.iteration,
-            "end_s": self.end_s,
-            "replica_times_s": list(self.replica_times_s),
-            "energy_j": self.energy_j,
-            "node_energy_j": dict(self.node_energy_j),
-            "busy_s": self.busy_s,
-            "node_busy_s": dict(self.node_busy_s),
-            "overheads": dict(self.overheads),
-        }
-
-
-OVERHEADS: dict[str, str] = {
-    "hook_s": "time the ranks spent in perseus_client calls",
-    "clock_lag_s": "time computations ran at the previous clock before the agent's change",
-    "clock_changes": "computations whose clock changed while they ran",
-    "handoff_s": "from a computation's end to the rank that waited on it running again",
-    "handoffs": "waits on another stage's computation",
-}
-"""The keys of :attr:`IterationRecord.overheads`, and what each sums over the ranks."""
-
-
-@dataclass(frozen=True)
-class JobResult:
-    """What a run did: its records and the energy counters before and after."""
-
-    records: tuple[IterationRecord, ...]
-    stopped: bool
-    """Ended before ``steps`` iterations (by :meth:`EmulatedJob.stop` or an error), or ran
-    without a number of steps."""
-    wall_s: float
-    """Monotonic time from the start of the run until every rank had exited."""
-    start_energy_j: float | None
-    """Sum of the GPUs' energy counters when the run started (``None``: unreadable)."""
-    energy_j: float | None
-    """Sum of the GPUs' energy counters when the run ended, every GPU idle (``None``:
-    unreadable)."""
-    node_energy_j: dict[str, float] = field(default_factory=dict)
-    """Per node, the energy counters when the run ended (empty: unreadable)."""
-
-    @property
-    def iterations(self) -> int:
-        return len(self.records)
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready: iterations, stopped, wall_s, energy (end, used), mean replica times."""
-        num_replicas = len(self.records[0].replica_times_s) if self.records else 0
-        return {
-            "iterations": self.iterations,
-            "stopped": self.stopped,
-            "wall_s": self.wall_s,
-            "energy_j": self.energy_j,
-            "energy_used_j": (
-                None
-                if self.energy_j is None or self.start_energy_j is None
-                else self.energy_j - self.start_energy_j
-            ),
-            "node_energy_j": dict(self.node_energy_j),
-            "mean_replica_times_s": [
-                sum(r.replica_times_s[d] for r in self.records) / len(self.records)
-                for d in range(num_replicas)
-            ],
-        }
-
-
-class EmulatedJobError(RuntimeError):
-    """A rank, or the iteration bookkeeping, failed; every rank was stopped.
-
-    Attributes:
-        rank: The failing rank, ``None`` when it was not a rank: the iteration bookkeeping
-            (e.g. the ``on_iteration`` callback raised), or reading the GPUs' state before or
-            after the ranks ran.
-        result: What the run did until then.
-    """
-
-    def __init__(self, message: str, rank: int | None, result: JobResult) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.result = result
-
-
 class _AbortedError(Exception):
     """Raised in a rank whose job is being torn down because of an error elsewhere."""
-
-
-class _NoClient:
-    """Hooks that do nothing: a node without an agent socket."""
-
-    def on_step_begin(self, step: int) -> None:
-        pass
-
-    def on_step_end(self, step: int) -> None:
-        pass
-
-    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> int | None:
-        return None
-
-    def on_instruction_end(self, name: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _TimedClient:
-    """A rank's client whose calls add their time to the rank's ``hook_s`` overhead."""
-
-    def __init__(self, client: RankClient, overheads: dict[str, float]) -> None:
-        self._client = client
-        self._overheads = overheads
-
-    def on_step_begin(self, step: int) -> None:
-        start_s = time.monotonic()
-        self._client.on_step_begin(step)
-        self._overheads["hook_s"] += time.monotonic() - start_s
-
-    def on_step_end(self, step: int) -> None:
-        start_s = time.monotonic()
-        self._client.on_step_end(step)
-        self._overheads["hook_s"] += time.monotonic() - start_s
-
-    def on_instruction_begin(self, name: str, microbatch: int | None = None) -> None:
-        start_s = time.monotonic()
-        self._client.on_instruction_begin(name, microbatch)
-        self._overheads["hook_s"] += time.monotonic() - start_s
-
-    def on_instruction_end(self, name: str) -> None:
-        start_s = time.monotonic()
-        self._client.on_instruction_end(name)
-        self._overheads["hook_s"] += time.monotonic() - start_s
-
-
-def default_client(
-    info: RankInfo, *, retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
-) -> RankClient:
-    """A pipelined :class:`PerseusClient` on the node's socket, or no hooks without one."""
-    if info.node.socket is None:
-        return _NoClient()
-    return PerseusClient(
-        info.node.socket,
-        rank=info.rank,
-        local_rank=info.gpu_index,
-        gpu_uuids=[info.gpu_uuid],
-        pipelined=True,
-        retry_interval_s=retry_interval_s,
-    )
 
 
 # (step, replica, stage, instruction, microbatch): one finished computation a later one needs.
@@ -355,7 +55,7 @@ class EmulatedJob:
     Args:
         profile: Time and energy per (stage, instruction) and SM clock; stage ``s`` of the
             pipeline runs the profile's stage ``s`` (the profile needs at least ``stages``).
-        nodes: The nodes, in node-rank order (see the module docstring for the layout).
+        nodes: The nodes, in node-rank order (see the package docstring for the layout).
         blocking_power_w: Power of an idle or waiting GPU.
         stages, replicas, microbatches: Pipeline stages, data-parallel replicas and
             microbatches per iteration.
@@ -609,7 +309,7 @@ class EmulatedJob:
         rank, replica, stage, index = info.rank, info.replica, info.stage, info.gpu_index
         last_stage = self._stages - 1
         overheads = self._overheads[rank]
-        hooks = _TimedClient(client, overheads)
+        hooks = TimedClient(client, overheads)
         slack_s = 0.0
         step = 0
         while True:
@@ -824,9 +524,6 @@ class EmulatedJob:
         }
 
 
-# -- command line -------------------------------------------------------------------------------
-
-
 def _sleep_until(end_s: float, slack_s: float) -> float:
     """Sleep until ``time.monotonic()`` is ``end_s``, waking ``slack_s`` early to make up for
     the usual oversleep of ``time.sleep``; returns ``slack_s`` updated with this oversleep."""
@@ -836,175 +533,3 @@ def _sleep_until(end_s: float, slack_s: float) -> float:
         late_s = time.monotonic() - end_s
         slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
     return slack_s
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
-
-
-_NODE_KEYS = ("name", "gpus", "socket", "state")
-
-
-@dataclass
-class _NodeArg:
-    """A ``--node`` value before node ranks (default names) are known."""
-
-    gpus: int
-    name: str | None = None
-    socket: Path | None = None
-    state: Path | None = None
-
-
-def _node_arg(text: str) -> _NodeArg:
-    fields: dict[str, str] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not value:
-            raise argparse.ArgumentTypeError(
-                f"expected KEY=VALUE items separated by commas, got {item!r} in {text!r}"
-            )
-        if key not in _NODE_KEYS:
-            raise argparse.ArgumentTypeError(
-                f"unknown key {key!r} in {text!r}; expected {', '.join(_NODE_KEYS)}"
-            )
-        if key in fields:
-            raise argparse.ArgumentTypeError(f"{key!r} given twice in {text!r}")
-        fields[key] = value
-    if "gpus" not in fields:
-        raise argparse.ArgumentTypeError(f"gpus=N is required, missing in {text!r}")
-    return _NodeArg(
-        gpus=_positive_int(fields["gpus"]),
-        name=fields.get("name"),
-        socket=Path(fields["socket"]) if "socket" in fields else None,
-        state=Path(fields["state"]) if "state" in fields else None,
-    )
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="perseus-emulated-job",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--profile", type=Path, required=True, help="profile CSV")
-    parser.add_argument(
-        "--blocking-power", type=_positive_float, required=True, help="watts of an idle GPU"
-    )
-    parser.add_argument("--stages", type=_positive_int, required=True)
-    parser.add_argument("--replicas", type=_positive_int, default=1, help="data-parallel")
-    parser.add_argument("--microbatches", type=_positive_int, required=True)
-    parser.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, help="1f1b or gpipe")
-    parser.add_argument(
-        "--time-scale", type=_positive_float, default=1.0, help="factor on profiled times"
-    )
-    parser.add_argument(
-        "--steps", type=_positive_int, default=None, help="iterations (default: until signalled)"
-    )
-    parser.add_argument("--log", type=Path, default=None, help="append JSON records here")
-    parser.add_argument(
-        "--client-retry-s",
-        type=_positive_float,
-        default=DEFAULT_RETRY_INTERVAL_S,
-        help="least time between a rank's attempts to reach its node agent again "
-        f"(default: {DEFAULT_RETRY_INTERVAL_S:g})",
-    )
-    parser.add_argument(
-        "--node",
-        type=_node_arg,
-        action="append",
-        required=True,
-        metavar="gpus=N[,name=NAME][,socket=PATH][,state=PATH]",
-        help="one emulated node, repeated in node-rank order",
-    )
-    return parser
-
-
-@contextlib.contextmanager
-def _stop_on_signals(job: EmulatedJob) -> Iterator[None]:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        job.stop()
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    nodes = [
-        NodeSpec(
-            name=n.name if n.name is not None else f"node-{k}",
-            gpus=n.gpus,
-            socket=n.socket,
-            state_file=n.state,
-        )
-        for k, n in enumerate(args.node)
-    ]
-    log: TextIO | None = None
-    try:
-        profile = load_profile(args.profile)
-        if args.log is not None:
-            log = args.log.open("a", encoding="utf-8")
-    except (OSError, ValueError) as exc:
-        parser.error(str(exc))
-
-    def write(record: IterationRecord) -> None:
-        if log is not None:
-            log.write(json.dumps(record.to_json()) + "\n")
-            log.flush()
-
-    try:
-        try:
-            job = EmulatedJob(
-                profile,
-                nodes,
-                blocking_power_w=args.blocking_power,
-                stages=args.stages,
-                replicas=args.replicas,
-                microbatches=args.microbatches,
-                schedule=args.schedule,
-                time_scale=args.time_scale,
-                client_factory=functools.partial(
-                    default_client, retry_interval_s=args.client_retry_s
-                ),
-                on_iteration=write,
-            )
-        except ValueError as exc:
-            parser.error(str(exc))
-        with _stop_on_signals(job):
-            try:
-                result = job.run(args.steps)
-            except EmulatedJobError as exc:
-                print(f"perseus-emulated-job: error: {exc}", file=sys.stderr)
-                print(json.dumps({**exc.result.summary(), "error": str(exc)}), flush=True)
-                return 1
-    finally:
-        if log is not None:
-            log.close()
-    print(json.dumps(result.summary()), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
