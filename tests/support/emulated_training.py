@@ -27,6 +27,16 @@ BLOCKING_W = 83.64
 TIME_SCALE = 1.0
 TIMEOUT_S = 240.0
 MEASURED_ITERATIONS = 8
+# Hand-off time per iteration tells a window the host stalled from one that measured the plan.
+# Steady windows in the full e2e runs on this machine kind: 9-16 ms quiet, 16-26 ms with one
+# core kept busy (single iterations up to 31 ms). In the one of 11 runs since the hand-off fix
+# that failed (dbd071f), a stall of 15-40 s, with no change in the API traffic or the plans,
+# put its two failing windows at 93 ms and 77 ms (single iterations up to 342 ms): the T_min
+# plan at 1.626 s, 2.4% slower than after the stall, and the Stage plan 1.3% over its target.
+# 2% of the iteration, the tests' time tolerance, is 32 ms at 1.59 s.
+STALL_SHARE = 0.02
+# That stall lasted 25 iterations: 3 windows of 8 more, then the tests judge what they get.
+MAX_STALLED_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,35 @@ class Window:
     replica_times_s: list[float]
     overheads: dict[str, float]
     """Per iteration, the emulation's own costs (``emulated_job.OVERHEADS``), mean."""
+    stalled: int = 0
+    """Windows set aside before this one, the host having stalled the ranks in them."""
 
     @property
     def iteration_s(self) -> float:
         return max(self.replica_times_s)
+
+
+def window_of(records: list[dict[str, Any]], stalled: int = 0) -> Window:
+    """The iterations after ``records[0]`` up to ``records[-1]``."""
+    first, last = records[0], records[-1]
+    n = last["iteration"] - first["iteration"]
+    return Window(
+        n,
+        (last["energy_j"] - first["energy_j"]) / n,
+        {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
+        # The median: a 2-core machine stalls every process now and then (an iteration ~10%
+        # longer on both replicas at once), which says nothing about the plan.
+        [statistics.median(r["replica_times_s"][d] for r in records[1:]) for d in range(REPLICAS)],
+        {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
+        stalled,
+    )
+
+
+def host_stalled(window: Window) -> bool:
+    """Whether the host, not the plan, set the window's pace: its ranks lost more time per
+    iteration waking up at hand-offs (``handoff_s``, summed over the ranks) than
+    :data:`STALL_SHARE` of the iteration."""
+    return window.overheads["handoff_s"] > STALL_SHARE * window.iteration_s
 
 
 class Training:
@@ -103,22 +138,17 @@ class Training:
             time.sleep(0.1)
         pytest.fail(f"{count} iterations took over {timeout_s} s:\n{self.output()}")
 
-    def measure(self, count: int = MEASURED_ITERATIONS) -> Window:
-        records = self.wait_iterations(count)
-        first, last = records[0], records[-1]
-        n = last["iteration"] - first["iteration"]
-        return Window(
-            n,
-            (last["energy_j"] - first["energy_j"]) / n,
-            {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
-            # The median: a 2-core machine stalls every process now and then (an iteration ~10%
-            # longer on both replicas at once), which says nothing about the plan.
-            [
-                statistics.median(r["replica_times_s"][d] for r in records[1:])
-                for d in range(REPLICAS)
-            ],
-            {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
-        )
+    def measure(self, count: int = MEASURED_ITERATIONS, *, steady: bool = True) -> Window:
+        """The next ``count`` iterations. ``steady``: the plan is not changing, so a window in
+        which the host stalled the ranks (:func:`host_stalled`) is set aside and the next one
+        measured, up to :data:`MAX_STALLED_WINDOWS` times; the window says how many were."""
+        stalled: list[Window] = []
+        while True:
+            window = window_of(self.wait_iterations(count), stalled=len(stalled))
+            if not steady or not host_stalled(window) or len(stalled) == MAX_STALLED_WINDOWS:
+                return window
+            print(f"set aside a stalled window: {window}")
+            stalled.append(window)
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")[-10000:] if self.out.exists() else ""
