@@ -142,13 +142,13 @@ class Training:
         """The next ``count`` iterations. ``steady``: the plan is not changing, so a window in
         which the host stalled the ranks (:func:`host_stalled`) is set aside and the next one
         measured, up to :data:`MAX_STALLED_WINDOWS` times; the window says how many were."""
-        stalled: list[Window] = []
-        while True:
-            window = window_of(self.wait_iterations(count), stalled=len(stalled))
-            if not steady or not host_stalled(window) or len(stalled) == MAX_STALLED_WINDOWS:
-                return window
-            print(f"set aside a stalled window: {window}")
-            stalled.append(window)
+        for stalled in range(MAX_STALLED_WINDOWS + 1):
+            window = window_of(self.wait_iterations(count), stalled=stalled)
+            if not steady or not host_stalled(window):
+                break
+            if stalled < MAX_STALLED_WINDOWS:
+                print(f"set aside a stalled window: {window}")
+        return window
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")[-10000:] if self.out.exists() else ""
