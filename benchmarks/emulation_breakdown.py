@@ -16,7 +16,7 @@ that each row differs from the one before it by one thing:
 
 Each row: the iteration time (median replica time) against the planner's ``T_min``, and the
 savings at the same throughput (the e2e's formula) as a share of the planner's prediction.
-The plan is the operator's (``perseus_operator.planning``) from the emulated GPUs' own profile
+The plan is the operator's (``perseus_operator.jobs.planning``) from the emulated GPUs' own profile
 on the clocks the e2e profiles (1050-1410 MHz every 30), with the true blocking power: what
 is left between prediction and measurement here is the emulation's, not the profiling's.
 
@@ -46,18 +46,18 @@ for _root, _package in ((REPO / "operator", "perseus_api"), (REPO / "node_agent"
     if importlib.util.find_spec(_package) is None:
         sys.path.insert(0, str(_root))
 
-from perseus_agent.emulated_job import (  # noqa: E402
+from perseus_agent.gpu.emulated import EmulatedBackend  # noqa: E402
+from perseus_api.job import Granularity, Policy, ScheduleName  # noqa: E402
+from perseus_api.plan import PipelinePlan  # noqa: E402
+from perseus_api.profile import Profile, parse_profile  # noqa: E402
+from perseus_emulation.job import (  # noqa: E402
     EmulatedJob,
     IterationRecord,
     NodeSpec,
     RankClient,
     RankInfo,
 )
-from perseus_agent.gpu.emulated import EmulatedBackend  # noqa: E402
-from perseus_api.job import Granularity, Policy, ScheduleName  # noqa: E402
-from perseus_api.plan import PipelinePlan  # noqa: E402
-from perseus_api.profile import Profile, parse_profile  # noqa: E402
-from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier  # noqa: E402
+from perseus_operator.jobs.planning import PlanningInput, choose_plan, solve_frontier  # noqa: E402
 from perseus_planner.bundled import DEFAULT_PROFILE, bundled_profile  # noqa: E402
 
 STAGES, REPLICAS, MICROBATCHES, GPUS_PER_NODE = 4, 2, 8, 4

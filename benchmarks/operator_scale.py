@@ -5,11 +5,12 @@ production node agents report every 10 s and the operator reconciles every job e
 (``PERSEUS_OPERATOR_RECONCILE_INTERVAL_S``); here the defaults are 1 s and 0.5 s (10x faster,
 so the operator does 10x the work per second it would do in production).
 
-* **Cluster**: an in-memory :class:`~perseus_operator.job_observation.JobIO` that keeps every object
+* **Cluster**: an in-memory :class:`~perseus_operator.jobs.job_observation.JobIO` that keeps every
+object
   as JSON text and hands out freshly parsed copies, as the real client does after an API call
   (the operator's own (de)serialization is measured; the network, the API server, etcd and the
   client's worker-thread hop are not). Node plans are indexed by (namespace, job). Beside it,
-  the operator's watch indexes (:mod:`perseus_operator.cluster_index`, kopf's indexes in
+  the operator's watch indexes (:mod:`perseus_operator.cluster.cluster_index`, kopf's indexes in
   ``perseus-operator``): pods, and node plans, whose every write (the operator's and the
   agents') is delivered to the index as a watch event would be, parsed and re-filed, one turn
   of the event loop after the write.
@@ -22,11 +23,11 @@ so the operator does 10x the work per second it would do in production).
   ``persistenceReports`` 2, ``warmupIterations`` 0, ``staleAfterSeconds`` 6 report intervals
   (60 s in production).
 * **Operator**: per job, a timer task like kopf's (reconcile, then sleep the interval; random
-  first phase) runs :func:`~perseus_operator.lifecycle.reconcile` under the job's lock and
-  ``asyncio.timeout``, through an :class:`~perseus_operator.cluster_index.IndexedJobIO` over the
-  cluster and its indexes (as the handlers do), with a
-  :class:`~perseus_operator.planner_pool.CachingPlanner` over a one-worker
-  :class:`~perseus_operator.planner_pool.PoolPlanner` (what ``perseus-operator`` runs).
+  first phase) runs :func:`~perseus_operator.jobs.lifecycle.reconcile` under the job's lock and
+  ``asyncio.timeout``, through an :class:`~perseus_operator.cluster.cluster_index.IndexedJobIO` over
+  the cluster and its indexes (as the handlers do), with a
+  :class:`~perseus_operator.jobs.planner_pool.CachingPlanner` over a one-worker
+  :class:`~perseus_operator.jobs.planner_pool.PoolPlanner` (what ``perseus-operator`` runs).
   Around it, what the kopf handler does: the JSON copy of the body, the status written back
   as a merge patch (applied at once: no watch round trip), the straggler-state
   annotation, the job's metrics (:class:`~perseus_operator.metrics.OperatorMetrics`).
@@ -93,19 +94,19 @@ if importlib.util.find_spec("perseus_operator") is None:
 
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
-from perseus_operator.cluster_index import (  # noqa: E402
+from perseus_operator.cluster.cluster_index import (  # noqa: E402
     IndexedJobIO,
     IndexedObject,
     PlanWrites,
     node_plan_entries,
     pod_entries,
 )
-from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
-from perseus_operator.kube import config_map_object  # noqa: E402
-from perseus_operator.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
+from perseus_operator.cluster.kube import config_map_object  # noqa: E402
+from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
+from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
+from perseus_operator.jobs.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402
+from perseus_operator.jobs.planning import RETARGETED_PLAN, PlanningInput  # noqa: E402
 from perseus_operator.metrics import OperatorMetrics  # noqa: E402
-from perseus_operator.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402
-from perseus_operator.planning import RETARGETED_PLAN, PlanningInput  # noqa: E402
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
 
 PRODUCTION_REPORT_S: Final = 10.0
@@ -246,7 +247,7 @@ class WatchIndex(Mapping[Hashable, Collection[IndexedObject]]):
 
 
 class Cluster:
-    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster, and the
+    """The :class:`~perseus_operator.jobs.job_observation.JobIO` of an in-memory cluster, and the
     operator's watch indexes over it.
 
     Objects are kept as JSON text and every read parses a fresh copy, which is what the

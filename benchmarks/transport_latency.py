@@ -1,14 +1,14 @@
 """Hook round trip over the agent's TCP listener beside today's Unix socket (issue 17, item 1).
 
-One server process runs the agent's two listeners, :class:`perseus_agent.local_server.LocalServer`
-(Unix socket) and :class:`perseus_agent.tcp_server.TcpServer` (127.0.0.1, the peer mapped to a
-pod through the real :class:`~perseus_agent.tcp_server.PodAddressBook` over a fixed pod list),
-with one handler for both that answers at once (no GPU work: the transport is what differs).
-This process drives a ``perseus_client.PerseusClient`` per transport, in alternating blocks of
-calls (so a load spike on a shared machine hits both alike): ``on_step_begin``, then
-``on_instruction_begin``/``on_instruction_end`` pairs, ``on_step_end``, each timed around the
-client method (what a training loop pays). Reported: p50, p99, p99.9 per transport and the
-TCP/Unix ratios.
+One server process runs the agent's two listeners,
+:class:`perseus_agent.serving.local_server.LocalServer` (Unix socket) and
+:class:`perseus_agent.serving.tcp_server.TcpServer` (127.0.0.1, the peer mapped to a pod through the
+real :class:`~perseus_agent.serving.tcp_server.PodAddressBook` over a fixed pod list), with one
+handler for both that answers at once (no GPU work: the transport is what differs). This process
+drives a ``perseus_client.PerseusClient`` per transport, in alternating blocks of calls (so a load
+spike on a shared machine hits both alike): ``on_step_begin``, then
+``on_instruction_begin``/``on_instruction_end`` pairs, ``on_step_end``, each timed around the client
+method (what a training loop pays). Reported: p50, p99, p99.9 per transport and the TCP/Unix ratios.
 
 Loopback TCP is what a pod's connection to its node's address costs minus the veth hop (a
 pod's packets to the node cross its veth pair; a few µs more, not measured here).
@@ -44,8 +44,8 @@ from perseus_client import PerseusClient  # noqa: E402
 SERVER = r"""
 import json, sys
 from pathlib import Path
-from perseus_agent.local_server import LocalServer
-from perseus_agent.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
+from perseus_agent.serving.local_server import LocalServer
+from perseus_agent.serving.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
 
 class Handler:
     def hello(self, session, msg, t): return {"managed": True}

@@ -20,7 +20,7 @@ training (the adapter reports nothing for it).
 Without GPUs, ``--emulated-gpus STATE_FILE --emulated-profile CSV`` runs each rank's stage
 on emulated GPU ``rank`` of a node agent's emulated backend (``--gpu-backend=emulated``):
 every computation is padded to the profile's time at the clock the agent locked, and the
-emulated GPU counts its energy (``perseus_agent.emulated_torch``). With one
+emulated GPU counts its energy (``perseus_emulation.torch_stage``). With one
 ``--node NAME,SOCKET,STATE_FILE`` per replica instead, replica ``k`` runs on the k-th node:
 its agent's socket, its GPU ``stage``.
 
@@ -176,8 +176,8 @@ def emulate(
     num_gpus: int,
     gpu_index: int,
 ) -> None:
-    from perseus_agent.emulated_torch import emulate_stage
     from perseus_agent.gpu.emulated import EmulatedBackend
+    from perseus_emulation.torch_stage import emulate_stage
 
     gpus = EmulatedBackend.from_csv(
         num_gpus,

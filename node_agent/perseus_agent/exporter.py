@@ -17,7 +17,7 @@ Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``names
 reason (label ``reason``, :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`), 1 while that
 reason holds the clock down: a Perseus lock (``user_defined_clocks`` with a target clock) can
 then be told from a power cap or a thermal slowdown. ``perseus_gpu_foreign_clocks{kind}`` is 1
-for a GPU whose clocks another owner set (:mod:`perseus_agent.clock_owners`), 0 (no ``kind``)
+for a GPU whose clocks another owner set (:mod:`perseus_agent.clocks.clock_owners`), 0 (no ``kind``)
 for the others.
 
 Cardinality. Every label value comes from the node plan (what the operator assigned), never from
@@ -44,7 +44,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from perseus_agent.clock_owners import ForeignClocks
+from perseus_agent.clocks.clock_owners import ForeignClocks
 from perseus_agent.errors import GpuError, GpuNotSupportedError, GpuReleasedError
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
 

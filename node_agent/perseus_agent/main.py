@@ -2,8 +2,8 @@
 
 Start-up: take the state directory's lock (a second agent on the same directory exits with
 status 1 and changes nothing), reset the clocks a previous run of the agent may have left locked
-(see :mod:`perseus_agent.reset_state`), start the metrics server and the local socket training
-processes call in on, then apply plans until SIGTERM or SIGINT, when every clock the agent
+(see :mod:`perseus_agent.clocks.reset_state`), start the metrics server and the local socket
+training processes call in on, then apply plans until SIGTERM or SIGINT, when every clock the agent
 changed is reset before it exits with status 0.
 
 That recovery comes first whatever else is wrong: an agent that cannot start (a bad plan file, a
@@ -18,8 +18,8 @@ Kubernetes mode (the default): the plans are the PerseusNodePlans of this node
 object gets its own applier (several jobs share a node, on distinct GPUs: the older plan keeps
 a GPU two plans claim). A plan's GPUs are those the kubelet allocated to the job's pods
 (``--gpu-ownership=kubelet``, the default: the PodResources API on
-``--pod-resources-socket``; :mod:`perseus_agent.gpu_ownership`); when the kubelet cannot be
-asked (socket absent), no GPU is touched and every assignment is reported ``Failed``
+``--pod-resources-socket``; :mod:`perseus_agent.ownership.gpu_ownership`); when the kubelet cannot
+be asked (socket absent), no GPU is touched and every assignment is reported ``Failed``
 (``pod_resources_unavailable``) until it can. ``--gpu-ownership=local-rank-index`` (or
 ``$PERSEUS_GPU_OWNERSHIP``) is for clusters without a kubelet, the emulated test clusters:
 process local rank r of a pod runs on GPU index r, trusted. Each plan's status is written after
@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from perseus_agent.agent_config import (
+from perseus_agent.errors import GpuError, PlanError
+from perseus_agent.modes.agent_config import (
     DEFAULT_BLOCKING_POWER_W,
     DEFAULT_EMULATED_GPUS,
     DEFAULT_POD_RESOURCES,
@@ -64,10 +65,9 @@ from perseus_agent.agent_config import (
     fail,
     open_backend,
 )
-from perseus_agent.errors import GpuError, PlanError
 
 if TYPE_CHECKING:
-    from perseus_agent.agent_lifecycle import Mode
+    from perseus_agent.modes.agent_lifecycle import Mode
 
 __all__ = ["build_parser", "main"]
 
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="also serve training processes over TCP here, the node's address "
         "(e.g. $(HOST_IP):7460 with hostNetwork; Kubernetes mode only: peers are told by their "
-        "pod address, see perseus_agent.tcp_server); default: off",
+        "pod address, see perseus_agent.serving.tcp_server); default: off",
     )
     agent.add_argument(
         "--socket-dir",
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failure is not None:
         _recover_only(args)
         return fail(*failure)
-    from perseus_agent.agent_lifecycle import run_agent
+    from perseus_agent.modes.agent_lifecycle import run_agent
 
     try:
         return run_agent(config, mode)
@@ -262,10 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _mode(config: Config) -> Mode:
     """The plan file (standalone mode), or the Kubernetes API client."""
     if config.plan_file is not None:
-        from perseus_agent.standalone_mode import StandaloneMode
+        from perseus_agent.modes.standalone_mode import StandaloneMode
 
         return StandaloneMode.load(config, config.plan_file)
-    from perseus_agent.kubernetes_mode import KubernetesMode
+    from perseus_agent.modes.kubernetes_mode import KubernetesMode
 
     return KubernetesMode.connect(config)
 
@@ -277,8 +277,8 @@ def _recover_only(args: argparse.Namespace) -> None:
     node without a record touches nothing, and never while another agent holds the state
     directory (those GPUs are its own).
     """
-    from perseus_agent.reset_state import ResetState, StateDirBusyError, StateDirLock
-    from perseus_agent.reset_state import needs_recovery as _needs_recovery
+    from perseus_agent.clocks.reset_state import ResetState, StateDirBusyError, StateDirLock
+    from perseus_agent.clocks.reset_state import needs_recovery as _needs_recovery
 
     state_dir: Path = args.state_dir
     if not _needs_recovery(state_dir):

@@ -2,7 +2,7 @@
 configuration, and one line that says how an API call failed.
 
 Each component still has one place that talks to the API (the module
-``perseus_operator/kube.py``, the package ``perseus_agent/kube/``) and raises its own error
+``perseus_operator/cluster/kube.py``, the package ``perseus_agent/kube/``) and raises its own error
 type; this module makes no request and holds no client. The ``kubernetes`` package is imported
 only inside :func:`load_api_client`, so importing this module costs nothing where it is not
 installed.

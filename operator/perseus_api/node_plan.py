@@ -4,7 +4,7 @@ The operator writes one ``NodePlan`` per (job, node); a standalone agent reads
 the same document from a file. The operator names each GPU by the process that runs on it:
 ``pod`` (with ``pod_uid``), ``container`` and ``local_rank``, never by a node GPU index it
 would have to guess. The agent asks the kubelet which GPUs it allocated to that container
-(PodResources API, :mod:`perseus_agent.gpu_ownership`) and takes the ``local_rank``-th of
+(PodResources API, :mod:`perseus_agent.ownership.gpu_ownership`) and takes the ``local_rank``-th of
 them in the node's GPU order, the order CUDA enumerates them in inside the container. A
 hand-written file for a bare-metal node (standalone agent) names GPUs by UUID or index.
 Each GPU follows one pipeline plan at one stage. Several plans can coexist because a

@@ -32,7 +32,7 @@ for a hand-written PerseusJob (the operator's default policy, then the CRD's def
 How a workload states what cannot be read from its spec (the pipeline-parallel layout) is
 given here as well, for users and the operator alike: the ``*_ANNOTATION`` constants on the
 workload object (for kind Pods: on the pods), else the ``*_ENV`` variables of the training
-container. :mod:`perseus_operator.policies` reads them; which policy wins when several
+container. :mod:`perseus_operator.policies.selection` reads them; which policy wins when several
 select one workload is documented there.
 """
 

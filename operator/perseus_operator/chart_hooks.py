@@ -10,7 +10,7 @@
   leader election) an operator replica holds the Lease and keeps renewing it.
 
 The decisions (:func:`missing_crds`, :func:`lease_renewed`, :func:`remaining`) are pure;
-:func:`run_hook` does the I/O through :class:`perseus_operator.kube.HookApi`.
+:func:`run_hook` does the I/O through :class:`perseus_operator.cluster.kube.HookApi`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Final
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from perseus_operator.cluster.leader_election import LeaseRecord, LeaseStore
 from perseus_operator.config import OperatorConfig
-from perseus_operator.leader_election import LeaseRecord, LeaseStore
 
 CRDS: Final = tuple(
     f"{plural}.{resources.GROUP}"
@@ -144,7 +144,7 @@ def run_hook(
     hook: str, config: OperatorConfig, namespaces: Sequence[str], *, timeout_s: float
 ) -> int:
     """Run ``hook``; the process exit code (0: passed)."""
-    from perseus_operator.kube import HookApi, KubeError, LeaseApi, load_api_client
+    from perseus_operator.cluster.kube import HookApi, KubeError, LeaseApi, load_api_client
 
     def say(line: str) -> None:
         print(f"perseus-operator --hook {hook}: {line}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from perseus_api.errors import validation_summary
 from perseus_api.job import Policy
-from perseus_operator.leader_election import Timings
+from perseus_operator.cluster.leader_election import Timings
 
 PREFIX: Final = "PERSEUS_OPERATOR_"
 

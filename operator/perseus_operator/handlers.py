@@ -1,4 +1,4 @@
-"""kopf handlers: thin adapters from kopf's events to :mod:`perseus_operator.lifecycle`.
+"""kopf handlers: thin adapters from kopf's events to :mod:`perseus_operator.jobs.lifecycle`.
 
 Run with ``perseus-operator`` (or ``kopf run -m perseus_operator.handlers``). Settings come
 from ``PERSEUS_OPERATOR_*`` variables (:class:`~perseus_operator.config.OperatorConfig`), read
@@ -24,7 +24,7 @@ from perseus_api import resources
 from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
-from perseus_operator.cluster_index import (
+from perseus_operator.cluster.cluster_index import (
     IndexedJobIO,
     IndexedObject,
     PlanWrites,
@@ -32,15 +32,15 @@ from perseus_operator.cluster_index import (
     pod_entries,
     workload_entries,
 )
+from perseus_operator.cluster.kube import WORKLOAD_RESOURCES, KubeClient, load_api_client
 from perseus_operator.config import OperatorConfig
-from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
-from perseus_operator.job_release import RELEASE_PENDING, decide_release
-from perseus_operator.kube import WORKLOAD_RESOURCES, KubeClient, load_api_client
-from perseus_operator.lifecycle import JobMemo, Outcome, force_release, reconcile, release
+from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION
+from perseus_operator.jobs.job_release import RELEASE_PENDING, decide_release
+from perseus_operator.jobs.lifecycle import JobMemo, Outcome, force_release, reconcile, release
+from perseus_operator.jobs.planner_pool import CachingPlanner, PoolPlanner
 from perseus_operator.metrics import OperatorMetrics
-from perseus_operator.objects import owner_reference
-from perseus_operator.planner_pool import CachingPlanner, PoolPlanner
-from perseus_operator.policy_controller import PolicyController
+from perseus_operator.policies.policy_controller import PolicyController
+from perseus_operator.workloads.objects import owner_reference
 
 CONFIG: Final = OperatorConfig.from_env()
 DEFAULT_POLICY: Final = CONFIG.default_policy_fields()
@@ -150,7 +150,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs)
 
 
-# What a reconcile reads, kept current by kopf's watches (perseus_operator.cluster_index);
+# What a reconcile reads, kept current by kopf's watches (perseus_operator.cluster.cluster_index);
 # each reaches every handler as the keyword argument of its function's name (_indexes). kopf
 # fills them (from its first listing) before it calls any handler.
 

@@ -4,7 +4,7 @@ Settings are ``PERSEUS_OPERATOR_*`` environment variables (see
 :class:`perseus_operator.config.OperatorConfig`); the command line chooses what to watch and
 the liveness endpoint. With ``PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE`` set, the process
 waits for the leader Lease before it starts kopf, and exits the moment it loses it
-(:mod:`perseus_operator.leader_election`). ``--hook`` runs one of the chart's Helm hooks
+(:mod:`perseus_operator.cluster.leader_election`). ``--hook`` runs one of the chart's Helm hooks
 instead (:mod:`perseus_operator.chart_hooks`).
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from perseus_api.extras import check_extra
+from perseus_operator.cluster.leader_election import Elector
 from perseus_operator.config import ConfigError, OperatorConfig
-from perseus_operator.leader_election import Elector
 
 log = logging.getLogger("perseus_operator")
 LOST_LEASE_EXIT_CODE = 3
@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "PerseusPolicy and PerseusJob and waits until the running operator has reset their "
         "GPUs; test checks the release (CRDs served, operator leading and renewing)",
     )
-    webhook = parser.add_argument_group("pod injection webhook (perseus_operator.injection)")
+    webhook = parser.add_argument_group(
+        "pod injection webhook (perseus_operator.webhook.injection)"
+    )
     webhook.add_argument(
         "--webhook-address",
         default="",
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _elector(config: OperatorConfig) -> Elector:
-    from perseus_operator.kube import LeaseApi, load_api_client
+    from perseus_operator.cluster.kube import LeaseApi, load_api_client
 
     kubeconfig = config.kubeconfig or os.environ.get("KUBECONFIG", "")
     store = LeaseApi(
@@ -97,9 +99,9 @@ def _elector(config: OperatorConfig) -> Elector:
 
 def _start_webhook(args: argparse.Namespace, config: OperatorConfig) -> None:
     """Serve the injection webhook (before the election: standbys serve it too)."""
-    from perseus_operator.injection import InjectionConfig
-    from perseus_operator.injection_server import InjectionServer
-    from perseus_operator.kube import PerseusJobLister, load_api_client
+    from perseus_operator.cluster.kube import PerseusJobLister, load_api_client
+    from perseus_operator.webhook.injection import InjectionConfig
+    from perseus_operator.webhook.injection_server import InjectionServer
 
     host, sep, port = args.webhook_address.rpartition(":")
     if not sep or not port.isdigit():
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     perseus_operator.handlers.watch_namespaces(args.namespace)
     if args.webhook_address:
-        from perseus_operator.kube import KubeError
+        from perseus_operator.cluster.kube import KubeError
 
         try:
             _start_webhook(args, config)

@@ -263,7 +263,7 @@ def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
     """During a rolling upgrade agents of both spellings write statuses: the CRD's schema
     (generated from NodePlanStatus) prunes neither's keys, adds no defaults beside them, and
     still refuses a wrongly typed field."""
-    from perseus_agent.plan_status import report_status
+    from perseus_agent.plans.plan_status import report_status
     from perseus_api.node_report import NodePlanStatus
     from support.factories import OLD_AGENT_STATUS, merge_patch, node_report
 

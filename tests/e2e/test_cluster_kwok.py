@@ -37,7 +37,7 @@ from typing import Any
 import kubernetes
 
 from perseus_api import resources
-from perseus_operator.workloads import (
+from perseus_operator.workloads.ranks import (
     COMPLETION_INDEX,
     JOBSET_JOB_INDEX,
     JOBSET_NAME,

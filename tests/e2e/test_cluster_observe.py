@@ -30,7 +30,7 @@ import pytest
 
 from perseus_api import resources
 from perseus_api.job import PerseusJobSpec
-from perseus_operator.profile_source import (
+from perseus_operator.jobs.profile_source import (
     BLOCKING_POWER_KEY,
     GPU_PRODUCT_LABEL,
     MODEL_LABEL,

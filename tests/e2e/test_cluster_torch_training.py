@@ -4,7 +4,7 @@ in Kubernetes mode on emulated GPUs, and real ``torch.distributed.pipelining`` p
 ``perseus_client.torch``.
 
 Each replica runs on its own node; each rank's stage computes on its node's emulated GPU,
-padded to the profile's time at the clock its agent locked (``perseus_agent.emulated_torch``),
+padded to the profile's time at the clock its agent locked (``perseus_emulation.torch_stage``),
 so the plan changes how long the real processes take. One scenario, as a user meets it:
 profiling measured from the real processes, the Instruction plan applied computation by
 computation (no ``schedule_mismatch``), then one node's GPUs slowed: the straggler replica is
@@ -30,9 +30,9 @@ import pytest
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.profile import parse_profile
-from perseus_operator.phase_decisions import profile_config_map_name
-from perseus_operator.profile_source import PROFILE_KEY
-from perseus_operator.workloads import (
+from perseus_operator.jobs.phase_decisions import profile_config_map_name
+from perseus_operator.jobs.profile_source import PROFILE_KEY
+from perseus_operator.workloads.ranks import (
     GPU_RESOURCE,
     PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,

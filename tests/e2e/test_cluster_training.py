@@ -9,7 +9,7 @@ Set-up (see ``conftest.py`` for the control plane and the chart):
   the training pod was given;
 - a PyTorchJob (a stand-in object: no training operator runs here) and its Master and Worker
   pods, one per node, bound to the nodes and marked Running as a kubelet would;
-- the training itself: ``python -m perseus_agent.emulated_job``, all 2 x 4 ranks of a
+- the training itself: ``python -m perseus_emulation.job``, all 2 x 4 ranks of a
   data-parallel x pipeline-parallel 1F1B job with the real pipeline dependencies, calling
   the node agents through ``perseus_client`` and writing one JSON record per iteration
   (replica times, the GPUs' energy counters);
@@ -42,10 +42,10 @@ from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.job import Granularity, Policy, ScheduleName
 from perseus_api.profile import Profile, parse_profile
-from perseus_operator.phase_decisions import profile_config_map_name
-from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier
-from perseus_operator.profile_source import BLOCKING_POWER_KEY, PROFILE_KEY
-from perseus_operator.workloads import PYTORCH_CONTAINER
+from perseus_operator.jobs.phase_decisions import profile_config_map_name
+from perseus_operator.jobs.planning import PlanningInput, choose_plan, solve_frontier
+from perseus_operator.jobs.profile_source import BLOCKING_POWER_KEY, PROFILE_KEY
+from perseus_operator.workloads.ranks import PYTORCH_CONTAINER
 from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs

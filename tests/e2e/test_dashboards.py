@@ -4,7 +4,7 @@ Set-up, all real processes except the Kubernetes API (kmock, in memory) and the 
 
 - a ``perseus-node-agent`` (standalone, three emulated GPUs): GPU 0 and GPU 1 follow a plan as
   data-parallel replicas 0 and 1 of job ``ml/gpt3``, GPU 2 follows none;
-- two emulated training ranks (``python -m perseus_agent.emulated_rank``) on GPUs 0 and 1
+- two emulated training ranks (``python -m perseus_emulation.rank``) on GPUs 0 and 1
   calling the agent through ``perseus_client``; replica 1 idles a little longer per
   iteration (a straggler);
 - the operator (``perseus-operator``) against kmock, with job ``ml/gpt3`` Running (profiled,
@@ -237,7 +237,7 @@ def start_rank(agent: Agent, gpu: int, bubble_s: float, log: Path) -> subprocess
             [
                 sys.executable,
                 "-m",
-                "perseus_agent.emulated_rank",
+                "perseus_emulation.rank",
                 f"--state-file={agent.gpu_state}",
                 f"--num-gpus={agent.num_gpus}",
                 f"--gpu-index={gpu}",

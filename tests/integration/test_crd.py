@@ -260,7 +260,7 @@ def test_conversions() -> None:
 
 
 def test_node_plan_status_is_the_agents_model_and_keeps_an_older_agents_keys() -> None:
-    from perseus_agent.plan_status import invalid_status, report_status
+    from perseus_agent.plans.plan_status import invalid_status, report_status
     from support.factories import OLD_AGENT_STATUS, merge_patch, node_report
 
     status = _at(_open_api_schema(crd.get_node_plan_crd()), "status")

@@ -480,8 +480,8 @@ def test_agent_host_paths_hold_the_socket_and_the_reset_state() -> None:
 
 
 def test_agent_flags_are_what_the_agent_accepts() -> None:
-    from perseus_agent.agent_config import check_args
     from perseus_agent.main import build_parser
+    from perseus_agent.modes.agent_config import check_args
 
     for values in VALUE_SETS.values():
         rendered = render(values)

@@ -3,8 +3,8 @@ nothing extra.
 
 The calls are listed below as data, each with the code that makes it. Two checks keep the list
 honest: every Kubernetes client method the components' API modules call (found by parsing
-``perseus_operator/kube.py`` and the modules of the package ``perseus_agent/kube/``) must be in
-the list, and the workload kinds and resource names come from the code's own constants. The
+``perseus_operator/cluster/kube.py`` and the modules of the package ``perseus_agent/kube/``) must be
+in the list, and the workload kinds and resource names come from the code's own constants. The
 permissions are computed from the rendered ClusterRoles, Roles and their bindings, and must
 equal the list.
 """
@@ -22,7 +22,7 @@ import pytest
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
-from perseus_operator.kube import WORKLOAD_RESOURCES
+from perseus_operator.cluster.kube import WORKLOAD_RESOURCES
 from support.helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 
 ALL = "*"  # a ClusterRoleBinding: every namespace, and cluster-scoped resources
@@ -49,12 +49,14 @@ class Call:
 
 def _workload_calls(verb: str, method: str) -> list[Call]:
     return [
-        Call(verb, group, plural, False, f"perseus_operator/kube.py {method} ({kind.value})")
+        Call(
+            verb, group, plural, False, f"perseus_operator/cluster/kube.py {method} ({kind.value})"
+        )
         for kind, (group, _version, plural) in WORKLOAD_RESOURCES.items()
     ]
 
 
-# Client methods of operator/perseus_operator/kube.py -> the calls they make.
+# Client methods of operator/perseus_operator/cluster/kube.py -> the calls they make.
 OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
     "list_namespaced_pod": [Call("list", "", "pods", False, "KubeClient.list_pods")],
     "get_namespaced_custom_object": _workload_calls("get", "get_workload"),

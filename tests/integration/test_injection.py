@@ -17,9 +17,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from perseus_agent import tcp_server
+from perseus_agent.serving import tcp_server
 from perseus_client import transport
-from perseus_operator.injection import (
+from perseus_operator.webhook.injection import (
     ADDRESS_ENV,
     CLIENT_LABEL,
     INJECTED_ANNOTATION,
@@ -29,7 +29,7 @@ from perseus_operator.injection import (
     selecting_job,
     target_containers,
 )
-from perseus_operator.injection_server import InjectionServer
+from perseus_operator.webhook.injection_server import InjectionServer
 
 CONFIG = InjectionConfig(agent_port=7460)
 

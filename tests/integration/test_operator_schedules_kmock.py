@@ -20,7 +20,7 @@ import pytest
 from perseus_api import resources
 from perseus_api.profile import Measurements, Profile, parse_profile
 from perseus_api.schedule import Schedule, Step, gpu_computation_order
-from perseus_operator.profile_source import PIPELINE_KEY, PROFILE_KEY
+from perseus_operator.jobs.profile_source import PIPELINE_KEY, PROFILE_KEY
 from perseus_planner.model_stages import derive_profile
 from support.kmock_server import KmockServer
 from support.operator_harness import (

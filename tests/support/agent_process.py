@@ -250,11 +250,11 @@ def run_emulated_rank(
     bubble_s: float = 0.0,
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """Run ``python -m perseus_agent.emulated_rank`` as rank 0 on the agent's GPU 0; return
+    """Run ``python -m perseus_emulation.rank`` as rank 0 on the agent's GPU 0; return
     what it printed (``step_times_s``, ``busy_s``)."""
     done = subprocess.run(
         [
-            sys.executable, "-m", "perseus_agent.emulated_rank",
+            sys.executable, "-m", "perseus_emulation.rank",
             f"--state-file={agent.gpu_state}", f"--num-gpus={agent.num_gpus}",
             f"--node-name={NODE}", f"--profile={PROFILE}",
             f"--blocking-power={blocking_power_w}", f"--stage={stage}", f"--stages={stages}",

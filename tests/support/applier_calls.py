@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.control.applier import PlanApplier
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api.node_plan import NodePlan
 from support.factories import pipeline_plan_fields
 

@@ -1,4 +1,4 @@
-"""The end-to-end tests' training: ``perseus_agent.emulated_job``, all 2 x 4 ranks of a
+"""The end-to-end tests' training: ``perseus_emulation.job``, all 2 x 4 ranks of a
 data-parallel x pipeline-parallel 1F1B job over the nodes' emulated GPUs (the bundled GPT-3 /
 A100 profile's first four stages), and what its iteration records say."""
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.emulated_job import OVERHEADS
+from perseus_emulation.job import OVERHEADS
 from support.agent_process import Agent, source_env
 from support.operator_harness import cut_profile
 
@@ -82,7 +82,7 @@ def host_stalled(window: Window) -> bool:
 
 
 class Training:
-    """``perseus_agent.emulated_job`` over the nodes' emulated GPUs, until :meth:`stop`."""
+    """``perseus_emulation.job`` over the nodes' emulated GPUs, until :meth:`stop`."""
 
     def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
         self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
@@ -100,7 +100,7 @@ class Training:
         with self.out.open("wb") as out:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "perseus_agent.emulated_job",
+                    sys.executable, "-m", "perseus_emulation.job",
                     f"--profile={profile}", f"--blocking-power={BLOCKING_W}",
                     f"--stages={STAGES}", f"--replicas={REPLICAS}",
                     f"--microbatches={MICROBATCHES}", f"--time-scale={TIME_SCALE}",

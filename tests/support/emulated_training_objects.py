@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from perseus_api import resources
-from perseus_operator.workloads import (
+from perseus_operator.workloads.ranks import (
     GPU_RESOURCE,
     PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,

@@ -1,4 +1,4 @@
-"""The agent's :class:`~perseus_agent.client_dispatch.ClientHandler` for the socket servers'
+"""The agent's :class:`~perseus_agent.serving.client_dispatch.ClientHandler` for the socket servers'
 and the client's tests: it records every request and answers with fixed clocks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_client.protocol import (
     HelloRequest,
     InstructionBeginRequest,

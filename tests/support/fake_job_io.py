@@ -1,4 +1,4 @@
-"""The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster, and the node
+"""The :class:`~perseus_operator.jobs.job_observation.JobIO` of an in-memory cluster, and the node
 agents' side of it: the reports they write on the node plans of :mod:`support.lifecycle_job`'s
 job."""
 
@@ -14,14 +14,14 @@ from typing import Any
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.node_report import RankReport
-from perseus_operator.kube import KubeError
-from perseus_operator.running_decisions import expected_iteration_s
+from perseus_operator.cluster.kube import KubeError
+from perseus_operator.jobs.running_decisions import expected_iteration_s
 from support.lifecycle_job import JOB, NODES, NS, PROFILE
 from support.operator_harness import agent_status, profiled
 
 
 class FakeCluster:
-    """The :class:`~perseus_operator.job_observation.JobIO` of an in-memory cluster."""
+    """The :class:`~perseus_operator.jobs.job_observation.JobIO` of an in-memory cluster."""
 
     def __init__(self) -> None:
         self.pods: list[dict[str, Any]] = []

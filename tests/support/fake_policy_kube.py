@@ -1,10 +1,10 @@
-"""The API as the policy controller (:mod:`perseus_operator.policy_controller`) calls it, in
-memory, and a policy for it to apply."""
+"""The API as the policy controller (:mod:`perseus_operator.policies.policy_controller`) calls it,
+in memory, and a policy for it to apply."""
 
 from __future__ import annotations
 
 from perseus_api.job import WorkloadKind
-from perseus_operator.kube import KubeError
+from perseus_operator.cluster.kube import KubeError
 from support.workload_objects import NAMESPACES, Obj
 
 

@@ -22,7 +22,7 @@ import kubernetes
 import pytest
 
 from perseus_api import resources
-from perseus_operator.workloads import GPU_RESOURCE, PYTORCH_CONTAINER
+from perseus_operator.workloads.ranks import GPU_RESOURCE, PYTORCH_CONTAINER
 from support.cluster_harness import (
     OPERATOR_SA,
     WORKLOAD_KINDS,

@@ -40,7 +40,7 @@ from perseus_api.node_report import (
     status_document,
 )
 from perseus_api.profile import Profile, parse_profile
-from perseus_operator.running_decisions import expected_iteration_s
+from perseus_operator.jobs.running_decisions import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
 from support.agent_process import REPO_ROOT, source_env
 

@@ -2,12 +2,12 @@
 
 :class:`ScheduleAgents` follows a job's node plans on kmock like
 :class:`operator_harness.SimulatedAgents`, but each node is the real agent's
-:class:`~perseus_agent.applier.PlanApplier` (its profiler, its plan matching) on emulated
+:class:`~perseus_agent.control.applier.PlanApplier` (its profiler, its plan matching) on emulated
 GPUs whose computations take the ``truth`` profile's time and power, and every training rank
 is played through the applier's local-server handler with protocol-v2 requests
 (:mod:`perseus_client.protocol`): the rank runs its stage's computations in ``order_of``'s
 order (torch's, where the test has torch), naming each one's chunk with virtual stages. The
-node plan's status is what the agent writes (:func:`perseus_agent.plan_status.report_status`).
+node plan's status is what the agent writes (:func:`perseus_agent.plans.plan_status.report_status`).
 
 Time is simulated (the sampler is sampled by hand at every edge, as in the profiler's unit
 tests), so a whole profiling sweep takes milliseconds and the measurements are exact.
@@ -19,14 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.gpu_ownership import LocalRankIndexOwnership
-from perseus_agent.plan_status import report_status
-from perseus_agent.profiler import EnergySampler
-from perseus_agent.reset_state import ResetState
+from perseus_agent.ownership.gpu_ownership import LocalRankIndexOwnership
+from perseus_agent.plans.plan_status import report_status
+from perseus_agent.profiling.profiler import EnergySampler
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api import resources
 from perseus_api.node_plan import GpuAssignment, NodePlan
 from perseus_api.profile import Profile

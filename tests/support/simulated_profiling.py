@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiler import EnergySampler
-from perseus_agent.reset_state import ResetState
+from perseus_agent.profiling.profiler import EnergySampler
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
 from support.applier_calls import NODE, STAGE0_SCHEDULE, hello, pipeline_fields, session

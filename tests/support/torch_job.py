@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.client_dispatch import ClientSession
-from perseus_agent.local_server import LocalServer
+from perseus_agent.serving.client_dispatch import ClientSession
+from perseus_agent.serving.local_server import LocalServer
 from perseus_client.protocol import (
     HelloRequest,
     InstructionBeginRequest,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.plan_status import invalid_status, report_status, stopped_status
+from perseus_agent.plans.plan_status import invalid_status, report_status, stopped_status
 from perseus_api import resources
 from perseus_api.node_report import (
     GpuProfilingReport,
@@ -21,7 +21,7 @@ from perseus_api.node_report import (
     status_document,
     wire_name,
 )
-from perseus_operator.node_status import node_plan_status
+from perseus_operator.jobs.node_status import node_plan_status
 from support.factories import OLD_AGENT_STATUS, merge_patch, node_report
 
 SNAKE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)+$")
@@ -135,7 +135,7 @@ def test_a_malformed_status_is_reported_once_not_crashed_on(
 ) -> None:
     plan = _plan(status)
     plan["metadata"]["resourceVersion"] = f"{id(status)}"
-    with caplog.at_level(logging.WARNING, logger="perseus_operator.node_status"):
+    with caplog.at_level(logging.WARNING, logger="perseus_operator.jobs.node_status"):
         assert node_plan_status(plan) == NodePlanStatus()
         assert node_plan_status(plan) == NodePlanStatus()  # the same version: not logged again
     [record] = caplog.records

@@ -10,9 +10,9 @@ a NodePlan, status the agent's report.
 - :mod:`perseus_agent.kube.report_writer`: the status writes;
 - :mod:`perseus_agent.kube.node`: this node's own object (a label) and its pods.
 
-What the agent does with the plans is :mod:`perseus_agent.job_plans` (one applier per plan,
-the GPUs arbitrated by :mod:`perseus_agent.gpu_arbitration`); the status documents are
-:mod:`perseus_agent.plan_status`.
+What the agent does with the plans is :mod:`perseus_agent.plans.job_plans` (one applier per plan,
+the GPUs arbitrated by :mod:`perseus_agent.plans.gpu_arbitration`); the status documents are
+:mod:`perseus_agent.plans.plan_status`.
 """
 
 from __future__ import annotations

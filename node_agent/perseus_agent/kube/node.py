@@ -1,7 +1,7 @@
 """This node's own objects from the Kubernetes API: one of its labels, and its pods.
 
 - :class:`NodeLabelSource` reads this node's object every few seconds for one label, the GPU
-  Operator's driver upgrade state (:mod:`perseus_agent.driver_upgrade`), and calls back when
+  Operator's driver upgrade state (:mod:`perseus_agent.modes.driver_upgrade`), and calls back when
   it changes. Needs RBAC: ``get`` on ``nodes``.
 - :class:`NodePodLister` lists this node's pods for the TCP listener. Needs RBAC: ``list`` on
   ``pods`` in all namespaces.
@@ -107,8 +107,8 @@ POD_LIST_TIMEOUT_S: Final = 5.0
 
 class NodePodLister:
     """Lists this node's pods (API JSON), for the TCP listener's address book
-    (:mod:`perseus_agent.tcp_server`). Needs RBAC: ``list`` on ``pods`` in all namespaces (the
-    field selector cannot be required by RBAC)."""
+    (:mod:`perseus_agent.serving.tcp_server`). Needs RBAC: ``list`` on ``pods`` in all namespaces
+    (the field selector cannot be required by RBAC)."""
 
     def __init__(self, api: Any, node_name: str) -> None:
         self._api = api

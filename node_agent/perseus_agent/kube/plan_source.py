@@ -9,7 +9,7 @@ watch ends, expires (410 Gone: it lists again and reports what changed meanwhile
 and ``watch`` on ``perseusnodeplans.perseus.energy`` in all namespaces.
 
 It delivers the objects of its first listing in ``creationTimestamp`` order, so that
-:func:`perseus_agent.gpu_arbitration.arbitrate_gpus` gives a restarted agent the same winners.
+:func:`perseus_agent.plans.gpu_arbitration.arbitrate_gpus` gives a restarted agent the same winners.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 From a background thread: latest report wins, unchanged reports are not re-sent, conflicts,
 throttling, server errors and connection errors are retried a bounded number of times, and
 nothing raises into the agent loop. Needs RBAC: ``patch`` on ``perseusnodeplans/status``. The
-documents it writes are :mod:`perseus_agent.plan_status`'s.
+documents it writes are :mod:`perseus_agent.plans.plan_status`'s.
 """
 
 from __future__ import annotations

@@ -216,10 +216,10 @@ def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
 def test_gpu_ownership_is_the_kubelets_unless_said_otherwise(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    from perseus_agent.agent_config import check_args
-    from perseus_agent.gpu_ownership import KubeletOwnership, LocalRankIndexOwnership
-    from perseus_agent.kubernetes_mode import choose_ownership
     from perseus_agent.main import build_parser
+    from perseus_agent.modes.agent_config import check_args
+    from perseus_agent.modes.kubernetes_mode import choose_ownership
+    from perseus_agent.ownership.gpu_ownership import KubeletOwnership, LocalRankIndexOwnership
 
     monkeypatch.delenv("PERSEUS_GPU_OWNERSHIP", raising=False)
     monkeypatch.delenv("PERSEUS_POD_RESOURCES_SOCKET", raising=False)

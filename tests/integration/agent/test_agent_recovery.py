@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus_agent.reset_state import LOCK_FILENAME, STATE_FILENAME
+from perseus_agent.clocks.reset_state import LOCK_FILENAME, STATE_FILENAME
 from support.agent_process import (
     NODE,
     TIMEOUT_S,

@@ -41,7 +41,7 @@ def run(fake: FakeNvml, code: str, **config: Any) -> dict[str, Any]:
     script = (
         "import json\n"
         "from perseus_agent.gpu.nvml import NvmlBackend\n"
-        "from perseus_agent.clock_owners import ClockOwnerGuard, ForeignClockPolicy\n"
+        "from perseus_agent.clocks.clock_owners import ClockOwnerGuard, ForeignClockPolicy\n"
         "from perseus_agent.errors import GpuError\n"
         "out = {}\n" + textwrap.dedent(code) + "\nprint('OUT=' + json.dumps(out))\n"
     )

@@ -2,7 +2,7 @@
 node says the driver is being replaced, the agent resets its clocks, releases NVML, says so in
 its plans' status and its metrics, and takes the GPUs back afterwards.
 
-The decision is pure (:mod:`perseus_agent.driver_upgrade`); the release is checked through the
+The decision is pure (:mod:`perseus_agent.modes.driver_upgrade`); the release is checked through the
 real nvidia-ml-py bindings on the emulated ``libnvidia-ml.so.1``
 (``tests/support/fake_nvml.py``), and
 end to end with the real agent process (NVML backend on that library) against an emulated API
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.driver_upgrade import (
+from perseus_agent.modes.driver_upgrade import (
     HOLD_STATES,
     RELEASE_STATES,
     UPGRADE_STATE_LABEL,
@@ -297,12 +297,12 @@ class _Writer:
 def test_the_gate_holds_plan_changes_and_retries_a_driver_that_is_not_back(
     tmp_path: Path,
 ) -> None:
-    from perseus_agent.clock_owners import ClockOwnerGuard
-    from perseus_agent.driver_release import DriverUpgradeGate
+    from perseus_agent.clocks.clock_owners import ClockOwnerGuard
+    from perseus_agent.clocks.reset_state import ResetState
     from perseus_agent.errors import GpuLibraryNotFoundError
     from perseus_agent.gpu.releasable import ReleasableBackend
-    from perseus_agent.job_plans import JobPlans
-    from perseus_agent.reset_state import ResetState
+    from perseus_agent.modes.driver_release import DriverUpgradeGate
+    from perseus_agent.plans.job_plans import JobPlans
     from support.fake_gpu import FakeBackend
 
     hardware = FakeBackend(num_gpus=2)

@@ -20,7 +20,10 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.emulated_job import (
+from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_api.profile import Profile
+from perseus_api.schedule import BACKWARD, FORWARD, stage_instruction_order
+from perseus_emulation.job import (
     OVERHEADS,
     EmulatedJob,
     EmulatedJobError,
@@ -29,9 +32,6 @@ from perseus_agent.emulated_job import (
     RankInfo,
     main,
 )
-from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_api.profile import Profile
-from perseus_api.schedule import BACKWARD, FORWARD, stage_instruction_order
 from perseus_planner import Baseline, build_pipeline_dag, build_problem, max_frequency_baseline
 from support.operator_harness import cut_profile, profile_of
 
@@ -601,7 +601,7 @@ def test_cli_runs_until_sigterm_while_the_log_is_tailed(
         [
             sys.executable,
             "-m",
-            "perseus_agent.emulated_job",
+            "perseus_emulation.job",
             *cli_args(profile_csv, tmp_path, "--log", str(log)),
         ],
         env=process_env,

@@ -1,4 +1,4 @@
-"""perseus_agent.emulated_torch: a stage's computations marked busy on the emulated GPU."""
+"""perseus_emulation.torch_stage: a stage's computations marked busy on the emulated GPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.emulated_torch import emulate_stage
 from perseus_agent.gpu.emulated import EmulatedBackend
+from perseus_emulation.torch_stage import emulate_stage
 from support.agent_process import PROFILE
 
 

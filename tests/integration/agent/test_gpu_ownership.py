@@ -18,17 +18,21 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from perseus_agent.client_dispatch import ClientSession, RequestError
+from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.gpu_ownership import (
+from perseus_agent.ownership.gpu_ownership import (
     KubeletOwnership,
     bind_to_allocations,
     pod_uid_of_pid,
 )
-from perseus_agent.job_plans import JobPlans
-from perseus_agent.local_server import LocalServer
-from perseus_agent.pod_resources import PodDevices, PodResourcesClient, decode_list_response
-from perseus_agent.reset_state import ResetState
+from perseus_agent.ownership.pod_resources import (
+    PodDevices,
+    PodResourcesClient,
+    decode_list_response,
+)
+from perseus_agent.plans.job_plans import JobPlans
+from perseus_agent.serving.client_dispatch import ClientSession, RequestError
+from perseus_agent.serving.local_server import LocalServer
 from perseus_api.node_plan import NodePlan
 from perseus_client import PerseusClient
 from perseus_client.protocol import decode_reply, encode_request, hello_request
@@ -393,7 +397,7 @@ def test_the_peer_is_told_by_its_address_over_the_agent_tcp_listener(
 ) -> None:
     # This test process plays pod a-0's training process, whose pod IP is 127.0.0.1 in the
     # node's pod list (the listener binds loopback); no cgroup, no pid: the address decides.
-    from perseus_agent.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
+    from perseus_agent.serving.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
 
     pod = {
         "metadata": {
@@ -442,7 +446,7 @@ def test_a_standalone_agent_refuses_gpus_named_by_process_only(
     backend: EmulatedBackend, tmp_path: Path
 ) -> None:
     # Without a kubelet nothing says which GPU a pod's local rank is: never guessed.
-    from perseus_agent.applier import PlanApplier
+    from perseus_agent.control.applier import PlanApplier
 
     applier = PlanApplier(backend, ResetState(tmp_path), NODE)
     report = applier.apply(PLAN_A)

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.client_dispatch import ClientSession
-from perseus_agent.gpu_arbitration import arbitrate_gpus
-from perseus_agent.job_plans import JobPlans
+from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.kube.plan_source import NodePlanSource
 from perseus_agent.kube.report_writer import ReportWriter
-from perseus_agent.plan_status import invalid_status, report_status
-from perseus_agent.reset_state import ResetState
+from perseus_agent.plans.gpu_arbitration import arbitrate_gpus
+from perseus_agent.plans.job_plans import JobPlans
+from perseus_agent.plans.plan_status import invalid_status, report_status
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import GpuStatus

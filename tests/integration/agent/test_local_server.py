@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.client_dispatch import (
+from perseus_agent.serving.client_dispatch import (
     MAX_EVENT_AGE_NS,
     ClientSession,
     RequestError,
     event_time_ns,
 )
-from perseus_agent.local_server import LocalServer
-from perseus_agent.socket_file import LocalServerError
+from perseus_agent.serving.local_server import LocalServer
+from perseus_agent.serving.socket_file import LocalServerError
 from perseus_client.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -480,7 +480,7 @@ def test_stop_does_not_wait_forever_for_a_stuck_handler(
     assert client.ask(HELLO)["ok"] is True
     client.send(b'{"op": "instruction_begin", "name": "forward"}\n')
     assert handler.entered.wait(5)
-    with caplog.at_level(logging.WARNING, logger="perseus_agent.local_server"):
+    with caplog.at_level(logging.WARNING, logger="perseus_agent.serving.local_server"):
         started = time.monotonic()
         srv.stop(timeout=0.2)
         assert time.monotonic() - started < 1.0

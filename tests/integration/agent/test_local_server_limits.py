@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from perseus_agent.local_server import LocalServer
-from perseus_agent.socket_limits import Limits, make_room
+from perseus_agent.serving.local_server import LocalServer
+from perseus_agent.serving.socket_limits import Limits, make_room
 from perseus_client import PerseusClient
 from perseus_client.protocol import encode_reply
 from support.fake_client_handler import Handler

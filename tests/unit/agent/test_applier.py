@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.applier import PlanApplier
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
 from perseus_agent.gpu.base import GpuInfo
-from perseus_agent.local_server import LocalServer
-from perseus_agent.profiler import EnergySampler, profile_csv
-from perseus_agent.reset_state import ResetState
+from perseus_agent.profiling.profiler import EnergySampler, profile_csv
+from perseus_agent.serving.local_server import LocalServer
 from perseus_api.node_plan import NodePlan, ProfilingSpec
 from perseus_api.node_report import GpuStatus, NodeReport
 from perseus_api.profile import parse_profile

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.log_limit import DEFAULT_BURST, RateLimitedLog
-from perseus_agent.reset_state import ResetState
+from perseus_agent.serving.client_dispatch import ClientSession
 from support.applier_calls import NODE, begin, gpu, hello, node_plan, session, step_begin
 from support.fake_gpu import FakeBackend
 
@@ -149,7 +149,7 @@ def test_out_of_order_instructions_log_a_bounded_number_of_warnings(
     s = session()
     hello(applier, s, uuids=["GPU-0"])
     step_begin(applier, s)
-    with caplog.at_level(logging.WARNING, logger="perseus_agent.instruction_clocks"):
+    with caplog.at_level(logging.WARNING, logger="perseus_agent.control.instruction_clocks"):
         for _ in range(25_000):
             begin(applier, s, "backward", 0)  # the plan always expects something else here
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiler import StageProfiler
-from perseus_agent.reset_state import ResetState
+from perseus_agent.profiling.profiler import StageProfiler
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import INSTRUCTIONS, parse_profile
 from perseus_api.schedule import Step, gpu_computation_order
-from perseus_operator.planning import gather_profile
+from perseus_operator.jobs.planning import gather_profile
 from perseus_planner.model_stages import schedule_profile
 from support.factories import pipeline_plan_fields, profiling_report
 from support.fake_gpu import FakeBackend

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 from prometheus_client.samples import Sample
 
-from perseus_agent.applier import PlanApplier
-from perseus_agent.client_dispatch import ClientSession
-from perseus_agent.clock_owners import (
+from perseus_agent.clocks.clock_owners import (
     ClockOwnerGuard,
     ForeignClockPolicy,
     ForeignClocks,
     classify,
 )
+from perseus_agent.clocks.reset_state import ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import GpuForeignClocksError
 from perseus_agent.exporter import AgentMetrics, GpuCollector
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.reset_state import ResetState
+from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import GpuStatus
 from perseus_api.profile import load_profile
@@ -222,7 +222,7 @@ def test_instruction_granularity_retries_each_iteration_but_logs_a_few_lines(
     hello = {"op": "hello", "version": 1, "rank": 1, "gpu_uuids": [f"GPU-emu-{NODE}-1"]}
     assert applier.hello(session, hello, 0)["managed"] is True  # type: ignore[arg-type]
     iterations = 50
-    with caplog.at_level(logging.ERROR, logger="perseus_agent.gpu_clocks"):
+    with caplog.at_level(logging.ERROR, logger="perseus_agent.control.gpu_clocks"):
         for _ in range(iterations):
             applier.step_begin(session, {"op": "step_begin", "step": 1}, 0)
     assert applier.metrics.error_count("foreign_clocks") >= iterations  # every one counted

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("google.protobuf")
 
-from perseus_agent.pod_resources import (
+from perseus_agent.ownership.pod_resources import (
     ContainerDevices,
     PodDevices,
     PodResourcesClient,

@@ -11,7 +11,7 @@ import pytest
 
 from perseus_agent.errors import GpuLostError
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiler import EnergySampler, ProfileRow, StageProfiler, profile_csv
+from perseus_agent.profiling.profiler import EnergySampler, ProfileRow, StageProfiler, profile_csv
 from perseus_api.profile import Profile, parse_profile
 from support.profile_table import BLOCKING_W, PROFILE_CSV, TABLE
 from support.profiler_time import MS, SimTime, manual_sampler, ns

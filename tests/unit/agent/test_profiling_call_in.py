@@ -1,13 +1,13 @@
 """The operator tells a training process that never called in from one that did by the real
-agent's profiling report (:func:`perseus_operator.profiling_watch.called_in`): this pins the
-report fields it reads to what :class:`~perseus_agent.applier.PlanApplier` writes."""
+agent's profiling report (:func:`perseus_operator.jobs.profiling_watch.called_in`): this pins the
+report fields it reads to what :class:`~perseus_agent.control.applier.PlanApplier` writes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from perseus_api.node_report import GpuProfilingReport
-from perseus_operator.profiling_watch import called_in, profiling_progress
+from perseus_operator.jobs.profiling_watch import called_in, profiling_progress
 from support.simulated_profiling import Profiling
 
 

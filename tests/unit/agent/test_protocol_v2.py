@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.client_dispatch import ClientSession, RequestError
-from perseus_agent.local_server import LocalServer
+from perseus_agent.serving.client_dispatch import ClientSession, RequestError
+from perseus_agent.serving.local_server import LocalServer
 from perseus_client import PerseusClient, protocol
 from perseus_client.protocol import (
     HelloRequest,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.applier import PlanApplier
+from perseus_agent.clocks.reset_state import STATE_FILENAME, ResetState
+from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNotSupportedError
-from perseus_agent.reset_state import STATE_FILENAME, ResetState
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import GpuStatus
 from support.factories import pipeline_plan_fields
@@ -128,7 +128,7 @@ def test_corrupt_record_resets_every_gpu_and_is_rewritten(
     path = tmp_path / STATE_FILENAME
     path.write_text('{"version": 1, "gpus": [{"uuid": ')  # torn write
 
-    with caplog.at_level(logging.ERROR, logger="perseus_agent.reset_state"):
+    with caplog.at_level(logging.ERROR, logger="perseus_agent.clocks.reset_state"):
         result = ResetState(tmp_path).recover(backend)
 
     assert result.corrupt
@@ -233,7 +233,7 @@ def test_recovery_undoes_locks_the_new_backend_does_not_know_of(tmp_path: Path) 
 
 
 def test_state_dir_lock_is_exclusive_and_released(tmp_path: Path) -> None:
-    from perseus_agent.reset_state import LOCK_FILENAME, StateDirBusyError, StateDirLock
+    from perseus_agent.clocks.reset_state import LOCK_FILENAME, StateDirBusyError, StateDirLock
 
     first = StateDirLock.acquire(tmp_path / "state")  # creates the directory
     assert first.held
@@ -249,7 +249,7 @@ def test_state_dir_lock_is_exclusive_and_released(tmp_path: Path) -> None:
 
 
 def test_needs_recovery_only_with_recorded_or_unreadable_locks(tmp_path: Path) -> None:
-    from perseus_agent.reset_state import needs_recovery
+    from perseus_agent.clocks.reset_state import needs_recovery
 
     assert not needs_recovery(tmp_path / "missing")
     assert not (tmp_path / "missing").exists()  # creates nothing

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from perseus_agent.client_dispatch import ClientSession, RequestError
-from perseus_agent.tcp_server import (
+from perseus_agent.serving.client_dispatch import ClientSession, RequestError
+from perseus_agent.serving.tcp_server import (
     CLIENT_LABEL,
     PodAddressBook,
     TcpServer,

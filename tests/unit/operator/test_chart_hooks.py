@@ -11,7 +11,7 @@ from perseus_operator.chart_hooks import (
     missing_crds,
     release_test,
 )
-from perseus_operator.leader_election import LeaseRecord
+from perseus_operator.cluster.leader_election import LeaseRecord
 
 
 def crd(name: str, *, established: bool = True, version: str = "v1alpha1") -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Reconcile and policy rounds read pods and node plans from the watch indexes
-(:mod:`perseus_operator.cluster_index`), not from the API: a round with the indexes filled
+(:mod:`perseus_operator.cluster.cluster_index`), not from the API: a round with the indexes filled
 lists nothing; a job's own node plan writes are read back from the API until the index shows
 them; selectors select in the index as the API server does."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from perseus_api.job import LabelSelector
-from perseus_operator.cluster_index import (
+from perseus_operator.cluster.cluster_index import (
     IndexedJobIO,
     IndexedObject,
     PlanWrites,
@@ -21,11 +21,11 @@ from perseus_operator.cluster_index import (
     node_plan_entries,
     pod_entries,
 )
-from perseus_operator.lifecycle import JobMemo, Outcome, reconcile
-from perseus_operator.planner_pool import InlinePlanner
-from perseus_operator.planning import RETARGETED_PLAN
-from perseus_operator.policy_controller import PolicyController
-from perseus_operator.workloads import matches, parse_selector, render_selector
+from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile
+from perseus_operator.jobs.planner_pool import InlinePlanner
+from perseus_operator.jobs.planning import RETARGETED_PLAN
+from perseus_operator.policies.policy_controller import PolicyController
+from perseus_operator.workloads.ranks import matches, parse_selector, render_selector
 from support.fake_job_io import FakeCluster, profiling_reports, report_iterations
 from support.fake_policy_kube import FakeKube, policy
 from support.lifecycle_job import JOB, NS, job_body, pod
@@ -332,7 +332,7 @@ def test_policy_rounds_read_pods_from_the_index_once_kopf_has_filled_it() -> Non
 
 def test_a_workload_comes_from_the_index_else_from_the_api() -> None:
     from perseus_api.job import WorkloadKind
-    from perseus_operator.cluster_index import workload_entries
+    from perseus_operator.cluster.cluster_index import workload_entries
 
     api = FakeCluster()
     api.workloads[("ml", "asked")] = {"metadata": {"name": "asked"}, "status": {"from": "api"}}
@@ -358,7 +358,7 @@ def test_a_workload_comes_from_the_index_else_from_the_api() -> None:
 def test_the_plans_on_a_jobs_nodes_are_what_they_claim_not_their_pipeline_plans(
     cluster: WatchedCluster,
 ) -> None:
-    from perseus_operator.gpu_conflicts import claims_of_node_plans, planned_gpus
+    from perseus_operator.jobs.gpu_conflicts import claims_of_node_plans, planned_gpus
 
     op = IndexedOperator(cluster, job_body())
     op.step()  # the profiling plans, with the agents' reports on them

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from perseus_operator.gpu_conflicts import (
+from perseus_operator.jobs.gpu_conflicts import (
     GpuClaim,
     claims_of_node_plans,
     decide_gpu_conflict,

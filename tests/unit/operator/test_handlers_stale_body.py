@@ -11,7 +11,7 @@ import pytest
 
 from perseus_api.job import PerseusJobStatus, Phase
 from perseus_operator import handlers
-from perseus_operator.lifecycle import Outcome
+from perseus_operator.jobs.lifecycle import Outcome
 
 
 class Metrics:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from perseus_api.job import ConditionType, PerseusJobSpec, PerseusJobStatus, Phase, Stragglers
-from perseus_operator.job_decisions import (
+from perseus_operator.jobs.job_decisions import (
     ForgetDetector,
     JobRef,
     ReleaseNodePlans,
@@ -15,8 +15,8 @@ from perseus_operator.job_decisions import (
     decide_generation,
     decide_workload,
 )
-from perseus_operator.job_release import DeleteNodePlan, EmptyNodePlan, decide_release_step
-from perseus_operator.stragglers import RankSample, StragglerDetector
+from perseus_operator.jobs.job_release import DeleteNodePlan, EmptyNodePlan, decide_release_step
+from perseus_operator.jobs.stragglers import RankSample, StragglerDetector
 from support.lifecycle_job import NS, job_body, pod
 
 SPEC = PerseusJobSpec.model_validate(job_body()["spec"])

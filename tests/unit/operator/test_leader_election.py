@@ -8,9 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from perseus_operator.config import ConfigError, OperatorConfig
-from perseus_operator.kube import lease_object, lease_record
-from perseus_operator.leader_election import (
+from perseus_operator.cluster.kube import lease_object, lease_record
+from perseus_operator.cluster.leader_election import (
     Elector,
     LeaseRecord,
     Observation,
@@ -19,6 +18,7 @@ from perseus_operator.leader_election import (
     observe,
     released,
 )
+from perseus_operator.config import ConfigError, OperatorConfig
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 HELD = LeaseRecord("a", 15, T0, T0, 2, resource_version="7")

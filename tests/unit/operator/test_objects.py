@@ -1,8 +1,8 @@
-"""The operator's one reader of Kubernetes object fields (perseus_operator.objects)."""
+"""The operator's one reader of Kubernetes object fields (perseus_operator.workloads.objects)."""
 
 from __future__ import annotations
 
-from perseus_operator.objects import (
+from perseus_operator.workloads.objects import (
     INTEGER,
     get_path,
     labels_of,

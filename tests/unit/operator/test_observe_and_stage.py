@@ -1,6 +1,6 @@
 """Observe changes no clock, ever; Stage without client hooks never profiles for ever.
 
-Through :func:`perseus_operator.lifecycle.reconcile` against the in-memory cluster of
+Through :func:`perseus_operator.jobs.lifecycle.reconcile` against the in-memory cluster of
 :mod:`support.fake_job_io`: every node plan the operator ever writes is recorded
 (``FakeCluster.plans_written``), so "no clock moved" is "no node plan with a profiling sweep
 or a plan was ever written"."""
@@ -14,10 +14,14 @@ from typing import Any
 
 import pytest
 
-from perseus_operator.lifecycle import JobMemo, Outcome, reconcile
-from perseus_operator.phase_decisions import profile_config_map_name
-from perseus_operator.planner_pool import InlinePlanner
-from perseus_operator.profile_source import GPU_PRODUCT_LABEL, MODEL_LABEL, NODE_GPU_PRODUCT_LABEL
+from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile
+from perseus_operator.jobs.phase_decisions import profile_config_map_name
+from perseus_operator.jobs.planner_pool import InlinePlanner
+from perseus_operator.jobs.profile_source import (
+    GPU_PRODUCT_LABEL,
+    MODEL_LABEL,
+    NODE_GPU_PRODUCT_LABEL,
+)
 from support.fake_job_io import FakeCluster, profiling_reports
 from support.lifecycle_job import NS, job_body, pod
 

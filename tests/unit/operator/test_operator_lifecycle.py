@@ -1,4 +1,4 @@
-"""A PerseusJob's whole life through :func:`perseus_operator.lifecycle.reconcile`, against an
+"""A PerseusJob's whole life through :func:`perseus_operator.jobs.lifecycle.reconcile`, against an
 in-memory cluster: create → profile (agents played by the test) → optimize → plans written →
 straggler → re-target → recover → complete; plus the ways a job waits or fails."""
 
@@ -15,14 +15,19 @@ import pytest
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
-from perseus_operator.job_decisions import STRAGGLER_STATE_ANNOTATION
-from perseus_operator.job_release import RELEASE_PENDING, Release, ReleaseDecision, decide_release
-from perseus_operator.lifecycle import JobMemo, Outcome, reconcile, release
-from perseus_operator.phase_decisions import profile_config_map_name
-from perseus_operator.planner_pool import InlinePlanner
-from perseus_operator.planning import RETARGETED_PLAN, TMIN_PLAN
-from perseus_operator.running_decisions import planned_target_s, rank_samples
-from perseus_operator.workloads import RankPlacement
+from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION
+from perseus_operator.jobs.job_release import (
+    RELEASE_PENDING,
+    Release,
+    ReleaseDecision,
+    decide_release,
+)
+from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile, release
+from perseus_operator.jobs.phase_decisions import profile_config_map_name
+from perseus_operator.jobs.planner_pool import InlinePlanner
+from perseus_operator.jobs.planning import RETARGETED_PLAN, TMIN_PLAN
+from perseus_operator.jobs.running_decisions import planned_target_s, rank_samples
+from perseus_operator.workloads.ranks import RankPlacement
 from support.factories import pipeline_plan_fields
 from support.fake_job_io import FakeCluster, profiling_reports, report_iterations
 from support.lifecycle_job import GPUS_PER_POD, JOB, NS, STAGES, job_body, pod
@@ -701,7 +706,7 @@ def _deleting(cluster: FakeCluster, jobs: int) -> tuple[Any, list[Any]]:
 
 def _indexes(cluster: FakeCluster) -> dict[str, Any]:
     """The handlers' index arguments as kopf has them once the watch events are in."""
-    from perseus_operator.cluster_index import node_plan_entries
+    from perseus_operator.cluster.cluster_index import node_plan_entries
 
     plans: dict[Any, list[Any]] = {}
     for obj in cluster.node_plans.values():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from perseus_api.job import ScheduleName
-from perseus_operator.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner
-from perseus_operator.planning import PlanningError, PlanningInput
+from perseus_operator.jobs.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner
+from perseus_operator.jobs.planning import PlanningError, PlanningInput
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile
 
 

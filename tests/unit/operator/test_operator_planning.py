@@ -11,8 +11,8 @@ from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleNam
 from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PlanObjective
 from perseus_api.profile import load_profile, parse_profile
-from perseus_operator.node_status import node_plan_status
-from perseus_operator.planning import (
+from perseus_operator.jobs.node_status import node_plan_status
+from perseus_operator.jobs.planning import (
     RETARGETED_PLAN,
     TMIN_PLAN,
     UNIT_STEPS_PER_COMPUTATION,
@@ -28,7 +28,7 @@ from perseus_operator.planning import (
     profiling_clocks_mhz,
     solve_frontier,
 )
-from perseus_operator.workloads import RankPlacement
+from perseus_operator.workloads.ranks import RankPlacement
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
 from support.factories import profiling_report
 

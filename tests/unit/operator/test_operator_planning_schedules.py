@@ -13,8 +13,8 @@ from perseus_api import Granularity
 from perseus_api.job import PerseusJobSpec, Policy, ScheduleName
 from perseus_api.profile import Profile
 from perseus_api.schedule import Schedule, gpu_computation_order
-from perseus_operator.phase_decisions import profiling_placeholder_plan
-from perseus_operator.planning import PlanningInput, choose_plan, solve_frontier
+from perseus_operator.jobs.phase_decisions import profiling_placeholder_plan
+from perseus_operator.jobs.planning import PlanningInput, choose_plan, solve_frontier
 from perseus_planner import DEFAULT_PROFILE, bundled_profile, split_backward, split_virtual_stages
 
 REPO = Path(__file__).resolve().parents[3]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from perseus_api.job import Stragglers
-from perseus_operator.stragglers import (
+from perseus_operator.jobs.stragglers import (
     RankSample,
     StragglerDetector,
     StragglerVerdict,

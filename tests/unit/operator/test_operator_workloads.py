@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from perseus_api.job import LabelSelector, Parallelism, RankMapping, Workload, WorkloadKind
-from perseus_operator.workloads import (
+from perseus_operator.workloads.ranks import (
     Resolution,
     WorkloadEnd,
     WorkloadError,

@@ -26,7 +26,7 @@ from perseus_api.policy import (
     PolicyError,
     parse_policy,
 )
-from perseus_operator.policies import (
+from perseus_operator.policies.selection import (
     MAX_JOB_NAME,
     PodGroup,
     PolicyChoice,
@@ -41,7 +41,7 @@ from perseus_operator.policies import (
     user_job_for,
     workload_kind,
 )
-from perseus_operator.workloads import matches
+from perseus_operator.workloads.ranks import matches
 from support.workload_objects import NAMESPACES, container, job_pod, jobset, pytorch_job, train_job
 
 Obj = dict[str, Any]

@@ -1,5 +1,5 @@
-"""The policy controller's I/O (:mod:`perseus_operator.policy_controller`) on a fake API: a round
-that cannot read everything changes nothing, one failed write does not stop the others, an
+"""The policy controller's I/O (:mod:`perseus_operator.policies.policy_controller`) on a fake API: a
+round that cannot read everything changes nothing, one failed write does not stop the others, an
 event is posted once, and a missing CRD turns the policies off quietly."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from perseus_operator.kube import KubeError
-from perseus_operator.policy_controller import PolicyController, get_event
-from perseus_operator.policy_sync import WorkloadEvent
+from perseus_operator.cluster.kube import KubeError
+from perseus_operator.policies.policy_controller import PolicyController, get_event
+from perseus_operator.policies.policy_sync import WorkloadEvent
 from support.fake_policy_kube import FakeKube, policy
 from support.workload_objects import pytorch_job
 
@@ -69,7 +69,7 @@ def test_a_failed_write_does_not_stop_the_rest(caplog: pytest.LogCaptureFixture)
     kube.workloads["ml"] = [pytorch_job("gpt3", "ml")]
     kube.jobs = [orphan_job("old")]
     kube.fail["create_job"] = KubeError("HTTP 403: forbidden", 403)
-    with caplog.at_level(logging.WARNING, logger="perseus_operator.policies"):
+    with caplog.at_level(logging.WARNING, logger="perseus_operator.policies.selection"):
         asyncio.run(controller_round(kube))
     assert ("delete", "old") in kube.writes
     assert ("status", "research") in kube.writes
@@ -89,7 +89,7 @@ def test_an_event_that_failed_is_posted_again_next_round() -> None:
 
 def test_without_the_crd_policies_are_off(caplog: pytest.LogCaptureFixture) -> None:
     kube = FakeKube(None)
-    with caplog.at_level(logging.WARNING, logger="perseus_operator.policies"):
+    with caplog.at_level(logging.WARNING, logger="perseus_operator.policies.selection"):
         assert asyncio.run(controller_round(kube, rounds=3)) is None
     assert caplog.text.count("the PerseusPolicy CRD is not installed") == 1
     assert kube.namespaces_listed == 0 and kube.writes == []

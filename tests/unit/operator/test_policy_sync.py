@@ -1,4 +1,4 @@
-"""Rounds of the cluster-wide policies (:mod:`perseus_operator.policy_sync`): jobs created,
+"""Rounds of the cluster-wide policies (:mod:`perseus_operator.policies.policy_sync`): jobs created,
 updated and deleted as workloads, policies and users' own jobs come and go; policy statuses."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from perseus_api.job import PerseusJob
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL, OPT_OUT_ANNOTATION
-from perseus_operator.policy_sync import (
+from perseus_operator.policies.policy_sync import (
     SPEC_HASH_ANNOTATION,
     ClusterView,
     SyncPlan,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from perseus_api.job import PerseusJobSpec
-from perseus_operator.profile_source import pipeline_key
+from perseus_operator.jobs.profile_source import pipeline_key
 
 
 def spec(schedule: str, **parallelism: Any) -> PerseusJobSpec:

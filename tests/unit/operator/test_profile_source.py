@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from perseus_api.job import PerseusJobSpec
-from perseus_operator.profile_source import (
+from perseus_operator.jobs.profile_source import (
     GPU_PRODUCT_LABEL,
     MODEL_LABEL,
     NODE_GPU_PRODUCT_LABEL,

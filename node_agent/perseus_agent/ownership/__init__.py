@@ -1,0 +1,6 @@
+"""Which pod owns which GPU, and which pod a training connection comes from.
+
+Owns the kubelet's PodResources client (``pod_resources``) and the binding of a plan's
+assignments and of each connection to the pod as it is now (``gpu_ownership``). May import
+``control``, ``serving`` and below; never ``plans`` or ``modes``.
+"""

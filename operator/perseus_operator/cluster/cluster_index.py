@@ -1,0 +1,275 @@
+"""Reads from what the operator watches, not from the API: pods, node plans and workload
+objects kept current by kopf's indexes (:mod:`perseus_operator.handlers`), so that a reconcile
+round or a policy round lists nothing and the API load does not grow with jobs times the
+reconcile interval.
+
+An index maps a key to the objects filed under it (a ``kopf.Index``: key -> ``kopf.Store``,
+one value per object); kopf fills every index from its initial listing before any handler
+runs, then keeps it current from its watch. Here an index is any such mapping, so that the
+operator's logic (and ``benchmarks/operator_scale.py``) runs without kopf. Writes still go
+to the API.
+
+The one read an index cannot answer is a job's own write of a moment ago, whose watch event
+has not arrived yet: a reconcile that has just written its node plans must read those, not
+the ones they replace (to delete what it no longer wants, to see the revision it wrote). So
+each job keeps its writes the index has not shown yet (:class:`PlanWrites`), and until the
+index shows them all, that job's node plans come from the API. A workload the index does not
+hold is asked of the API too: its kind may not be watched (a CRD installed after the operator
+started, or none), and a missing workload is a job's problem to report, not a fast path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from perseus_api import resources
+from perseus_api.job import WorkloadKind
+from perseus_operator.jobs.job_observation import JobIO
+from perseus_operator.workloads.ranks import matches, parse_selector
+
+__all__ = [
+    "Index",
+    "IndexedJobIO",
+    "IndexedObject",
+    "PlanWrites",
+    "indexed",
+    "job_key",
+    "node_key",
+    "node_plan_entries",
+    "pod_entries",
+    "read_all",
+    "workload_entries",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedObject:
+    """One object as an index keeps it: what lookups compare, and the object as JSON text
+    (parsed afresh on every read, as an API response is, so no reader shares a dict)."""
+
+    name: str
+    labels: Mapping[str, str]
+    revision: int
+    """``spec.revision`` of a node plan (0 for other objects)."""
+    owners: frozenset[str]
+    """UIDs of its owner references."""
+    text: str
+
+    def read(self) -> dict[str, Any]:
+        parsed: dict[str, Any] = json.loads(self.text)
+        return parsed
+
+
+Index: TypeAlias = Mapping[Any, Collection[IndexedObject]]
+"""Key -> the objects filed under it (a ``kopf.Index`` of :class:`IndexedObject`)."""
+
+
+def indexed(obj: Mapping[str, Any]) -> IndexedObject:
+    """``obj`` (as the API shows it) for an index; its ``managedFields`` are left out (no
+    reader needs them, and they are often most of a pod)."""
+    metadata = dict(obj.get("metadata") or {})
+    metadata.pop("managedFields", None)
+    labels = metadata.get("labels") or {}
+    spec = obj.get("spec") or {}
+    try:
+        revision = int(spec.get("revision") or 0) if isinstance(spec, Mapping) else 0
+    except (TypeError, ValueError):
+        revision = 0
+    return IndexedObject(
+        name=str(metadata.get("name") or ""),
+        labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
+        revision=revision,
+        owners=frozenset(
+            str(ref.get("uid"))
+            for ref in metadata.get("ownerReferences") or ()
+            if isinstance(ref, Mapping) and ref.get("uid")
+        ),
+        text=json.dumps({**obj, "metadata": metadata}, separators=(",", ":")),
+    )
+
+
+def pod_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
+    """A pod's entries in the pod index: under its namespace, and under ``(namespace, key,
+    value)`` for each of its labels (a job's selector names one: its pods are found without
+    looking at every pod of the namespace)."""
+    namespace, _ = resources.object_key(obj)
+    entry = indexed(obj)
+    entries: dict[Hashable, IndexedObject] = {namespace: entry}
+    for key, value in entry.labels.items():
+        entries[(namespace, key, value)] = entry
+    return entries
+
+
+def job_key(namespace: str, job: str) -> tuple[str, str]:
+    """The node plan index's key of a job's plans."""
+    return (namespace, resources.label_value(job))
+
+
+def node_key(namespace: str, node: str) -> tuple[str, str, str]:
+    """The node plan index's key of the plans (of every job) on a node."""
+    return (namespace, resources.NODE_LABEL, resources.label_value(node))
+
+
+def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
+    """A node plan's entries in the node plan index: its job's plans (:func:`job_key`), whole,
+    and the plans on its node (:func:`node_key`) as far as they claim GPUs: without the
+    pipeline plans (``spec.plans``, most of a plan) and the status, which every job reads at
+    every step of the plans on its nodes (are its GPUs claimed?)."""
+    namespace, _ = resources.object_key(obj)
+    entry = indexed(obj)
+    spec = obj.get("spec")
+    claim = entry
+    if isinstance(spec, Mapping):
+        rest = {k: v for k, v in obj.items() if k not in ("spec", "status")}
+        claim = indexed({**rest, "spec": {k: v for k, v in spec.items() if k != "plans"}})
+    labels = entry.labels
+    return {
+        (namespace, labels.get(resources.JOB_LABEL)): entry,
+        (namespace, resources.NODE_LABEL, labels.get(resources.NODE_LABEL)): claim,
+    }
+
+
+def workload_entries(kind: WorkloadKind, obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
+    """A workload object's entry in the workload index: under ``(namespace, kind, name)``."""
+    namespace, name = resources.object_key(obj)
+    return {(namespace, kind, name): indexed(obj)}
+
+
+def read_all(objects: Iterable[IndexedObject]) -> list[dict[str, Any]]:
+    """The objects parsed, by name (the order of an API list)."""
+    return [o.read() for o in sorted(objects, key=lambda o: o.name)]
+
+
+@dataclass
+class PlanWrites:
+    """One job's node plan writes that its index has not shown yet: name -> (revision, owner
+    UID) written, or None for a deletion."""
+
+    pending: dict[str, tuple[int, str] | None] = field(default_factory=dict)
+
+    def wrote(self, name: str, revision: int, owner_uid: str) -> None:
+        self.pending[name] = (revision, owner_uid)
+
+    def deleted(self, name: str) -> None:
+        self.pending[name] = None
+
+    def shown_in(self, plans: Collection[IndexedObject]) -> bool:
+        """Whether ``plans`` (the job's plans in the index) show every write; those shown are
+        forgotten. A plan shows a write at its revision or a later one, by the same owner (a
+        plan of an earlier job of the same name is not this job's)."""
+        if not self.pending:
+            return True
+        by_name = {p.name: p for p in plans}
+        for name, written in list(self.pending.items()):
+            found = by_name.get(name)
+            if written is None:
+                shown = found is None
+            else:
+                revision, owner = written
+                shown = found is not None and found.revision >= revision and owner in found.owners
+            if shown:
+                del self.pending[name]
+        return not self.pending
+
+
+class IndexedJobIO:
+    """The :class:`~perseus_operator.jobs.job_observation.JobIO` of one job's reconcile step
+    (``job``: namespace and name) whose pods and node plans come from the indexes.
+
+    Args:
+        api: Everything else, and the job's node plans while ``writes`` has some the index
+            has not shown.
+        pods: Pods by namespace and by label (:func:`pod_entries`).
+        node_plans: Node plans by job and, what they claim, by node
+            (:func:`node_plan_entries`).
+        workloads: Workload objects by ``(namespace, kind, name)`` (:func:`workload_entries`).
+        writes: The job's node plan writes not shown yet; kept by the caller between steps.
+    """
+
+    def __init__(
+        self,
+        api: JobIO,
+        *,
+        job: tuple[str, str],
+        pods: Index,
+        node_plans: Index,
+        workloads: Index,
+        writes: PlanWrites,
+    ) -> None:
+        self._api = api
+        self._job = job
+        self._pods = pods
+        self._node_plans = node_plans
+        self._workloads = workloads
+        self._writes = writes
+
+    # -- from the indexes --
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        wanted = parse_selector(selector)
+        if wanted is None:
+            return read_all(self._pods.get(namespace, ()))
+        candidates = self._pods.get(namespace, ())
+        for key, value in sorted(wanted.match_labels.items())[:1]:
+            candidates = self._pods.get((namespace, key, value), ())
+        return read_all(p for p in candidates if matches(wanted, p.labels))
+
+    async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        plans = self._node_plans.get(job_key(namespace, job), ())
+        if (namespace, job) == self._job and not self._writes.shown_in(plans):
+            return await self._api.list_node_plans(namespace, job)
+        return read_all(plans)
+
+    async def list_node_plans_on(
+        self, namespace: str, nodes: Collection[str]
+    ) -> list[dict[str, Any]]:
+        # Read for the other jobs' plans: this job's own writes do not matter there.
+        on_nodes = (self._node_plans.get(node_key(namespace, n), ()) for n in set(nodes))
+        return read_all(p for plans in on_nodes for p in plans)
+
+    async def get_workload(
+        self, namespace: str, kind: WorkloadKind, name: str
+    ) -> dict[str, Any] | None:
+        for found in self._workloads.get((namespace, kind, name), ()):
+            return found.read()
+        return await self._api.get_workload(namespace, kind, name)
+
+    # -- writes, noted until the index shows them --
+
+    async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        await self._api.put_node_plan(body, owner)
+        _, name = resources.object_key(body)
+        revision = int((body.get("spec") or {}).get("revision") or 0)
+        self._writes.wrote(name, revision, str(owner.get("uid") or ""))
+
+    async def delete_node_plan(self, namespace: str, name: str) -> None:
+        await self._api.delete_node_plan(namespace, name)
+        self._writes.deleted(name)
+
+    # -- from the API --
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._api.get_config_map(namespace, name)
+
+    async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return await self._api.list_config_maps(namespace, selector)
+
+    async def put_config_map(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, str],
+        owner: Mapping[str, Any],
+        annotations: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        await self._api.put_config_map(namespace, name, data, owner, annotations, labels)
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        return await self._api.get_node(name)
+
+    async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        return await self._api.list_jobs(namespace, selector)

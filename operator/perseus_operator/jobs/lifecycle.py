@@ -1,0 +1,409 @@
+"""One reconcile step of a PerseusJob: observe, decide, act, report.
+
+The kopf handlers call :func:`reconcile` on every change of the job and on a timer. Each call
+moves the job along ``Pending → Profiling → Optimizing → Running → Completed/Failed`` as far
+as it can, and returns the new status plus the events to emit. Each stage reads what it needs
+(:mod:`perseus_operator.jobs.job_observation`), asks a pure decision
+(:mod:`perseus_operator.jobs.job_decisions`, :mod:`perseus_operator.jobs.phase_decisions`,
+:mod:`perseus_operator.jobs.running_decisions`), and here carries out the actions that decision
+names: the node plans and ConfigMaps it writes, what the job's memo keeps.
+
+All the state that must survive an operator restart is in the cluster: the phase and plan
+revision in the status, the profile in a ConfigMap owned by the job, the plans in
+PerseusNodePlans. What is kept in memory (:class:`JobMemo`: the solved frontier, the straggler
+detector) is rebuilt from those when missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from perseus_api import resources
+from perseus_api.errors import validation_summary
+from perseus_api.job import PerseusJobSpec, PerseusJobStatus, Phase, with_default_policy
+from perseus_api.plan import PipelinePlan
+from perseus_operator.jobs.job_decisions import (
+    STRAGGLER_STATE_ANNOTATION,
+    Action,
+    Decision,
+    Event,
+    ForgetDetector,
+    JobRef,
+    PlanInEffect,
+    ReleaseNodePlans,
+    ReplaceNodePlans,
+    StoreProfile,
+    TargetFor,
+    decide_conflict,
+    decide_generation,
+    decide_workload,
+    invalid_spec,
+    phase_event,
+)
+from perseus_operator.jobs.job_observation import (
+    JobIO,
+    Planner,
+    observe_conflict,
+    observe_gpu_product,
+    observe_profile,
+    observe_workload,
+)
+from perseus_operator.jobs.job_release import (
+    DeleteNodePlan,
+    EmptyNodePlan,
+    Release,
+    decide_release_step,
+)
+from perseus_operator.jobs.phase_decisions import (
+    decide_frontier,
+    decide_lookup,
+    decide_pending,
+    decide_plans,
+    decide_profile_stored,
+    decide_profiling_round,
+    decide_profiling_start,
+    planning_failed,
+    planning_request,
+    request_key,
+)
+from perseus_operator.jobs.planning import PlanningError, choose_plan
+from perseus_operator.jobs.profile_store import GpuProducts
+from perseus_operator.jobs.running_decisions import (
+    decide_running,
+    fastest_planned_s,
+    planned_target_s,
+    rank_samples,
+)
+from perseus_operator.jobs.stragglers import StragglerDetector
+from perseus_operator.workloads.objects import owner_reference
+from perseus_operator.workloads.ranks import RankPlacement
+from perseus_planner import Frontier
+
+__all__ = ["JobMemo", "Outcome", "force_release", "reconcile", "release"]
+
+
+@dataclass
+class JobMemo:
+    """In-memory state of one job; everything here can be rebuilt from the cluster."""
+
+    frontier: Frontier | None = None
+    frontier_key: str = ""
+    frontier_generation: int | None = None
+    """The job generation the frontier was checked against its stored profile for."""
+    detector: StragglerDetector | None = None
+    detector_key: str = ""
+    retarget_s: float | None = None
+    """The straggler target the current plans were written for (None: T_min for all)."""
+    plan: PipelinePlan | None = None
+    """The plan of the healthy replicas now (for the savings metrics)."""
+    gpu_products: GpuProducts = field(default_factory=GpuProducts)
+
+
+@dataclass
+class Outcome:
+    status: PerseusJobStatus
+    events: list[Event] = field(default_factory=list)
+    plan: PipelinePlan | None = None
+    """The plan now in effect (for metrics)."""
+    iterations: int = 0
+    """Most iterations a rank of the job has reported."""
+    new_stragglers: int = 0
+    detector_state: str | None = None
+    """JSON for :data:`STRAGGLER_STATE_ANNOTATION` (None: leave it as it is)."""
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+async def reconcile(
+    body: Mapping[str, Any],
+    io: JobIO,
+    planner: Planner,
+    memo: JobMemo,
+    *,
+    now_s: float | None = None,
+    default_policy: Mapping[str, Any] | None = None,
+) -> Outcome:
+    """Advance the job as far as the cluster allows; never raises for the job's own problems
+    (they become the status' message, conditions and events).
+
+    ``now_s``: Unix time (the agents' reports carry wall-clock times); default now.
+    ``default_policy``: values of the ``spec.policy`` fields the job leaves unset.
+    """
+    metadata = body.get("metadata") or {}
+    ref = JobRef(
+        namespace=str(metadata.get("namespace") or "default"),
+        name=str(metadata.get("name") or ""),
+        uid=str(metadata.get("uid") or ""),
+        generation=int(metadata.get("generation") or 0),
+        owner=owner_reference(body),
+        created=str(metadata.get("creationTimestamp") or ""),
+    )
+    try:
+        status = PerseusJobStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
+    saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
+    now = time.time() if now_s is None else now_s
+    step = _Step(ref, status, io, planner, memo, now, saved_detector)
+    try:
+        raw_spec = body.get("spec") or {}
+        spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
+    except ValidationError as exc:
+        message = f"invalid spec: {validation_summary(exc)}"
+        await step.apply(invalid_spec(step.status, ref.generation, message))
+        return step.outcome()
+    await step.run(spec)
+    return step.outcome()
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+
+class _Step:
+    """Runs the stages of one step in order, each observe → decide → act; the decisions are
+    the only place the status changes."""
+
+    def __init__(
+        self,
+        ref: JobRef,
+        status: PerseusJobStatus,
+        io: JobIO,
+        planner: Planner,
+        memo: JobMemo,
+        now_s: float,
+        saved_detector: str | None,
+    ) -> None:
+        self.ref = ref
+        self.status = status.model_copy(deep=True)
+        self.before = status
+        self.io = io
+        self.planner = planner
+        self.memo = memo
+        self.now_s = now_s
+        self.saved_detector = saved_detector
+        self.events: list[Event] = []
+        self.iterations = 0
+        self.new_stragglers = 0
+
+    def outcome(self) -> Outcome:
+        changed = phase_event(self.before, self.status)
+        if changed is not None:
+            self.events.append(changed)
+        running = self.status.phase == Phase.RUNNING
+        plan = self.memo.plan if running else None
+        state = None
+        if self.memo.detector is not None and running:
+            state = self.memo.detector.state_to_save(self.saved_detector)
+        return Outcome(self.status, self.events, plan, self.iterations, self.new_stragglers, state)
+
+    # -- acting --
+
+    async def apply(self, decision: Decision) -> bool:
+        """Take ``decision``: its status, events and actions; whether the step goes on."""
+        self.status = decision.status
+        self.events.extend(decision.events)
+        for action in decision.actions:
+            await self._act(action)
+        return decision.go_on
+
+    async def _act(self, action: Action) -> None:
+        memo, ref = self.memo, self.ref
+        match action:
+            case ReplaceNodePlans(node_plans):
+                existing = await self.io.list_node_plans(ref.namespace, ref.name)
+                wanted = {resources.node_plan_name(p.job, p.node) for p in node_plans.values()}
+                for plan in node_plans.values():
+                    await self.io.put_node_plan(resources.node_plan_object(plan), ref.owner)
+                for obj in existing:
+                    namespace, name = resources.object_key(obj)
+                    if name not in wanted:
+                        await self.io.delete_node_plan(namespace, name)
+            case ReleaseNodePlans():
+                await force_release(ref.namespace, ref.name, self.io)
+            case StoreProfile(name, data, labels):
+                await self.io.put_config_map(ref.namespace, name, data, ref.owner, labels=labels)
+            case ForgetDetector():
+                memo.detector = None
+            case TargetFor(retarget_s):
+                memo.retarget_s = retarget_s
+            case PlanInEffect(plan):
+                memo.plan = plan
+
+    # -- the stages --
+
+    async def run(self, spec: PerseusJobSpec) -> None:
+        if not await self.apply(decide_generation(spec, self.status, self.ref.generation)):
+            return
+        view = await observe_workload(self.io, self.ref, spec)
+        workload = decide_workload(spec, self.status, self.ref, view)
+        if not await self.apply(workload.decision):
+            return
+        ranks = workload.ranks
+        assert ranks is not None  # the step goes on only with every rank placed
+        # Checked where node plans exist (here) or are about to be written (_start, _optimize):
+        # a job that fails for its own reasons says those, whoever holds its GPUs.
+        phase = self.status.phase
+        if phase in (Phase.PROFILING, Phase.RUNNING) and not await self._gpus_free(ranks):
+            return
+        if self.status.phase == Phase.PENDING:
+            await self._start(spec, ranks)
+        if self.status.phase == Phase.PROFILING:
+            await self._profile(spec, ranks)
+        if self.status.phase == Phase.OPTIMIZING:
+            await self._optimize(spec, ranks)
+        if self.status.phase == Phase.RUNNING:
+            await self._run(spec, ranks)
+
+    async def _gpus_free(self, ranks: Sequence[RankPlacement]) -> bool:
+        """Whether no other, older job's node plans hold some of this job's GPUs (if one does,
+        this job withdraws its own node plans and waits)."""
+        view = await observe_conflict(self.io, self.ref, ranks)
+        return await self.apply(decide_conflict(self.status, self.ref, ranks, view))
+
+    async def _start(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        products = self.memo.gpu_products
+        found = await observe_profile(self.io, self.ref, spec, ranks, products)
+        gen = self.ref.generation
+        if not await self.apply(decide_lookup(spec, self.status, gen, found.profile, found.error)):
+            return
+        product = await observe_gpu_product(self.io, spec, ranks, products)
+        pending = decide_pending(spec, self.status, gen, found.profile, product)
+        await self.apply(pending.decision)
+        if not pending.profile or not await self._gpus_free(ranks):
+            return
+        decision = decide_profiling_start(
+            spec, self.status, self.ref, ranks, self.now_s, pending.note
+        )
+        await self.apply(decision)
+
+    async def _profile(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        gen = self.ref.generation
+        done = decide_profiling_round(spec, self.status, gen, plans, ranks, self.now_s)
+        if not await self.apply(done.decision) or done.gathered is None:
+            return
+        product = await observe_gpu_product(self.io, spec, ranks, self.memo.gpu_products)
+        await self.apply(decide_profile_stored(spec, self.status, self.ref, done.gathered, product))
+
+    async def _frontier(
+        self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]
+    ) -> tuple[Frontier, str] | None:
+        """The frontier of the job's stored profile and that profile's ConfigMap (solved again
+        only when the profile or the planning spec changed); None: the step ends here (the
+        decision said why)."""
+        memo, ref = self.memo, self.ref
+        summary = self.status.frontier
+        if (
+            memo.frontier is not None
+            and memo.frontier_generation == ref.generation
+            and summary is not None
+        ):
+            # Solved for this spec already: no need to read the profile again every tick.
+            return memo.frontier, summary.profile_config_map
+        found = await observe_profile(self.io, ref, spec, ranks, memo.gpu_products)
+        planning = planning_request(spec, self.status, ref, found.profile, found.error)
+        if not await self.apply(planning.decision):
+            return None
+        assert planning.request is not None  # the step goes on only with a request
+        key = request_key(planning.request)
+        if memo.frontier is None or memo.frontier_key != key:
+            try:
+                memo.frontier = await self.planner.solve(planning.request)
+            except PlanningError as exc:
+                await self.apply(planning_failed(self.status, ref.generation, str(exc)))
+                return None
+            memo.frontier_key = key
+        memo.frontier_generation = ref.generation
+        return memo.frontier, planning.config_map
+
+    async def _optimize(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        solved = await self._frontier(spec, ranks)
+        if solved is None:
+            return
+        frontier, config_map = solved
+        await self.apply(decide_frontier(self.status, self.ref.generation, frontier, config_map))
+        if await self._gpus_free(ranks):
+            await self._write_plans(spec, ranks, frontier, None, ())
+
+    async def _write_plans(
+        self,
+        spec: PerseusJobSpec,
+        ranks: Sequence[RankPlacement],
+        frontier: Frontier,
+        retarget_s: float | None,
+        stragglers: Collection[int],
+    ) -> None:
+        """Plans for T_min (or the slowdown budget) for every replica, or, for a straggler
+        target ``retarget_s``, that target for all but the ``stragglers``."""
+        # Building a plan takes tens of milliseconds: not on the event loop.
+        tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
+        retargeted = None
+        if retarget_s is not None:
+            retargeted = await asyncio.to_thread(
+                choose_plan, frontier, spec.policy, straggler_target_s=retarget_s
+            )
+        decision = decide_plans(spec, self.status, self.ref, ranks, tmin, retargeted, stragglers)
+        await self.apply(decision)
+
+    async def _run(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
+        solved = await self._frontier(spec, ranks)
+        if solved is None:
+            return
+        frontier, _ = solved
+        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        detector = self._detector(spec)
+        if self.memo.plan is None:  # after a restart: the plan of the target in effect
+            self.memo.retarget_s = planned_target_s(
+                detector.published_target_s, detector.reference_s, fastest_planned_s(plans)
+            )
+            self.memo.plan = await asyncio.to_thread(
+                choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
+            )
+        verdict = detector.observe(rank_samples(plans, ranks, now_s=self.now_s), self.now_s)
+        gen = self.ref.generation
+        running = decide_running(spec, self.status, gen, plans, verdict, detector.reference_s)
+        self.iterations, self.new_stragglers = running.iterations, running.new_stragglers
+        await self.apply(running.decision)
+        if running.replan:
+            await self._write_plans(spec, ranks, frontier, running.retarget_s, verdict.stragglers)
+
+    def _detector(self, spec: PerseusJobSpec) -> StragglerDetector:
+        memo, key = self.memo, spec.stragglers.model_dump_json()
+        if memo.detector is None and self.saved_detector:
+            # A restarted operator: resume the saved counters and the target in effect.
+            memo.detector = StragglerDetector.from_saved(spec.stragglers, self.saved_detector)
+            memo.detector_key = key
+        if memo.detector is None or memo.detector_key != key:
+            memo.detector = StragglerDetector(spec.stragglers)
+            memo.detector_key = key
+        return memo.detector
+
+
+# -- deletion ----------------------------------------------------------------------------------
+
+
+async def release(namespace: str, job: str, io: JobIO, owner: Mapping[str, Any]) -> Release:
+    """One step of releasing a deleted job's GPUs (:func:`~perseus_operator.jobs.job_release.
+    decide_release_step`). Call again until ``done``; on a deadline, :func:`force_release`
+    deletes what is left."""
+    step = decide_release_step(await io.list_node_plans(namespace, job))
+    for write in step.writes:
+        match write:
+            case EmptyNodePlan(body):
+                await io.put_node_plan(body, owner)
+            case DeleteNodePlan(namespace=ns, name=name):
+                await io.delete_node_plan(ns, name)
+    return step.outcome
+
+
+async def force_release(namespace: str, job: str, io: JobIO) -> None:
+    """Delete the job's node plans without waiting (agents reset when a plan disappears)."""
+    for obj in await io.list_node_plans(namespace, job):
+        await io.delete_node_plan(*resources.object_key(obj))
