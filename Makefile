@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test lint typecheck unit torch bench bench-large bench-agent bench-operator bench-schedules reproduce clean
+.PHONY: demo test docs lint typecheck unit torch bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,10 +36,14 @@ demo: $(STAMP)
 ## Whole test suite: lint (ruff, import contracts), strict typing, unit + reproduction tests.
 test: lint typecheck unit
 
-lint: $(STAMP)
+lint: $(STAMP) docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PYTHONPATH=operator:node_agent $(BIN)/lint-imports --no-logo  # pyproject: [tool.importlinter]
+
+## The documentation site (docs/, mkdocs.yml), warnings as errors: out/site/index.html.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --quiet
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

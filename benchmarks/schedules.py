@@ -3,9 +3,9 @@
 For the bundled A100 profiles (GPT-3 175B and Bloom 176B, bf16, 8 stages; the Perseus
 artifact's measurements, Apache-2.0, see ``perseus_planner/profiles/``) and each schedule,
 1F1B, interleaved 1F1B with 2 virtual stages and ZB-H1, the script plans ``T_min`` and
-reports what the README's "Pipeline schedules" table shows: the intrinsic energy savings at
-``T_min`` vs. every GPU at max clock at the same iteration time, per granularity. The
-interleaved and zero-bubble profiles are derived from the per-GPU ones exactly as
+reports what the "Pipeline schedules" table of docs/user-guide/planning.md shows: the intrinsic
+energy savings at ``T_min`` vs. every GPU at max clock at the same iteration time, per granularity.
+The interleaved and zero-bubble profiles are derived from the per-GPU ones exactly as
 ``perseus plan`` derives them (:mod:`perseus_planner.model_stages`: each stage split into 2
 virtual stages of half its time and energy; each backward split into equal input and weight
 halves).
@@ -15,7 +15,7 @@ the frontier) and measures its peak traced Python memory (``tracemalloc``) for e
 at the same sizes, each beside 1F1B as a ratio. Run from the repository root::
 
     python benchmarks/schedules.py                      # savings table + benchmark, 24 and 48 MB
-    python benchmarks/schedules.py --table-only         # the README table only
+    python benchmarks/schedules.py --table-only         # the user guide's table only
     python benchmarks/schedules.py --microbatches 24 96 --repeat 3
 """
 
@@ -105,7 +105,7 @@ def _name(schedule: str, virtual: int) -> str:
 
 
 def savings_table() -> str:
-    """The README's table (markdown), computed now."""
+    """The user guide's table (markdown), computed now."""
     lines = [
         "| profile | schedule | T_min (s) | all max clock (s) | saved, Instruction | "
         "saved, Stage |",

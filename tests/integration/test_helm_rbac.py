@@ -273,7 +273,7 @@ def client_methods_called(path: Path, receivers: set[str]) -> set[str]:
 
 
 def test_every_client_call_of_the_operator_is_listed() -> None:
-    path = REPO_ROOT / "operator" / "perseus_operator" / "kube.py"
+    path = REPO_ROOT / "operator" / "perseus_operator" / "cluster" / "kube.py"
     assert client_methods_called(path, {"_core", "_custom", "_extensions"}) == set(
         OPERATOR_CLIENT_CALLS
     ) | set(UNINSTALL_HOOK_CLIENT_CALLS)
