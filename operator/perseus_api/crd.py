@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -240,9 +241,16 @@ def _convert_keyword(
 
 
 def _reflow(text: str) -> str:
-    """Docstring paragraphs on one line each: ``kubectl explain`` wraps them itself."""
+    """Docstring paragraphs on one line each, in plain text: ``kubectl explain`` wraps them
+    itself and shows reStructuredText markup as it is."""
+    text = _RST_ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    text = text.replace("``", "")
     paragraphs = (" ".join(line.strip() for line in p.splitlines()) for p in text.split("\n\n"))
     return "\n\n".join(paragraphs)
+
+
+# :class:`~perseus_api.job.Policy` and :data:`X` read as their last name (Policy, X).
+_RST_ROLE: Final = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 
 def _additional_properties(value: Any, defs: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -270,6 +278,11 @@ def _ordered(node: Mapping[str, Any]) -> dict[str, Any]:
 # -- the CRDs --------------------------------------------------------------------------------------
 
 
+# The fields every Kubernetes object has, described as the API server describes its own.
+_API_VERSION_DESCRIPTION: Final = "The versioned schema of this object: perseus.energy/v1alpha1."
+_KIND_DESCRIPTION: Final = "The kind of this object (the resource's kind, in CamelCase)."
+
+
 def _resource_schema(
     description: str, spec: Mapping[str, Any], status: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -277,8 +290,9 @@ def _resource_schema(
         "description": description,
         "type": "object",
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
+            "apiVersion": {"type": "string", "description": _API_VERSION_DESCRIPTION},
+            "kind": {"type": "string", "description": _KIND_DESCRIPTION},
+            # Structural schemas allow nothing but restrictions of name here (no description).
             "metadata": {"type": "object"},
             "spec": dict(spec),
             "status": dict(status),

@@ -45,6 +45,8 @@ class _Spec(BaseModel):
         extra="forbid",
         frozen=True,
         use_enum_values=False,
+        # A field's docstring is its description in the CRD (kubectl explain).
+        use_attribute_docstrings=True,
     )
 
 
@@ -80,11 +82,17 @@ SELECTOR_RULES: Final = (
 
 
 class LabelSelectorRequirement(_Spec):
+    """One requirement on an object's labels."""
+
     model_config = ConfigDict(json_schema_extra=_rules(*REQUIREMENT_RULES))
 
     key: str = Field(min_length=1, max_length=317)
+    """The label key the requirement is about."""
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    """In or NotIn: the label's value is (is not) one of values. Exists or DoesNotExist: the label
+    is (is not) present."""
     values: list[str] = Field(default_factory=list)
+    """The values for In and NotIn; empty for Exists and DoesNotExist."""
 
     @model_validator(mode="after")
     def _values_fit_operator(self) -> LabelSelectorRequirement:
@@ -102,7 +110,9 @@ class LabelSelector(_Spec):
     model_config = ConfigDict(json_schema_extra=_rules(*SELECTOR_RULES))
 
     match_labels: dict[str, str] = Field(default_factory=dict)
+    """Labels an object must carry, each with this value."""
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    """Requirements an object's labels must all meet."""
 
     @model_validator(mode="after")
     def _not_empty(self) -> LabelSelector:
@@ -206,6 +216,8 @@ class Parallelism(_Spec):
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree.")
     microbatches: int = Field(ge=1, le=4096, description="Microbatches per iteration.")
     schedule: ScheduleName = Field(default=ScheduleName.ONE_F_ONE_B)
+    """Pipeline schedule: 1F1B (default), GPipe, Interleaved1F1B (Megatron-LM's, with virtualStages)
+    or ZBH1 (zero bubble: the backward split into its input and weight halves)."""
     virtual_stages: int = Field(
         default=1,
         ge=1,
@@ -255,6 +267,9 @@ class RankMapping(_Spec):
     """
 
     order: RankOrder = Field(default=RankOrder.TP_DP_PP)
+    """Which parallel dimension varies fastest with the global rank: tp-dp-pp (default: Megatron-
+    LM's and DeepSpeed's, rank = (pp * dataParallel + dp) * tensorParallel + tp) or tp-pp-dp (rank =
+    (dp * pipelineStages + pp) * tensorParallel + tp)."""
     node_rank_label: str | None = Field(
         default=None,
         min_length=1,
@@ -293,7 +308,9 @@ class FrequencyRange(_Spec):
     )
 
     min_mhz: int = Field(alias="minMHz", ge=100, le=5000)
+    """Lowest SM clock to profile and plan, in MHz."""
     max_mhz: int = Field(alias="maxMHz", ge=100, le=5000)
+    """Highest SM clock to profile and plan, in MHz."""
 
     @model_validator(mode="after")
     def _ordered(self) -> FrequencyRange:
@@ -349,7 +366,9 @@ class ProfileRef(_Spec):
     """A stored profile (the planner's CSV) to use instead of profiling."""
 
     config_map_name: str = Field(min_length=1, max_length=253)
+    """ConfigMap in the job's namespace that holds the profile."""
     key: str = Field(default="profile.csv", min_length=1, max_length=253)
+    """Key of the ConfigMap whose value is the profile CSV (default profile.csv)."""
 
 
 MODEL_PATTERN: Final = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
@@ -400,6 +419,7 @@ class Profiling(_Spec):
         "NoTrainingProcess, or ProfilingStalled) naming the pods, and resets their GPUs.",
     )
     iterations_per_frequency: int = Field(default=5, ge=1, le=100)
+    """Iterations measured at each profiled clock, after the warm-up ones (default 5)."""
     warmup_iterations: int = Field(
         default=2, ge=0, le=100, description="Dropped after every clock change."
     )
@@ -434,9 +454,16 @@ class Stragglers(_Spec):
     model_config = ConfigDict(json_schema_extra=_rules(*STRAGGLER_RULES))
 
     slowdown_threshold: float = Field(default=1.05, gt=1.0, le=10.0)
+    """A replica whose iteration time is at least this many times the others' straggles (default
+    1.05)."""
     recovery_threshold: float = Field(default=1.02, ge=1.0, le=10.0)
+    """A straggler whose iteration time is below this many times the others' has recovered (default
+    1.02; below slowdownThreshold)."""
     window_iterations: int = Field(default=10, ge=1, le=10000)
+    """Iterations averaged into each rank's iteration time (default 10)."""
     persistence_reports: int = Field(default=3, ge=1, le=100)
+    """Reports in a row a replica must be over slowdownThreshold (or under recoveryThreshold) before
+    it straggles (or has recovered) (default 3)."""
     warmup_iterations: int = Field(
         default=5, ge=0, le=100000, description="Iterations ignored after a rank (re)starts."
     )
@@ -463,8 +490,13 @@ _SECTION: Final[JsonDict] = {"default": {}}
 
 
 class PerseusJobSpec(_Spec):
+    """What Perseus manages and how: the training workload, its parallelism and the energy
+    policy."""
+
     workload: Workload
+    """The training workload whose GPUs Perseus manages."""
     parallelism: Parallelism
+    """How the training job is split across GPUs."""
     rank_mapping: RankMapping = Field(default_factory=RankMapping, json_schema_extra=_SECTION)
     policy: Policy = Field(default_factory=Policy, json_schema_extra=_SECTION)
     profiling: Profiling = Field(default_factory=Profiling, json_schema_extra=_SECTION)
@@ -498,42 +530,70 @@ class _Status(_Spec):
 
 
 class Condition(_Status):
+    """One aspect of the job's state, as Kubernetes conditions say it."""
+
     type: ConditionType
+    """Profiled, Optimized, PlanApplied, StragglerDetected or Degraded."""
     status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
     reason: str = Field(min_length=1)
+    """Why, in one CamelCase word (for example ProfileRequired)."""
     message: str = ""
+    """Why, in words: what happened and what to do about it."""
     last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
     observed_generation: int | None = None
+    """The spec generation the condition was set for."""
 
 
 class FrontierSummary(_Status):
+    """The iteration time-energy frontier the job is planned from."""
+
     t_min_seconds: float
+    """Shortest iteration time on the frontier (T_min), in seconds."""
     t_star_seconds: float
+    """Iteration time of the frontier's minimum-energy point (T*), in seconds."""
     t_max_seconds: float
+    """Longest iteration time on the frontier (T_max), in seconds."""
     points: int
+    """Number of points on the frontier."""
     profile_config_map: str = Field(description="ConfigMap holding the profile planned from.")
 
 
 class PlanStatus(_Status):
+    """The plan the node agents apply now."""
+
     target_iteration_seconds: float
+    """Iteration time the plan is for: T_min, or a straggler's T' (at most T*), in seconds."""
     expected_savings_ratio: float = Field(
         description="Expected energy saved vs. all GPUs at max clock, at the same throughput."
     )
     revision: int
+    """Revision of the node plans that carry the plan."""
 
 
 class StragglerStatus(_Status):
+    """A data-parallel replica that straggles."""
+
     data_parallel_rank: int
+    """The straggling data-parallel replica."""
     node: str
+    """A node that runs the straggling replica."""
     slowdown: float = Field(description="T'/T: the straggler's iteration time over the others'.")
     since: str
+    """When the replica was first seen straggling (RFC 3339)."""
 
 
 class PerseusJobStatus(_Status):
+    """What the operator observed and did. Written by the operator only."""
+
     phase: Phase = Phase.PENDING
+    """Pending, Profiling, Optimizing, Running, Completed or Failed."""
     observed_generation: int | None = None
+    """The spec generation this status describes."""
     mode: Mode | None = Field(default=None, description="The policy in effect (with defaults).")
     granularity: Granularity | None = None
+    """The granularity in effect (with defaults): Stage or Instruction."""
     revision: int = Field(default=0, description="Last revision of the node plans written.")
     profiling_started_at: str | None = Field(
         default=None,
@@ -550,10 +610,16 @@ class PerseusJobStatus(_Status):
         description="When profilingProgress last changed (RFC 3339).",
     )
     message: str = ""
+    """What the operator is doing or waiting for, in words."""
     conditions: list[Condition] = Field(default_factory=list)
+    """Profiled, Optimized, PlanApplied, StragglerDetected and Degraded, each with a reason and a
+    message."""
     frontier: FrontierSummary | None = None
+    """The iteration time-energy frontier the job is planned from."""
     plan: PlanStatus | None = None
+    """The plan the node agents apply now."""
     stragglers: list[StragglerStatus] = Field(default_factory=list)
+    """The data-parallel replicas straggling now."""
     nodes: list[str] = Field(default_factory=list, description="Nodes running the workload.")
 
 

@@ -211,6 +211,8 @@ class PolicyWorkload(_Spec):
 
 
 class PerseusPolicySpec(_Spec):
+    """Which workloads the policy manages, and the PerseusJob fields it gives them."""
+
     namespace_selector: NamespaceSelector = Field(
         description="Namespaces whose workloads the policy manages, by the namespaces' labels "
         "(never empty; every namespace has the label kubernetes.io/metadata.name)."
@@ -242,16 +244,28 @@ class PolicyConditionType(StrEnum):
 
 
 class PolicyCondition(_Status):
+    """One aspect of the policy's state, as Kubernetes conditions say it."""
+
     type: PolicyConditionType
+    """Accepted (False when the spec is invalid) or Overlapping (another policy selects some of
+    the same workloads)."""
     status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
     reason: str = Field(min_length=1)
+    """Why, in one CamelCase word (for example ProfileRequired)."""
     message: str = ""
+    """Why, in words: what happened and what to do about it."""
     last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
     observed_generation: int | None = None
+    """The spec generation the condition was set for."""
 
 
 class PerseusPolicyStatus(_Status):
+    """What the operator observed and did for the policy. Written by the operator only."""
+
     observed_generation: int | None = None
+    """The spec generation this status describes."""
     matched_workloads: int = Field(
         default=0, description="Workloads the policy selects and manages (not opted out)."
     )
@@ -262,7 +276,9 @@ class PerseusPolicyStatus(_Status):
         "by their GPUs (fraction).",
     )
     message: str = ""
+    """What the policy does now, in words."""
     conditions: list[PolicyCondition] = Field(default_factory=list)
+    """The policy's conditions, each with a reason and a message."""
 
 
 PRINTER_COLUMNS: Final = (

@@ -6,16 +6,21 @@
 - The operator's and the node agents' service accounts can do what they need and nothing
   else (``kubectl auth can-i``, asked as each identity).
 - An agent may write the status of its own node's plans only.
+- Every sample in ``crds/samples`` is accepted as it is, and every field of the PerseusJob and
+  PerseusPolicy CRDs has a description in the API server's own OpenAPI document (what
+  ``kubectl explain`` shows).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
+import yaml
 
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
@@ -105,6 +110,58 @@ def test_a_valid_job_is_stored_with_the_crd_defaults(cluster: Cluster, namespace
         "order": "tp-dp-pp",
     }
     cluster.plane.kubectl("delete", "perseusjob", "valid", "-n", namespace)
+
+
+# -- samples and descriptions --------------------------------------------------------------------
+
+SAMPLES = sorted((Path(__file__).resolve().parents[2] / "crds" / "samples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])
+def test_each_sample_is_accepted_as_it_is(cluster: Cluster, sample: Path) -> None:
+    body = yaml.safe_load(sample.read_text())
+    namespace = body["metadata"].get("namespace")
+    if namespace is not None:
+        ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        cluster.plane.apply([ns])
+    # Server-side dry run: the CRD's schema and CEL rules judge it, nothing is stored for the
+    # operator of another test to act on.
+    done = cluster.plane.kubectl("create", "--dry-run=server", "-f", str(sample), check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def _undescribed(schema: Mapping[str, Any], path: str) -> Iterator[str]:
+    for name, field in (schema.get("properties") or {}).items():
+        where = f"{path}.{name}"
+        if not str(field.get("description", "")).strip():
+            yield where
+        yield from _undescribed(field, where)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), Mapping):
+            yield from _undescribed(schema[key], path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "resource"), [("PerseusJob", "perseusjobs"), ("PerseusPolicy", "perseuspolicies")]
+)
+def test_kubectl_explain_describes_every_field(cluster: Cluster, kind: str, resource: str) -> None:
+    tree = cluster.plane.kubectl("explain", resource, "--recursive").stdout
+    assert "spec" in tree and "status" in tree  # the CRD is published and explained
+    document = json.loads(
+        cluster.plane.kubectl(
+            "get", "--raw", f"/openapi/v3/apis/{resources.GROUP}/{resources.VERSION}"
+        ).stdout
+    )
+    (schema,) = [
+        s
+        for s in document["components"]["schemas"].values()
+        if any(g.get("kind") == kind for g in s.get("x-kubernetes-group-version-kind", []))
+    ]
+    # metadata is the API server's ObjectMeta, described by its own reference.
+    spec_and_status = {k: v for k, v in schema["properties"].items() if k != "metadata"}
+    assert list(_undescribed({"properties": spec_and_status}, kind)) == []
+    one = cluster.plane.kubectl("explain", f"{resource}.spec.policy.mode").stdout
+    assert "StragglerAware" in one and "``" not in one
 
 
 # -- RBAC ----------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from perseus_api.job import (
     SELECTOR_RULES,
     STRAGGLER_RULES,
     WORKLOAD_RULES,
+    Mode,
     PerseusJobSpec,
     PerseusJobStatus,
     Policy,
@@ -31,13 +32,14 @@ from perseus_api.job import (
     Stragglers,
 )
 from perseus_api.node_plan import NodePlan
+from perseus_api.plan import Granularity
 from perseus_api.resources import node_plan_object
 from support.factories import pipeline_plan_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO_ROOT / "crds"
 SAMPLES_DIR = CRD_DIR / "samples"
-SAMPLES = ("perseusjob-minimal.yaml", "perseusjob-full.yaml")
+SAMPLES = ("perseusjob-minimal.yaml", "perseusjob-full.yaml", "perseusjob-no-code-change.yaml")
 REGENERATE = "python -m perseus_api.crd --out crds/"
 
 Crd = dict[str, Any]
@@ -238,6 +240,7 @@ def test_conversions() -> None:
         "maximum": 2000,
     }
     assert _at(spec, "workload.podSelector.matchLabels") == {
+        "description": "Labels an object must carry, each with this value.",
         "type": "object",
         "additionalProperties": {"type": "string"},
     }
@@ -737,3 +740,12 @@ def test_printer_columns_point_at_schema_fields(name: str) -> None:
             assert field["type"] == column["type"], column
         elif column["type"] == "date":
             assert column["jsonPath"] == ".metadata.creationTimestamp"
+
+
+def test_no_code_change_sample_needs_no_hooks() -> None:
+    """What its comments promise: a stored profile, one clock per GPU, no straggler handling,
+    so that nothing waits for the training loop to call perseus_client."""
+    spec = PerseusJobSpec.model_validate(_sample("perseusjob-no-code-change.yaml")["spec"])
+    assert spec.profiling.profile_ref is not None  # planned from it: no profiling sweep
+    assert spec.policy.granularity == Granularity.STAGE  # no instruction hooks
+    assert spec.policy.mode == Mode.INTRINSIC  # no iteration times needed (no stragglers)
