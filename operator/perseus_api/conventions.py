@@ -1,5 +1,6 @@
 """Kubernetes API conventions that the operator and the node agents both follow: times as
-RFC 3339 strings, and when a condition's ``lastTransitionTime`` moves.
+RFC 3339 strings, when a condition's ``lastTransitionTime`` moves, and ratios as the percents
+``kubectl get`` shows.
 
 One module, so that a job's conditions, a policy's and a node plan's report move alike, and
 every reader takes the same times (``metav1.Time`` writes whole seconds, UTC, with a ``Z``;
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-__all__ = ["now_rfc3339", "parse_rfc3339", "rfc3339", "transition_time"]
+__all__ = ["now_rfc3339", "parse_rfc3339", "percent", "rfc3339", "transition_time"]
 
 _FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
@@ -45,3 +46,9 @@ def transition_time(
     if status == previous_status and previous_time:
         return previous_time
     return now
+
+
+def percent(ratio: float) -> str:
+    """``ratio`` as ``kubectl get`` should show it (``0.145`` -> ``14.5%``): printer columns
+    can only copy a field, so a status keeps the ratio for programs and this for people."""
+    return f"{ratio * 100:.1f}%"

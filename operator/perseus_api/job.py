@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from perseus_api.conventions import percent
 from perseus_api.plan import API_VERSION, Granularity
 
 JOB_KIND: Final = "PerseusJob"
@@ -568,8 +569,16 @@ class PlanStatus(_Status):
     expected_savings_ratio: float = Field(
         description="Expected energy saved vs. all GPUs at max clock, at the same throughput."
     )
+    expected_savings: str = ""
+    """expectedSavingsRatio as a percent (14.5%), for kubectl get."""
     revision: int
     """Revision of the node plans that carry the plan."""
+
+    @model_validator(mode="after")
+    def _savings_percent(self) -> PlanStatus:
+        # Derived, so that no writer can forget it and older statuses gain it when read.
+        object.__setattr__(self, "expected_savings", percent(self.expected_savings_ratio))
+        return self
 
 
 class StragglerStatus(_Status):
@@ -634,9 +643,9 @@ PRINTER_COLUMNS: Final = (
     },
     {
         "name": "Expected savings",
-        "type": "number",
-        "jsonPath": ".status.plan.expectedSavingsRatio",
-        "description": "Expected energy saved vs. all GPUs at max clock (fraction).",
+        "type": "string",
+        "jsonPath": ".status.plan.expectedSavings",
+        "description": "Expected energy saved vs. all GPUs at max clock.",
     },
     {
         "name": "Stragglers",

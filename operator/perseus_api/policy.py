@@ -275,6 +275,8 @@ class PerseusPolicyStatus(_Status):
         description="Expected energy saved over the managed jobs that have a plan, weighted "
         "by their GPUs (fraction).",
     )
+    expected_savings: str | None = None
+    """expectedSavingsRatio as a percent (14.5%), for kubectl get."""
     message: str = ""
     """What the policy does now, in words."""
     conditions: list[PolicyCondition] = Field(default_factory=list)
@@ -293,9 +295,9 @@ PRINTER_COLUMNS: Final = (
     {"name": "Jobs", "type": "integer", "jsonPath": ".status.managedJobs"},
     {
         "name": "Expected savings",
-        "type": "number",
-        "jsonPath": ".status.expectedSavingsRatio",
-        "description": "Expected energy saved over the managed jobs (fraction).",
+        "type": "string",
+        "jsonPath": ".status.expectedSavings",
+        "description": "Expected energy saved over the managed jobs.",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from perseus_api.conventions import transition_time
+from perseus_api.conventions import percent, transition_time
 from perseus_api.job import Parallelism, WorkloadKind
 from perseus_api.policy import (
     MANAGED_BY_POLICY_LABEL,
@@ -435,7 +435,8 @@ def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> 
         counts = {
             "matchedWorkloads": len(managed),
             "managedJobs": len(jobs),
-            "expectedSavingsRatio": _expected_savings(jobs),
+            "expectedSavingsRatio": (savings := _expected_savings(jobs)),
+            "expectedSavings": None if savings is None else percent(savings),
         }
         message = f"manages {len(managed)} workloads with {len(jobs)} PerseusJobs"
         if unmanageable := state.unmanageable.get(name):
