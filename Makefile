@@ -59,9 +59,11 @@ unit: $(STAMP) $(TORCH_STAMP)
 	PYTHON=$(BIN)/python scripts/run_tests.sh
 
 ## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the
-## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py).
+## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py). Then the power
+## budget allocation, quick form (200 jobs x 200 points; the full 1,000 x 1,000 without --quick).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py
+	$(BIN)/python benchmarks/power_allocation.py --quick
 
 ## The large cases: A40, 96 microbatches, 0.1 ms (~65,000 frontier points, within 15 s), and
 ## 16 stages x 128 microbatches (within the planner's 600 s limit, memory reported, checked
