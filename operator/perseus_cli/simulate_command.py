@@ -15,6 +15,10 @@ pipelines for ``--iterations`` iterations under each method, with one replica sl
 puts the straggler at max clock under every method (the paper's accounting) unless
 ``--straggler-clocks`` says otherwise, and reports times x10 and energies x80 (8-way tensor
 parallel stages of a 175B model). One pipeline is planned and simulated; the replicas share it.
+
+``--power-budget`` simulates something else: a cluster power budget on a mix of jobs, met by
+choosing each job's frontier point and by what operators do today
+(:mod:`perseus_cli.power_budget_command`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from perseus_cli import CliError
+from perseus_cli import CliError, power_budget_command
 from perseus_cli.arguments import (
     at_least_one,
     non_negative_float,
@@ -155,10 +159,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--force", action="store_true", help="write into DIR even if it is not empty"
     )
+    power_budget_command.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``perseus simulate``."""
+    if args.power_budget:
+        return power_budget_command.run(args)
     from perseus_planner import Schedule, max_frequency_baseline
     from perseus_planner.sim import METHODS, Scenario, run_method, sim_setup, summarize
     from perseus_planner.sim.emulation import ENERGY_FACTOR, TIME_FACTOR
