@@ -1,8 +1,8 @@
 """The CustomResourceDefinitions of ``perseus.energy``, generated from the pydantic models.
 
-The models in :mod:`perseus_api.job`, :mod:`perseus_api.node_plan` and
-:mod:`perseus_api.policy` are the single definition of the resources; the YAML in ``crds/`` is
-derived from them and committed so that it can be applied without Python
+The models in :mod:`perseus_api.job`, :mod:`perseus_api.node_plan`, :mod:`perseus_api.policy`
+and :mod:`perseus_api.power_budget` are the single definition of the resources; the YAML in
+``crds/`` is derived from them and committed so that it can be applied without Python
 (``kubectl apply -f crds/``) and packaged by the Helm chart. Regenerate it after changing a
 model, and check that it is current (CI and ``tests/integration/test_crd.py`` do)::
 
@@ -49,6 +49,15 @@ from perseus_api.policy import (
     PerseusPolicyStatus,
 )
 from perseus_api.policy import PRINTER_COLUMNS as POLICY_PRINTER_COLUMNS
+from perseus_api.power_budget import (
+    BUDGET_KIND,
+    BUDGET_PLURAL,
+    BUDGET_SHORT_NAMES,
+    BUDGET_SINGULAR,
+    PerseusPowerBudgetSpec,
+    PerseusPowerBudgetStatus,
+)
+from perseus_api.power_budget import PRINTER_COLUMNS as BUDGET_PRINTER_COLUMNS
 from perseus_api.resources import (
     CONDITION_APPLIED,
     GROUP,
@@ -69,6 +78,7 @@ __all__ = [
     "get_job_crd",
     "get_node_plan_crd",
     "get_policy_crd",
+    "get_power_budget_crd",
     "main",
     "render_yaml",
     "structural_schema",
@@ -101,6 +111,11 @@ _NODE_PLAN_DESCRIPTION: Final = (
 _POLICY_DESCRIPTION: Final = (
     "A cluster-wide energy policy: the operator creates a PerseusJob, with this policy, for "
     "every training workload it selects (spec); what it manages (status)."
+)
+_BUDGET_DESCRIPTION: Final = (
+    "A GPU power budget for one power domain (the nodes it selects): the operator chooses each "
+    "managed job's point on its frontier so that the domain's draw stays within it at the "
+    "least weighted slowdown (spec); the measured draw and each job's allocation (status)."
 )
 _NODE_PLAN_STATUS_DESCRIPTION: Final = (
     "Written by the node agent only: the revision it acted on, its Applied condition, and its "
@@ -431,6 +446,22 @@ def get_policy_crd() -> dict[str, Any]:
     )
 
 
+def get_power_budget_crd() -> dict[str, Any]:
+    """The ``perseuspowerbudgets.perseus.energy`` CRD (cluster-scoped)."""
+    schema = _operator_status_schema(
+        _BUDGET_DESCRIPTION, PerseusPowerBudgetSpec, PerseusPowerBudgetStatus
+    )
+    return _crd(
+        kind=BUDGET_KIND,
+        plural=BUDGET_PLURAL,
+        singular=BUDGET_SINGULAR,
+        short_names=BUDGET_SHORT_NAMES,
+        schema=schema,
+        printer_columns=BUDGET_PRINTER_COLUMNS,
+        scope="Cluster",
+    )
+
+
 # -- YAML files ------------------------------------------------------------------------------------
 
 
@@ -459,7 +490,7 @@ def render_yaml(document: Mapping[str, Any]) -> str:
 def crd_files() -> dict[str, str]:
     """File name -> YAML text of every CRD."""
     files = {}
-    for crd in (get_job_crd(), get_node_plan_crd(), get_policy_crd()):
+    for crd in (get_job_crd(), get_node_plan_crd(), get_policy_crd(), get_power_budget_crd()):
         files[f"{crd['spec']['group']}_{crd['spec']['names']['plural']}.yaml"] = render_yaml(crd)
     return files
 

@@ -361,6 +361,13 @@ class Policy(_Spec):
         le=2000,
         description="GPU power while blocked on communication; measured when unset.",
     )
+    power_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="How much this job's slowdown counts when a PerseusPowerBudget slows jobs "
+        "to meet its budget (default 1; 2: slowed half as readily).",
+    )
 
 
 class ProfileRef(_Spec):

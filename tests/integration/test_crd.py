@@ -146,6 +146,7 @@ def test_check_reports_missing_and_stale_files(
         "perseus.energy_perseusjobs.yaml",
         "perseus.energy_perseusnodeplans.yaml",
         "perseus.energy_perseuspolicies.yaml",
+        "perseus.energy_perseuspowerbudgets.yaml",
     ]
     assert crd.main(["--out", str(tmp_path), "--check"]) == 0
 

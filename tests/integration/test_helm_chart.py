@@ -316,6 +316,7 @@ def test_chart_crds_are_the_repository_crds() -> None:
         "perseusjobs",
         "perseusnodeplans",
         "perseuspolicies",
+        "perseuspowerbudgets",
     }
 
 
