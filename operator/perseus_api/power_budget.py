@@ -106,6 +106,8 @@ class Enforcement(StrEnum):
 
 
 class PerseusPowerBudgetSpec(_Spec):
+    """The power domain (its nodes), its budget, and how the budget is met."""
+
     model_config = ConfigDict(json_schema_extra=_rules(*MARGIN_RULES))
 
     budget_watts: float = Field(
@@ -170,19 +172,31 @@ class BudgetConditionType(StrEnum):
 
 
 class BudgetCondition(_Status):
+    """One aspect of the budget's state, as Kubernetes conditions say it."""
+
     type: BudgetConditionType
+    """Met (the measured draw is within the budget), Infeasible (even every job's least-power
+    point does not fit: the message says by how many watts) or Overlapping (some nodes are
+    selected by another budget too)."""
     status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
     reason: str = Field(min_length=1)
+    """Why, in one CamelCase word (for example OverBudget)."""
     message: str = ""
+    """Why, in words: what happened and what to do about it."""
     last_transition_time: str | None = None
+    """When the status last changed (RFC 3339)."""
     observed_generation: int | None = None
+    """The spec generation the condition describes."""
 
 
 class JobAllocation(_Status):
     """What the allocation gave one job."""
 
     namespace: str
+    """The PerseusJob's namespace."""
     name: str
+    """The PerseusJob's name."""
     allocated_watts: float = Field(description="Average draw of the job's point (all its GPUs).")
     slowdown_ratio: float = Field(description="Its iteration time / T_min - 1 at that point.")
     weight: float = Field(default=1.0, description="Its spec.policy.powerWeight.")
@@ -190,7 +204,10 @@ class JobAllocation(_Status):
 
 
 class PerseusPowerBudgetStatus(_Status):
+    """What the operator measured and allocated in the domain. Written by the operator only."""
+
     observed_generation: int | None = None
+    """The spec generation this status describes."""
     budget_watts: float | None = Field(default=None, description="The budget in force.")
     measured_watts: float | None = Field(
         default=None, description="The domain's GPU draw, averaged over the window."
@@ -216,7 +233,9 @@ class PerseusPowerBudgetStatus(_Status):
         description="Each managed job's allocation, the largest first.",
     )
     message: str = ""
+    """What the operator last did or found, in words."""
     conditions: list[BudgetCondition] = Field(default_factory=list)
+    """Met, Infeasible and Overlapping."""
 
 
 PRINTER_COLUMNS: Final = (

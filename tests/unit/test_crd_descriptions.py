@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from perseus_api.crd import get_job_crd, get_policy_crd
+from perseus_api.crd import get_job_crd, get_policy_crd, get_power_budget_crd
 
 
 def undescribed(schema: Mapping[str, Any], path: str, root: bool = False) -> Iterator[str]:
@@ -41,7 +41,11 @@ def descriptions(schema: Mapping[str, Any]) -> Iterator[str]:
             yield from descriptions(schema[key])
 
 
-CRDS = {"PerseusJob": get_job_crd, "PerseusPolicy": get_policy_crd}
+CRDS = {
+    "PerseusJob": get_job_crd,
+    "PerseusPolicy": get_policy_crd,
+    "PerseusPowerBudget": get_power_budget_crd,
+}
 
 
 @pytest.mark.parametrize("kind", sorted(CRDS))
