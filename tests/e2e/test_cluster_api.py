@@ -142,9 +142,16 @@ def _undescribed(schema: Mapping[str, Any], path: str) -> Iterator[str]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "resource"), [("PerseusJob", "perseusjobs"), ("PerseusPolicy", "perseuspolicies")]
+    ("kind", "resource", "field", "word"),
+    [
+        ("PerseusJob", "perseusjobs", "spec.policy.mode", "StragglerAware"),
+        ("PerseusPolicy", "perseuspolicies", "spec.policy.mode", "StragglerAware"),
+        ("PerseusPowerBudget", "perseuspowerbudgets", "spec.enforcement", "PlansAndPowerLimits"),
+    ],
 )
-def test_kubectl_explain_describes_every_field(cluster: Cluster, kind: str, resource: str) -> None:
+def test_kubectl_explain_describes_every_field(
+    cluster: Cluster, kind: str, resource: str, field: str, word: str
+) -> None:
     tree = cluster.plane.kubectl("explain", resource, "--recursive").stdout
     assert "spec" in tree and "status" in tree  # the CRD is published and explained
     document = json.loads(
@@ -160,8 +167,8 @@ def test_kubectl_explain_describes_every_field(cluster: Cluster, kind: str, reso
     # metadata is the API server's ObjectMeta, described by its own reference.
     spec_and_status = {k: v for k, v in schema["properties"].items() if k != "metadata"}
     assert list(_undescribed({"properties": spec_and_status}, kind)) == []
-    one = cluster.plane.kubectl("explain", f"{resource}.spec.policy.mode").stdout
-    assert "StragglerAware" in one and "``" not in one
+    one = cluster.plane.kubectl("explain", f"{resource}.{field}").stdout
+    assert word in one and "``" not in one
 
 
 # -- RBAC ----------------------------------------------------------------------------------------
@@ -199,12 +206,17 @@ OPERATOR_MAY = [
     ("watch", "perseuspolicies.perseus.energy", None),
     ("patch", "perseuspolicies.perseus.energy/status", None),
     ("list", "namespaces", None),
+    # PerseusPowerBudgets: read, and their status written (issue 35).
+    ("list", "perseuspowerbudgets.perseus.energy", None),
+    ("watch", "perseuspowerbudgets.perseus.energy", None),
+    ("patch", "perseuspowerbudgets.perseus.energy/status", None),
 ]
 OPERATOR_MAY_NOT = [
     ("update", "perseusjobs.perseus.energy", "ml"),
     ("create", "perseuspolicies.perseus.energy", None),
     ("patch", "perseuspolicies.perseus.energy", None),  # a policy's spec is its author's
     ("delete", "perseuspolicies.perseus.energy", None),
+    ("patch", "perseuspowerbudgets.perseus.energy", None),  # a budget's spec is its author's
     ("patch", "namespaces", None),
     ("patch", "perseusnodeplans.perseus.energy/status", "ml"),  # the agents' reports
     ("create", "pods", "ml"),
