@@ -34,7 +34,7 @@ __all__ = [
 
 class JobIO(Protocol):
     """The cluster as the reconcile step sees it
-    (:class:`~perseus_operator.cluster.kube.KubeClient`)."""
+    (:class:`~perseus_operator.cluster.kube.client.KubeClient`)."""
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from perseus_api.errors import ApiError
-from perseus_operator.cluster.kube import KubeError
+from perseus_operator.cluster.kube.client import KubeError
 from perseus_operator.policies.parallelism import UnreadableParallelismError
 from perseus_operator.workloads.pods import WorkloadError
 
