@@ -48,11 +48,13 @@ class WorkloadError(Exception):
 
 
 def pod_name(pod: Pod) -> str:
+    """The pod's name, for messages (``<unnamed pod>`` when it has none)."""
     name = get_path(pod, "metadata", "name")
     return name if isinstance(name, str) and name else "<unnamed pod>"
 
 
 def label_or_annotation(pod: Pod, key: str) -> Any:
+    """The pod's label ``key``, else its annotation ``key`` (``None`` when neither)."""
     # JobSet and indexed Jobs write their indexes as annotations, and also as labels in
     # recent versions: take whichever is there.
     value = labels_of(pod).get(key)
@@ -60,16 +62,19 @@ def label_or_annotation(pod: Pod, key: str) -> Any:
 
 
 def container_name(container: Mapping[str, Any]) -> str:
+    """The container's name, for messages (``<unnamed>`` when it has none)."""
     name = container.get("name")
     return name if isinstance(name, str) else "<unnamed>"
 
 
 def node_of(pod: Pod) -> str | None:
+    """The node the pod is scheduled on; ``None`` before it is."""
     node = get_path(pod, "spec", "nodeName")
     return node if isinstance(node, str) and node else None
 
 
 def phase_of(pod: Pod) -> str | None:
+    """The pod's phase (``Pending``, ``Running``, ``Succeeded``, ``Failed``...), if it has one."""
     phase = get_path(pod, "status", "phase")
     return phase if isinstance(phase, str) else None
 
@@ -95,11 +100,13 @@ def gpu_container(pod: Pod) -> str | None:
 
 
 def uid_of(pod: Pod) -> str | None:
+    """The pod's UID, if it has one."""
     uid = get_path(pod, "metadata", "uid")
     return uid if isinstance(uid, str) and uid else None
 
 
 def env_entry(container: Mapping[str, Any], variable: str) -> Mapping[str, Any] | None:
+    """The container's ``env`` entry of ``variable``, as written (literal or ``valueFrom``)."""
     env = container.get("env")
     if not isinstance(env, list):
         return None
