@@ -101,7 +101,7 @@ from perseus_operator.cluster.cluster_index import (  # noqa: E402
     node_plan_entries,
     pod_entries,
 )
-from perseus_operator.cluster.kube import config_map_object  # noqa: E402
+from perseus_operator.cluster.kube.client import config_map_object  # noqa: E402
 from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
 from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
 from perseus_operator.jobs.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402

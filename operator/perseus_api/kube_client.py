@@ -1,9 +1,9 @@
 """What the operator's and the node agent's Kubernetes modules share: loading the client
 configuration, and one line that says how an API call failed.
 
-Each component still has one place that talks to the API (the module
-``perseus_operator/cluster/kube.py``, the package ``perseus_agent/kube/``) and raises its own error
-type; this module makes no request and holds no client. The ``kubernetes`` package is imported
+Each component still has one place that talks to the API (the packages
+``perseus_operator/cluster/kube/`` and ``perseus_agent/kube/``) and raises its own error type;
+this module makes no request and holds no client. The ``kubernetes`` package is imported
 only inside :func:`load_api_client`, so importing this module costs nothing where it is not
 installed.
 """

@@ -10,7 +10,8 @@
   leader election) an operator replica holds the Lease and keeps renewing it.
 
 The decisions (:func:`missing_crds`, :func:`lease_renewed`, :func:`remaining`) are pure;
-:func:`run_hook` does the I/O through :class:`perseus_operator.cluster.kube.HookApi`.
+:func:`run_hook` does the I/O through
+:class:`perseus_operator.cluster.kube.blocking_clients.HookApi`.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def run_hook(
     hook: str, config: OperatorConfig, namespaces: Sequence[str], *, timeout_s: float
 ) -> int:
     """Run ``hook``; the process exit code (0: passed)."""
-    from perseus_operator.cluster.kube import HookApi, KubeError, LeaseApi, load_api_client
+    from perseus_operator.cluster.kube.blocking_clients import HookApi
+    from perseus_operator.cluster.kube.client import KubeError, load_api_client
+    from perseus_operator.cluster.kube.lease_api import LeaseApi
 
     def say(line: str) -> None:
         print(f"perseus-operator --hook {hook}: {line}", file=sys.stderr, flush=True)

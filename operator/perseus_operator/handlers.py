@@ -32,7 +32,7 @@ from perseus_operator.cluster.cluster_index import (
     pod_entries,
     workload_entries,
 )
-from perseus_operator.cluster.kube import WORKLOAD_RESOURCES, KubeClient, load_api_client
+from perseus_operator.cluster.kube.client import WORKLOAD_RESOURCES, KubeClient, load_api_client
 from perseus_operator.config import OperatorConfig
 from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION
 from perseus_operator.jobs.job_release import RELEASE_PENDING, decide_release

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _elector(config: OperatorConfig) -> Elector:
-    from perseus_operator.cluster.kube import LeaseApi, load_api_client
+    from perseus_operator.cluster.kube.client import load_api_client
+    from perseus_operator.cluster.kube.lease_api import LeaseApi
 
     kubeconfig = config.kubeconfig or os.environ.get("KUBECONFIG", "")
     store = LeaseApi(
@@ -99,7 +100,8 @@ def _elector(config: OperatorConfig) -> Elector:
 
 def _start_webhook(args: argparse.Namespace, config: OperatorConfig) -> None:
     """Serve the injection webhook (before the election: standbys serve it too)."""
-    from perseus_operator.cluster.kube import PerseusJobLister, load_api_client
+    from perseus_operator.cluster.kube.blocking_clients import PerseusJobLister
+    from perseus_operator.cluster.kube.client import load_api_client
     from perseus_operator.webhook.injection import InjectionConfig
     from perseus_operator.webhook.injection_server import InjectionServer
 
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     perseus_operator.handlers.watch_namespaces(args.namespace)
     if args.webhook_address:
-        from perseus_operator.cluster.kube import KubeError
+        from perseus_operator.cluster.kube.client import KubeError
 
         try:
             _start_webhook(args, config)

@@ -12,15 +12,11 @@ warm one only when it must: :meth:`WarmStepper.sync_times` brings them up to dat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import numpy.typing as npt
 
 from perseus_planner import _kept_cut, _kernel, _warm
-
-if TYPE_CHECKING:
-    from perseus_planner.solver import _Tables
+from perseus_planner._tables import KernelTables
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -29,7 +25,7 @@ FloatArray = npt.NDArray[np.float64]
 class ReferenceStepper:
     """Each step from scratch: a flow meeting every lower bound, then the maximum flow."""
 
-    def __init__(self, tables: _Tables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
+    def __init__(self, tables: KernelTables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
         self._t = tables
         self._dur, self._ef, self._ls = dur, ef, ls
         self._adj_ptr, self._adj_arc, self._head = reference_network(
@@ -56,7 +52,7 @@ class ReferenceStepper:
 class WarmStepper:
     """Each step from the previous step's maximum flow, cut and critical DAG (:mod:`._kept_cut`)."""
 
-    def __init__(self, tables: _Tables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
+    def __init__(self, tables: KernelTables, dur: IntArray, ef: IntArray, ls: IntArray) -> None:
         self._t = tables
         self._dur, self._ef, self._ls = dur, ef, ls
         num = len(dur)

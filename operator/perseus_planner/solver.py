@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from perseus_api.profile import Profile
 from perseus_planner import _kept_cut, _kernel, _steps
+from perseus_planner._tables import KernelTables
 from perseus_planner.cost_model import CostModel, fit_cost_model
 from perseus_planner.dag import PipelineDAG, topological_order
 from perseus_planner.errors import SolverError
@@ -65,7 +66,7 @@ class FrontierProblem:
     models: dict[tuple[int, str], ComputationModel]
     unit_time_s: float
     blocking_power_w: float
-    _tables: _Tables = field(repr=False)
+    _tables: KernelTables = field(repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -114,23 +115,6 @@ class FrontierProblem:
     @property
     def fastest_durations(self) -> IntArray:
         return self._tables.dmin[: self.dag.num_nodes].copy()
-
-
-@dataclass(frozen=True)
-class _Tables:
-    """Flat arrays for the kernel. Nodes ``n`` and ``n+1`` are the source and sink."""
-
-    graph: tuple[IntArray, IntArray, IntArray, IntArray, IntArray]  # topo, preds, succs (CSR)
-    edge_u: IntArray
-    edge_v: IntArray
-    dummy: npt.NDArray[np.bool_]
-    dmin: IntArray
-    dmax: IntArray
-    tab_off: IntArray
-    cost_tab: FloatArray
-    lb_tab: IntArray
-    ub_tab: IntArray
-    knob_tab: IntArray
 
 
 @dataclass(frozen=True)
@@ -187,7 +171,9 @@ def build_problem(
     return FrontierProblem(profile, dag, models, unit_time_s, blocking_power_w, tables)
 
 
-def _build_tables(dag: PipelineDAG, models: dict[tuple[int, str], ComputationModel]) -> _Tables:
+def _build_tables(
+    dag: PipelineDAG, models: dict[tuple[int, str], ComputationModel]
+) -> KernelTables:
     n = dag.num_nodes
     src, snk = n, n + 1
     edges = [tuple(e) for e in dag.edges.tolist()]
@@ -236,7 +222,7 @@ def _build_tables(dag: PipelineDAG, models: dict[tuple[int, str], ComputationMod
         tab_off[i] = spec_off[key]
     dummy = np.zeros(num, dtype=np.bool_)
     dummy[src] = dummy[snk] = True
-    return _Tables(
+    return KernelTables(
         graph=(topo, pred_ptr, pred_idx, succ_ptr, succ_idx),
         edge_u=all_edges[:, 0].copy(),
         edge_v=all_edges[:, 1].copy(),

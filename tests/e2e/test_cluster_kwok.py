@@ -37,11 +37,11 @@ from typing import Any
 import kubernetes
 
 from perseus_api import resources
-from perseus_operator.workloads.ranks import (
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
+from perseus_operator.workloads.pods import (
     COMPLETION_INDEX,
     JOBSET_JOB_INDEX,
     JOBSET_NAME,
-    PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,
     PYTORCH_REPLICA_INDEX,
     PYTORCH_REPLICA_TYPE,

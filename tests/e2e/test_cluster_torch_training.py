@@ -32,9 +32,9 @@ from perseus_api import resources
 from perseus_api.profile import parse_profile
 from perseus_operator.jobs.phase_decisions import profile_config_map_name
 from perseus_operator.jobs.profile_source import PROFILE_KEY
-from perseus_operator.workloads.ranks import (
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
+from perseus_operator.workloads.pods import (
     GPU_RESOURCE,
-    PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,
     PYTORCH_REPLICA_INDEX,
     PYTORCH_REPLICA_TYPE,

@@ -45,7 +45,7 @@ from perseus_api.profile import Profile, parse_profile
 from perseus_operator.jobs.phase_decisions import profile_config_map_name
 from perseus_operator.jobs.planning import PlanningInput, choose_plan, solve_frontier
 from perseus_operator.jobs.profile_source import BLOCKING_POWER_KEY, PROFILE_KEY
-from perseus_operator.workloads.ranks import PYTORCH_CONTAINER
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
 from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import PromClient, missing_data, poll, prometheus, scrape_jobs

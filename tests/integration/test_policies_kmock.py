@@ -13,7 +13,7 @@ import pytest
 
 from perseus_api import resources
 from perseus_api.policy import POLICY_PLURAL
-from perseus_operator.cluster.kube import WORKLOAD_RESOURCES
+from perseus_operator.cluster.kube.client import WORKLOAD_RESOURCES
 from support.kmock_server import KmockServer
 from support.operator_harness import RESOURCES, VERBS, OperatorProcess, operator_problems
 from support.policy_scenario import policy_body, policy_status, run_opt_in_scenario

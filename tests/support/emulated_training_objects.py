@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from perseus_api import resources
-from perseus_operator.workloads.ranks import (
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
+from perseus_operator.workloads.pods import (
     GPU_RESOURCE,
-    PYTORCH_CONTAINER,
     PYTORCH_JOB_NAME,
     PYTORCH_REPLICA_INDEX,
     PYTORCH_REPLICA_TYPE,

@@ -14,7 +14,7 @@ from typing import Any
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_api.node_report import RankReport
-from perseus_operator.cluster.kube import KubeError
+from perseus_operator.cluster.kube.client import KubeError
 from perseus_operator.jobs.running_decisions import expected_iteration_s
 from support.lifecycle_job import JOB, NODES, NS, PROFILE
 from support.operator_harness import agent_status, profiled

@@ -4,7 +4,7 @@ in memory, and a policy for it to apply."""
 from __future__ import annotations
 
 from perseus_api.job import WorkloadKind
-from perseus_operator.cluster.kube import KubeError
+from perseus_operator.cluster.kube.client import KubeError
 from support.workload_objects import NAMESPACES, Obj
 
 

@@ -22,7 +22,8 @@ import kubernetes
 import pytest
 
 from perseus_api import resources
-from perseus_operator.workloads.ranks import GPU_RESOURCE, PYTORCH_CONTAINER
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
+from perseus_operator.workloads.pods import GPU_RESOURCE
 from support.cluster_harness import (
     OPERATOR_SA,
     WORKLOAD_KINDS,

@@ -12,7 +12,7 @@ from typing import Any
 
 from perseus_api import resources
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL, OPT_OUT_ANNOTATION, POLICY_PLURAL
-from perseus_operator.cluster.kube import WORKLOAD_RESOURCES
+from perseus_operator.cluster.kube.client import WORKLOAD_RESOURCES
 from support.workload_objects import jobset, pytorch_job
 
 WaitFor = Callable[..., Any]

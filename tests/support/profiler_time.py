@@ -4,7 +4,7 @@ on it."""
 from __future__ import annotations
 
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiling.profiler import EnergySampler
+from perseus_agent.profiling.energy_sampler import EnergySampler
 
 MS = 1_000_000
 

@@ -25,7 +25,7 @@ from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_agent.ownership.gpu_ownership import LocalRankIndexOwnership
 from perseus_agent.plans.plan_status import report_status
-from perseus_agent.profiling.profiler import EnergySampler
+from perseus_agent.profiling.energy_sampler import EnergySampler
 from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api import resources
 from perseus_api.node_plan import GpuAssignment, NodePlan

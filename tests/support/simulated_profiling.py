@@ -9,7 +9,7 @@ from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.control.applier import PlanApplier
 from perseus_agent.gpu.base import GpuInfo
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiling.profiler import EnergySampler
+from perseus_agent.profiling.energy_sampler import EnergySampler
 from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile

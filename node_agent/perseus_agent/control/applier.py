@@ -72,7 +72,7 @@ class PlanApplier:
         node_name: This node; plans for another node are refused.
         metrics: Counters to update; a private set by default.
         sampler_factory: Makes the energy sampler of a profiled GPU (default: an
-            :class:`~perseus_agent.profiling.profiler.EnergySampler` sampling every 5 ms in a
+            :class:`~perseus_agent.profiling.energy_sampler.EnergySampler` sampling every 5 ms in a
             thread); the applier starts it and stops it once the GPU's profiling is over.
 
     Raises:

@@ -19,7 +19,8 @@ from perseus_agent.control.gpu_clocks import GpuClocks, wait
 from perseus_agent.control.plan_state import GpuState
 from perseus_agent.errors import GpuError
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
-from perseus_agent.profiling.profiler import EnergySampler, StageProfiler
+from perseus_agent.profiling.energy_sampler import EnergySampler
+from perseus_agent.profiling.profiler import StageProfiler
 from perseus_api.node_plan import ProfilingSpec
 from perseus_api.node_report import GpuProfilingReport, GpuStatus
 
@@ -40,7 +41,7 @@ class GpuProfiling:
         backend: The GPUs of this node (their energy counters).
         clocks: Locks the clocks of the profiling schedule.
         sampler_factory: Makes the energy sampler of a profiled GPU (default: an
-            :class:`~perseus_agent.profiling.profiler.EnergySampler` sampling every 5 ms in a
+            :class:`~perseus_agent.profiling.energy_sampler.EnergySampler` sampling every 5 ms in a
             thread), started here and stopped once the GPU's profiling is over.
     """
 

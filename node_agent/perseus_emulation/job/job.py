@@ -18,6 +18,7 @@ from perseus_emulation.job.clients import (
     TimedClient,
     default_client,
 )
+from perseus_emulation.job.handoffs import AbortedError, DepKey, HandOffs, sleep_until
 from perseus_emulation.job.records import (
     OVERHEADS,
     EmulatedJobError,
@@ -35,18 +36,6 @@ DEFAULT_CLOCK_POLL_S = 0.005
 # computation's end), so the reads start fast and back off to ``clock_poll_s``; reading only
 # every 5 ms ran many instructions 5 ms at the previous clock, time the agent did not cause.
 _FIRST_POLL_S = 0.0005
-
-# Oversleep compensation (see EmulatedJob._compute): how fast the estimate follows, and its cap.
-_SLACK_GAIN = 0.25
-_MAX_SLACK_S = 0.001
-
-
-class _AbortedError(Exception):
-    """Raised in a rank whose job is being torn down because of an error elsewhere."""
-
-
-# (step, replica, stage, instruction, microbatch): one finished computation a later one needs.
-_DepKey = tuple[int, int, int, str, int]
 
 
 class EmulatedJob:
@@ -163,12 +152,8 @@ class EmulatedJob:
         self._end_s = [0.0] * num_ranks
         # Per rank, this iteration's overheads (OVERHEADS): each rank adds to its own.
         self._overheads = [dict.fromkeys(OVERHEADS, 0.0) for _ in range(num_ranks)]
-        # When each announced computation ends (time.monotonic()), for the rank that needs it.
-        self._ends_s: dict[_DepKey, float] = {}
+        self._handoffs = HandOffs()
         self._barrier = threading.Barrier(num_ranks, action=self._iteration_done)
-        self._deps_lock = threading.Lock()
-        self._deps: dict[_DepKey, threading.Event] = {}
-        self._aborted = False
         self._error: tuple[int | None, str, BaseException] | None = None
         self._bookkeeping_error: BaseException | None = None
 
@@ -293,14 +278,14 @@ class EmulatedJob:
                 client.close()
             except BaseException as exc:
                 error = error or exc
-        if error is None or isinstance(error, _AbortedError):
+        if error is None or isinstance(error, AbortedError):
             return
         if error is self._bookkeeping_error:
             self._fail(None, error, "the iteration bookkeeping")
         elif isinstance(error, threading.BrokenBarrierError):
             # Broken by abort() (an error elsewhere) or by a failed barrier action: both are
             # reported by the thread that saw the error.
-            if not self._aborted and self._bookkeeping_error is None:  # not expected
+            if not self._handoffs.aborted and self._bookkeeping_error is None:  # not expected
                 self._fail(rank, RuntimeError("the all-reduce barrier broke"))
         else:
             self._fail(rank, error)
@@ -317,25 +302,25 @@ class EmulatedJob:
             hooks.on_step_begin(step)
             busy = False  # the GPU is still marked busy with the previous instruction
             for instruction, microbatch in self._orders[stage]:
-                if self._aborted:
-                    raise _AbortedError
-                dependency: _DepKey | None = None
+                if self._handoffs.aborted:
+                    raise AbortedError
+                dependency: DepKey | None = None
                 if instruction == FORWARD and stage > 0:
                     dependency = (step, replica, stage - 1, FORWARD, microbatch)
                 elif instruction == BACKWARD and stage < last_stage:
                     dependency = (step, replica, stage + 1, BACKWARD, microbatch)
                 if dependency is not None:
-                    event = self._event(dependency)
-                    if busy and not self._ready(dependency, event):
+                    event = self._handoffs.event(dependency)
+                    if busy and not self._handoffs.ready(dependency, event):
                         backend.set_activity(index, None, None)  # it waits idle
                         busy = False
-                    slack_s = self._wait(dependency, event, slack_s, overheads)
+                    slack_s = self._handoffs.wait(dependency, event, slack_s, overheads)
                 announce: Callable[[float], None] | None = None
                 if (instruction == FORWARD and stage < last_stage) or (
                     instruction == BACKWARD and stage > 0
                 ):
                     announce = functools.partial(
-                        self._signal, (step, replica, stage, instruction, microbatch)
+                        self._handoffs.signal, (step, replica, stage, instruction, microbatch)
                     )
                 hooks.on_instruction_begin(instruction, microbatch)
                 slack_s = self._compute(
@@ -373,7 +358,7 @@ class EmulatedJob:
         oversleep of ``time.sleep``; returns it updated with this instruction's oversleep.
         ``announce`` is called with the end time once it is final (the last stretch reads no
         rate), so that the rank waiting on this computation can wake up before it ends and
-        start on time (:meth:`_wait`).
+        start on time (:meth:`HandOffs.wait`).
         """
         start_s = last_s = time.monotonic()
         backend.set_activity(index, stage, instruction)
@@ -388,7 +373,7 @@ class EmulatedJob:
             if end_s - now_s <= 2 * poll_s:
                 if announce is not None:
                     announce(end_s)
-                slack_s = _sleep_until(end_s, slack_s)
+                slack_s = sleep_until(end_s, slack_s)
                 break
             time.sleep(poll_s)
             poll_s = min(2 * poll_s, self._clock_poll_s)
@@ -408,71 +393,14 @@ class EmulatedJob:
             last_s = now_s
         return slack_s
 
-    def _event(self, key: _DepKey) -> threading.Event:
-        """The event of ``key``, made on first use; already set once the job is aborted."""
-        with self._deps_lock:
-            event = self._deps.get(key)
-            if event is None:
-                event = self._deps[key] = threading.Event()
-                if self._aborted:
-                    event.set()
-            return event
-
-    def _signal(self, key: _DepKey, end_s: float) -> None:
-        """Announce that the computation ``key`` ends at ``end_s`` (``time.monotonic()``)."""
-        event = self._event(key)
-        with self._deps_lock:
-            self._ends_s[key] = end_s
-        event.set()
-
-    def _ready(self, key: _DepKey, event: threading.Event) -> bool:
-        """Whether the computation ``key`` has ended (not only been announced)."""
-        if not event.is_set():
-            return False
-        with self._deps_lock:
-            end_s = self._ends_s.get(key)
-        return end_s is None or end_s <= time.monotonic()
-
-    def _wait(
-        self, key: _DepKey, event: threading.Event, slack_s: float, overheads: dict[str, float]
-    ) -> float:
-        """Wait until the computation ``key`` (its :meth:`_event`) ends; each key has one
-        waiter. Returns ``slack_s`` updated as :func:`_sleep_until` does.
-
-        The producer announces the end in its last stretch, a few milliseconds early, and this
-        rank sleeps until then: on a real GPU the next stage starts when the data arrives, and
-        a thread's wake-up (~0.2-1 ms on a loaded 2-core machine) would otherwise add to every
-        hand-off along the critical path. A wait that blocked or slept counts as a hand-off in
-        ``overheads``: from the end to now, what is left of the wake-up.
-        """
-        blocked = not event.is_set()
-        event.wait()
-        if self._aborted:
-            raise _AbortedError
-        with self._deps_lock:
-            del self._deps[key]
-            end_s = self._ends_s.pop(key, None)
-        if end_s is None:
-            return slack_s
-        slept = end_s > time.monotonic()
-        if slept:
-            slack_s = _sleep_until(end_s, slack_s)
-            while time.monotonic() < end_s:  # woken early by the slack: never before the end
-                time.sleep(0)
-        if blocked or slept:
-            overheads["handoffs"] += 1
-            overheads["handoff_s"] += max(0.0, time.monotonic() - end_s)
-        return slack_s
-
     def _fail(self, rank: int | None, error: BaseException, where: str | None = None) -> None:
         """Record the first error and make every rank exit: wake every waiter."""
-        with self._deps_lock:
+
+        def record_first() -> None:
             if self._error is None:
                 self._error = (rank, where or f"rank {rank}", error)
-            self._aborted = True
-            events = list(self._deps.values())
-        for event in events:
-            event.set()
+
+        self._handoffs.abort(record_first)
         self._barrier.abort()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -522,14 +450,3 @@ class EmulatedJob:
             node.name: sum(backend.metered_energy_j(i) for i in range(backend.num_gpus))
             for node, backend in zip(self._nodes, self._backends, strict=True)
         }
-
-
-def _sleep_until(end_s: float, slack_s: float) -> float:
-    """Sleep until ``time.monotonic()`` is ``end_s``, waking ``slack_s`` early to make up for
-    the usual oversleep of ``time.sleep``; returns ``slack_s`` updated with this oversleep."""
-    delay_s = end_s - time.monotonic() - slack_s
-    if delay_s > 0:
-        time.sleep(delay_s)
-        late_s = time.monotonic() - end_s
-        slack_s = min(max(slack_s + _SLACK_GAIN * late_s, 0.0), _MAX_SLACK_S)
-    return slack_s

@@ -28,7 +28,7 @@ from typing import Any, TypeAlias
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_operator.jobs.job_observation import JobIO
-from perseus_operator.workloads.ranks import matches, parse_selector
+from perseus_operator.workloads.selectors import matches, parse_selector
 
 __all__ = [
     "Index",

@@ -23,7 +23,8 @@ A leader killed without warning is replaced within ``lease_duration_s + retry_pe
 (plus the new leader's start-up).
 
 :func:`next_record` is the decision, pure; :class:`Elector` runs it against a
-:class:`LeaseStore` (the Kubernetes I/O is :class:`perseus_operator.cluster.kube.LeaseApi`).
+:class:`LeaseStore` (the Kubernetes I/O is
+:class:`perseus_operator.cluster.kube.lease_api.LeaseApi`).
 """
 
 from __future__ import annotations

@@ -33,16 +33,11 @@ from perseus_operator.jobs.gpu_conflicts import (
     decide_gpu_conflict,
     planned_gpus,
 )
+from perseus_operator.workloads.completion import workload_end, workload_failed, workload_finished
 from perseus_operator.workloads.objects import labels_of
-from perseus_operator.workloads.ranks import (
-    RankPlacement,
-    WorkloadError,
-    matches,
-    resolve_ranks,
-    workload_end,
-    workload_failed,
-    workload_finished,
-)
+from perseus_operator.workloads.pods import WorkloadError
+from perseus_operator.workloads.ranks import RankPlacement, resolve_ranks
+from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "POD_FAILED_REASON",

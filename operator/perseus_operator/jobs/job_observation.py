@@ -17,7 +17,9 @@ from perseus_operator.jobs.job_decisions import ConflictView, JobRef, WorkloadVi
 from perseus_operator.jobs.phase_decisions import profile_config_map_name
 from perseus_operator.jobs.planning import PlanningInput
 from perseus_operator.jobs.profile_store import GpuProducts, Lookup, find_profile
-from perseus_operator.workloads.ranks import RankPlacement, pod_selector, workload_end
+from perseus_operator.workloads.completion import workload_end
+from perseus_operator.workloads.ranks import RankPlacement
+from perseus_operator.workloads.selectors import pod_selector
 from perseus_planner import Frontier
 
 __all__ = [
@@ -32,7 +34,7 @@ __all__ = [
 
 class JobIO(Protocol):
     """The cluster as the reconcile step sees it
-    (:class:`~perseus_operator.cluster.kube.KubeClient`)."""
+    (:class:`~perseus_operator.cluster.kube.client.KubeClient`)."""
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 

@@ -22,7 +22,7 @@ from perseus_api.job import WorkloadKind
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL
 from perseus_api.resources import object_key
 from perseus_operator.cluster.cluster_index import Index, read_all
-from perseus_operator.cluster.kube import KubeClient, KubeError
+from perseus_operator.cluster.kube.client import KubeClient, KubeError
 from perseus_operator.policies.policy_sync import (
     ClusterView,
     SyncPlan,

@@ -4,7 +4,8 @@ workload a ``PerseusPolicy`` manages has its ``PerseusJob``, and what each polic
 Pure: :func:`get_sync_plan` takes a :class:`ClusterView` (objects as the API server returns
 them) and returns a :class:`SyncPlan`; :mod:`perseus_operator.policies.policy_controller` reads the
 view and carries the plan out. Which policy manages a workload, and the job it creates, are
-:mod:`perseus_operator.policies.selection`' rules; here is what happens to the jobs over time:
+:mod:`perseus_operator.policies.selection`' rules, what each policy's status then says
+:mod:`perseus_operator.policies.policy_status`'; here is what happens to the jobs over time:
 
 - A job a policy made carries the label ``perseus.energy/policy`` and belongs to the workload
   that controls it (owner reference, by uid). A job without that label is a user's and is
@@ -30,31 +31,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from perseus_api.conventions import percent, transition_time
 from perseus_api.job import Parallelism, WorkloadKind
-from perseus_api.policy import (
-    MANAGED_BY_POLICY_LABEL,
-    PerseusPolicySpec,
-    PolicyConditionType,
-    PolicyError,
-    parse_policy,
-)
+from perseus_api.policy import MANAGED_BY_POLICY_LABEL, PerseusPolicySpec, PolicyError, parse_policy
 from perseus_api.resources import GROUP, label_value, object_key
+from perseus_operator.policies.parallelism import UnreadableParallelismError, infer_parallelism
+from perseus_operator.policies.policy_status import get_policy_status
 from perseus_operator.policies.selection import (
     PodGroup,
     PolicyChoice,
-    UnreadableParallelismError,
     choose_policy,
     controller_of,
     get_perseus_job,
     group_pods,
-    infer_parallelism,
     opted_out,
     user_job_for,
     workload_kind,
 )
-from perseus_operator.workloads.objects import annotations_of, labels_of, listed, terminating
-from perseus_operator.workloads.ranks import JOBSET_NAME, PYTORCH_JOB_NAME, matches
+from perseus_operator.workloads.objects import annotations_of, labels_of, terminating
+from perseus_operator.workloads.pods import JOBSET_NAME, PYTORCH_JOB_NAME
+from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "SPEC_HASH_ANNOTATION",
@@ -74,8 +69,6 @@ Obj = Mapping[str, Any]
 SPEC_HASH_ANNOTATION: Final = f"{GROUP}/policy-spec-hash"
 """On a policy-made PerseusJob: hash of the spec the policy asked for (see the module doc)."""
 _NAMESPACE_NAME_LABEL: Final = "kubernetes.io/metadata.name"
-_LISTED: Final = 5
-"""Most items one status message or event names (then "and N more")."""
 
 
 @dataclass(frozen=True)
@@ -410,95 +403,15 @@ def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any
 
 
 def _policy_status(state: _Round, name: str, body: Obj, problem: str | None) -> dict[str, Any]:
-    stored = body.get("status")
-    previous: Mapping[str, Any] = stored if isinstance(stored, Mapping) else {}
-    generation = (body.get("metadata") or {}).get("generation")
-    if problem is not None:
-        accepted = _condition(False, "InvalidSpec", problem)
-        overlapping = _condition(False, "NotEvaluated", "the spec is invalid")
-        counts: dict[str, Any] = {"matchedWorkloads": 0, "managedJobs": 0}
-        message = problem
-    else:
-        accepted = _condition(True, "Valid", "")
-        losses = state.overlaps.get(name, [])
-        overlapping = (
-            _condition(
-                True,
-                "OtherPolicyWins",
-                f"more specific or higher-priority policies manage {listed(losses, _LISTED, '; ')}",
-            )
-            if losses
-            else _condition(False, "NoOverlap", "")
-        )
-        jobs = state.jobs_after.get(name, [])
-        managed = state.managed.get(name, [])
-        counts = {
-            "matchedWorkloads": len(managed),
-            "managedJobs": len(jobs),
-            "expectedSavingsRatio": (savings := _expected_savings(jobs)),
-            "expectedSavings": None if savings is None else percent(savings),
-        }
-        message = f"manages {len(managed)} workloads with {len(jobs)} PerseusJobs"
-        if unmanageable := state.unmanageable.get(name):
-            message += f"; {len(unmanageable)} without a readable parallelism: "
-            message += listed(unmanageable, _LISTED, "; ")
-    conditions = [
-        _stamped(PolicyConditionType.ACCEPTED, accepted, previous, generation, state.now),
-        _stamped(PolicyConditionType.OVERLAPPING, overlapping, previous, generation, state.now),
-    ]
-    status = {"observedGeneration": generation, **counts, "message": message}
-    status["conditions"] = conditions
-    return {k: v for k, v in status.items() if v is not None}
-
-
-def _condition(ok: bool, reason: str, message: str) -> dict[str, str]:
-    return {"status": "True" if ok else "False", "reason": reason, "message": message}
-
-
-def _stamped(
-    kind: PolicyConditionType,
-    condition: Mapping[str, str],
-    previous: Mapping[str, Any],
-    generation: object,
-    now: str,
-) -> dict[str, Any]:
-    """The condition, with the transition time it had while its status stays the same."""
-    before: Mapping[str, Any] = next(
-        (c for c in previous.get("conditions") or () if c.get("type") == kind.value), {}
+    return get_policy_status(
+        body,
+        problem,
+        now=state.now,
+        managed=state.managed.get(name, []),
+        jobs=state.jobs_after.get(name, []),
+        unmanageable=state.unmanageable.get(name, []),
+        losses=state.overlaps.get(name, []),
     )
-    stamp = transition_time(
-        condition["status"], before.get("status"), before.get("lastTransitionTime"), now
-    )
-    out: dict[str, Any] = {"type": kind.value, **condition, "lastTransitionTime": stamp}
-    if isinstance(generation, int):
-        out["observedGeneration"] = generation
-    return out
-
-
-def _expected_savings(jobs: Sequence[Obj]) -> float | None:
-    """Expected savings over the jobs that have a plan, weighted by their GPUs."""
-    weighted = total = 0.0
-    for job in jobs:
-        plan = (job.get("status") or {}).get("plan") or {}
-        ratio = plan.get("expectedSavingsRatio")
-        if not isinstance(ratio, int | float):
-            continue
-        gpus = _gpus(job)
-        weighted += ratio * gpus
-        total += gpus
-    return round(weighted / total, 6) if total else None
-
-
-def _gpus(job: Obj) -> int:
-    p = (job.get("spec") or {}).get("parallelism") or {}
-    try:
-        return (
-            int(p.get("pipelineStages", 1))
-            * int(p.get("dataParallel", 1))
-            * int(p.get("tensorParallel", 1))
-        )
-    except (TypeError, ValueError):
-        return 1
 
 
 # -- objects ---------------------------------------------------------------------------------------

@@ -35,13 +35,9 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from perseus_api.job import Workload, WorkloadKind
-from perseus_operator.workloads.ranks import (
-    GPU_RESOURCE,
-    JOBSET_NAME,
-    PYTORCH_CONTAINER,
-    PYTORCH_JOB_NAME,
-    matches,
-)
+from perseus_operator.workloads.objects import PYTORCH_CONTAINER
+from perseus_operator.workloads.pods import GPU_RESOURCE, JOBSET_NAME, PYTORCH_JOB_NAME
+from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "CLIENT_LABEL",

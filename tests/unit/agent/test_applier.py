@@ -15,7 +15,8 @@ from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import GpuLostError, GpuNoPermissionError, PlanError
 from perseus_agent.gpu.base import GpuInfo
-from perseus_agent.profiling.profiler import EnergySampler, profile_csv
+from perseus_agent.profiling.energy_sampler import EnergySampler
+from perseus_agent.profiling.profiler import profile_csv
 from perseus_agent.serving.local_server import LocalServer
 from perseus_api.node_plan import NodePlan, ProfilingSpec
 from perseus_api.node_report import GpuStatus, NodeReport

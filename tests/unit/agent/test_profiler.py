@@ -11,7 +11,8 @@ import pytest
 
 from perseus_agent.errors import GpuLostError
 from perseus_agent.gpu.emulated import EmulatedBackend
-from perseus_agent.profiling.profiler import EnergySampler, ProfileRow, StageProfiler, profile_csv
+from perseus_agent.profiling.energy_sampler import EnergySampler
+from perseus_agent.profiling.profiler import ProfileRow, StageProfiler, profile_csv
 from perseus_api.profile import Profile, parse_profile
 from support.profile_table import BLOCKING_W, PROFILE_CSV, TABLE
 from support.profiler_time import MS, SimTime, manual_sampler, ns

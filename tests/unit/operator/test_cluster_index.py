@@ -25,7 +25,7 @@ from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile
 from perseus_operator.jobs.planner_pool import InlinePlanner
 from perseus_operator.jobs.planning import RETARGETED_PLAN
 from perseus_operator.policies.policy_controller import PolicyController
-from perseus_operator.workloads.ranks import matches, parse_selector, render_selector
+from perseus_operator.workloads.selectors import matches, parse_selector, render_selector
 from support.fake_job_io import FakeCluster, profiling_reports, report_iterations
 from support.fake_policy_kube import FakeKube, policy
 from support.lifecycle_job import JOB, NS, job_body, pod

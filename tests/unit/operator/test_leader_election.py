@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from perseus_operator.cluster.kube import lease_object, lease_record
+from perseus_operator.cluster.kube.lease_api import lease_object, lease_record
 from perseus_operator.cluster.leader_election import (
     Elector,
     LeaseRecord,

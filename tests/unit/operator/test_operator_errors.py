@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from perseus_api.errors import ApiError
-from perseus_operator.cluster.kube import KubeError
-from perseus_operator.policies.selection import UnreadableParallelismError
-from perseus_operator.workloads.ranks import WorkloadError
+from perseus_operator.cluster.kube.client import KubeError
+from perseus_operator.policies.parallelism import UnreadableParallelismError
+from perseus_operator.workloads.pods import WorkloadError
 
 
 @pytest.mark.parametrize("error", [KubeError, WorkloadError, UnreadableParallelismError])

@@ -9,20 +9,16 @@ from typing import Any
 import pytest
 
 from perseus_api.job import LabelSelector, Parallelism, RankMapping, Workload, WorkloadKind
-from perseus_operator.workloads.ranks import (
-    Resolution,
+from perseus_operator.workloads.completion import (
     WorkloadEnd,
-    WorkloadError,
-    gpus_of,
-    matches,
-    node_rank,
-    nodes_of,
-    pod_selector,
-    resolve_ranks,
     workload_end,
     workload_failed,
     workload_finished,
 )
+from perseus_operator.workloads.node_ranks import node_rank
+from perseus_operator.workloads.pods import WorkloadError, gpus_of
+from perseus_operator.workloads.ranks import Resolution, nodes_of, resolve_ranks
+from perseus_operator.workloads.selectors import matches, pod_selector
 
 Pod = dict[str, Any]
 PYTORCH = Workload(kind="PyTorchJob", name="gpt3")

@@ -26,22 +26,21 @@ from perseus_api.policy import (
     PolicyError,
     parse_policy,
 )
+from perseus_operator.policies.parallelism import UnreadableParallelismError, infer_parallelism
 from perseus_operator.policies.selection import (
     MAX_JOB_NAME,
     PodGroup,
     PolicyChoice,
-    UnreadableParallelismError,
     choose_policy,
     get_perseus_job,
     group_pods,
-    infer_parallelism,
     opted_out,
     perseus_job_name,
     policy_matches,
     user_job_for,
     workload_kind,
 )
-from perseus_operator.workloads.ranks import matches
+from perseus_operator.workloads.selectors import matches
 from support.workload_objects import NAMESPACES, container, job_pod, jobset, pytorch_job, train_job
 
 Obj = dict[str, Any]

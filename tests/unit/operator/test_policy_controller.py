@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from perseus_operator.cluster.kube import KubeError
+from perseus_operator.cluster.kube.client import KubeError
 from perseus_operator.policies.policy_controller import PolicyController, get_event
 from perseus_operator.policies.policy_sync import WorkloadEvent
 from support.fake_policy_kube import FakeKube, policy

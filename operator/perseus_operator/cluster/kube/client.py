@@ -1,4 +1,5 @@
-"""The operator's only module that talks to the Kubernetes API (besides kopf itself).
+"""The event loop's client of the Kubernetes API: what a job's reconcile and the policies
+read and write, and the error every API call of the operator raises.
 
 Objects travel as plain dicts in the API's own (camelCase) form, so the pure modules read
 them exactly as ``kubectl get -o json`` shows them. Calls are blocking; :class:`KubeClient`
@@ -10,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Collection, Mapping
-from datetime import UTC
 from http import HTTPStatus
 from typing import Any, Final, TypeVar
 
 from perseus_api import kube_client, resources
-from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL, WorkloadKind
 from perseus_api.kube_client import describe_api_error
 from perseus_api.policy import POLICY_PLURAL
-from perseus_operator.cluster.leader_election import LeaseRecord
 
 T = TypeVar("T")
 
@@ -355,12 +353,12 @@ class KubeClient:
 
     async def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
         response = await self._call(call)
-        items = _json(response).get("items") or []
+        items = response_json(response).get("items") or []
         return [i for i in items if isinstance(i, dict)]
 
     async def _get(self, call: Callable[[], Any]) -> dict[str, Any] | None:
         try:
-            return _json(await self._call(call))
+            return response_json(await self._call(call))
         except KubeError as exc:
             if exc.not_found:
                 return None
@@ -377,227 +375,10 @@ class KubeClient:
             raise KubeError(f"Kubernetes API unreachable: {exc}") from None
 
 
-def _json(response: Any) -> dict[str, Any]:
+def response_json(response: Any) -> dict[str, Any]:
+    """The JSON object of a response read with ``_preload_content=False`` ({} when none)."""
     data = getattr(response, "data", response)
     if isinstance(data, bytes | str):
         parsed = json.loads(data)
         return parsed if isinstance(parsed, dict) else {}
     return data if isinstance(data, dict) else {}
-
-
-class LeaseApi:
-    """One ``coordination.k8s.io/v1`` Lease, for leader election
-    (:class:`perseus_operator.cluster.leader_election.LeaseStore`). Blocking: it runs in the
-    elector's own thread, apart from the event loop, so a busy loop never delays a renewal."""
-
-    def __init__(self, api_client: Any, namespace: str, name: str) -> None:
-        from kubernetes import client
-
-        self._api = client.CoordinationV1Api(api_client)
-        self.namespace = namespace
-        self.name = name
-
-    def get(self) -> LeaseRecord | None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            response = self._api.read_namespaced_lease(
-                self.name, self.namespace, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
-            )
-        except ApiException as exc:
-            if exc.status == HTTPStatus.NOT_FOUND:
-                return None
-            raise KubeError(describe_api_error(exc), exc.status) from None
-        return lease_record(_json(response))
-
-    def create(self, record: LeaseRecord) -> bool:
-        return self._write(
-            lambda body: self._api.create_namespaced_lease(
-                self.namespace, body, _preload_content=False, _request_timeout=LEASE_TIMEOUT_S
-            ),
-            record,
-        )
-
-    def update(self, record: LeaseRecord) -> bool:
-        return self._write(
-            lambda body: self._api.replace_namespaced_lease(
-                self.name,
-                self.namespace,
-                body,
-                _preload_content=False,
-                _request_timeout=LEASE_TIMEOUT_S,
-            ),
-            record,
-        )
-
-    def _write(self, call: Callable[[dict[str, Any]], Any], record: LeaseRecord) -> bool:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            call(lease_object(self.namespace, self.name, record))
-        except ApiException as exc:
-            if exc.status == 409:  # changed (or created) by another replica since read
-                return False
-            raise KubeError(describe_api_error(exc), exc.status) from None
-        return True
-
-
-LEASE_TIMEOUT_S: Final = 5.0
-"""A Lease call must fail well within the renew deadline, to be retried."""
-
-
-def lease_object(namespace: str, name: str, record: LeaseRecord) -> dict[str, Any]:
-    """The Lease for ``record``; its resource version makes a replace conditional."""
-    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
-    if record.resource_version:
-        metadata["resourceVersion"] = record.resource_version
-    spec: dict[str, Any] = {
-        "holderIdentity": record.holder,
-        "leaseDurationSeconds": record.lease_duration_s,
-        "leaseTransitions": record.transitions,
-    }
-    for key, stamp in (("acquireTime", record.acquire_time), ("renewTime", record.renew_time)):
-        if stamp is not None:
-            spec[key] = stamp.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    return {
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": metadata,
-        "spec": spec,
-    }
-
-
-def lease_record(lease: Mapping[str, Any]) -> LeaseRecord:
-    """The record of a Lease as the API returns it."""
-    spec = lease.get("spec") or {}
-    metadata = lease.get("metadata") or {}
-    return LeaseRecord(
-        holder=str(spec.get("holderIdentity") or ""),
-        lease_duration_s=int(spec.get("leaseDurationSeconds") or 1),
-        acquire_time=parse_rfc3339(spec.get("acquireTime")),
-        renew_time=parse_rfc3339(spec.get("renewTime")),
-        transitions=int(spec.get("leaseTransitions") or 0),
-        resource_version=str(metadata.get("resourceVersion") or ""),
-    )
-
-
-class HookApi:
-    """What the chart's Helm hooks read and delete (:mod:`perseus_operator.chart_hooks`).
-    Blocking: a hook is a short command, not the operator's event loop."""
-
-    def __init__(self, api_client: Any) -> None:
-        from kubernetes import client
-
-        self._custom = client.CustomObjectsApi(api_client)
-        self._extensions = client.ApiextensionsV1Api(api_client)
-
-    def crds(self) -> list[dict[str, Any]]:
-        return self._items(
-            lambda: self._extensions.list_custom_resource_definition(
-                _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-            )
-        )
-
-    def policies(self) -> list[dict[str, Any]]:
-        return self._items(
-            lambda: self._custom.list_cluster_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                POLICY_PLURAL,
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
-
-    def delete_policy(self, name: str) -> None:
-        self._ignore_404(
-            lambda: self._custom.delete_cluster_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                POLICY_PLURAL,
-                name,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
-
-    def jobs(self, namespace: str | None) -> list[dict[str, Any]]:
-        """PerseusJobs of ``namespace`` (None: of every namespace)."""
-        args = (resources.GROUP, resources.VERSION)
-        if namespace is None:
-            return self._items(
-                lambda: self._custom.list_cluster_custom_object(
-                    *args, JOB_PLURAL, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
-                )
-            )
-        return self._items(
-            lambda: self._custom.list_namespaced_custom_object(
-                *args,
-                namespace,
-                JOB_PLURAL,
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
-
-    def delete_job(self, namespace: str, name: str) -> None:
-        self._ignore_404(
-            lambda: self._custom.delete_namespaced_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                namespace,
-                JOB_PLURAL,
-                name,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
-
-    def _items(self, call: Callable[[], Any]) -> list[dict[str, Any]]:
-        items = _json(self._sync(call)).get("items") or []
-        return [i for i in items if isinstance(i, dict)]
-
-    def _ignore_404(self, call: Callable[[], Any]) -> None:
-        try:
-            self._sync(call)
-        except KubeError as exc:
-            if not exc.not_found:
-                raise
-
-    @staticmethod
-    def _sync(call: Callable[[], T]) -> T:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            return call()
-        except ApiException as exc:
-            raise KubeError(describe_api_error(exc), exc.status) from None
-        except OSError as exc:
-            raise KubeError(f"Kubernetes API unreachable: {exc}") from None
-
-
-class PerseusJobLister:
-    """The PerseusJobs of one namespace, for the pod injection webhook
-    (:mod:`perseus_operator.webhook.injection_server`). Blocking: it runs in the webhook's
-    threads."""
-
-    def __init__(self, api_client: Any, timeout_s: float = 5.0) -> None:
-        from kubernetes import client
-
-        self._custom = client.CustomObjectsApi(api_client)
-        self.timeout_s = timeout_s
-
-    def __call__(self, namespace: str) -> list[dict[str, Any]]:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            response = self._custom.list_namespaced_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                namespace,
-                JOB_PLURAL,
-                _preload_content=False,
-                _request_timeout=self.timeout_s,
-            )
-        except ApiException as exc:
-            raise KubeError(describe_api_error(exc), exc.status) from None
-        items = _json(response).get("items") or []
-        return [item for item in items if isinstance(item, dict)]
