@@ -268,9 +268,9 @@ class RankMapping(_Spec):
     """
 
     order: RankOrder = Field(default=RankOrder.TP_DP_PP)
-    """Which parallel dimension varies fastest with the global rank: tp-dp-pp (default: Megatron-
-    LM's and DeepSpeed's, rank = (pp * dataParallel + dp) * tensorParallel + tp) or tp-pp-dp (rank =
-    (dp * pipelineStages + pp) * tensorParallel + tp)."""
+    """Which parallel dimension varies fastest with the global rank: tp-dp-pp (default:
+    Megatron-LM's and DeepSpeed's, rank = (pp * dataParallel + dp) * tensorParallel + tp) or
+    tp-pp-dp (rank = (dp * pipelineStages + pp) * tensorParallel + tp)."""
     node_rank_label: str | None = Field(
         default=None,
         min_length=1,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from perseus_api import crd_reference
 from perseus_api.crd import get_job_crd, get_policy_crd, get_power_budget_crd
 
 
@@ -59,3 +61,10 @@ def test_descriptions_are_plain_text(kind: str) -> None:
     schema = CRDS[kind]()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     markup = [d for d in descriptions(schema) if "``" in d or re.search(r":[a-z]+:`", d)]
     assert markup == []
+
+
+def test_the_reference_page_is_current() -> None:
+    committed = Path(__file__).resolve().parents[2] / crd_reference.DEFAULT_OUT
+    assert committed.read_text(encoding="utf-8") == crd_reference.page(), (
+        "docs/reference/crds.md is stale: python -m perseus_api.crd_reference"
+    )
