@@ -126,3 +126,49 @@ def test_a_straggler_replica_reports_longer_iterations(tmp_path: Path) -> None:
         assert abs(timed[1] - timed[0]) < extra_s / 4, timed
     # The healthy replica's ranks wait for the straggler at the all-reduce, after their end.
     assert statistics.median(around[by_place[0, 0]]) > reported[by_place[0, 0]] + extra_s / 2
+
+
+def test_detach_gives_megatron_its_own_timers_and_schedule_functions_back() -> None:
+    """In process, no job: ``attach`` wraps the config's timers and the schedule functions
+    ``get_forward_backward_func`` picks from; a second ``attach`` of the same config is
+    refused; ``detach`` restores both (the functions once no config is attached)."""
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from perseus_client import PerseusClient
+    from perseus_client.megatron import attach
+
+    def config() -> TransformerConfig:
+        return TransformerConfig(
+            num_layers=2, hidden_size=16, num_attention_heads=1, pipeline_dtype=torch.float32
+        )
+
+    names = [
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ]
+    originals = {n: getattr(schedules, n) for n in names}
+    first, second = config(), config()
+    timers = object()
+    first.timers = timers
+    client = PerseusClient("/nonexistent/agent.sock")
+    a = attach(first, client=client)
+    b = attach(second, client=client)
+    try:
+        assert first.timers is not timers and second.timers is not None
+        assert all(getattr(schedules, n) is not originals[n] for n in names)
+        with pytest.raises(ValueError, match="already attached"):
+            attach(first, client=client)
+        a.detach()
+        assert first.timers is timers
+        assert all(getattr(schedules, n) is not originals[n] for n in names)  # b still is
+    finally:
+        a.detach()
+        b.detach()
+        client.close()
+    assert second.timers is None
+    assert all(getattr(schedules, n) is originals[n] for n in names)
+    with pytest.raises(TypeError, match="TransformerConfig"):
+        attach(object(), client=client)
