@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test docs lint typecheck unit torch bench bench-large bench-agent bench-operator bench-schedules reproduce clean
+.PHONY: demo test docs lint typecheck unit torch frameworks bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,28 @@ $(TORCH_STAMP): $(STAMP)
 	touch $@
 
 torch: $(TORCH_STAMP)
+
+# DeepSpeed and megatron-core for the framework adapters' tests (the `deepspeed` and `megatron`
+# extras), pinned in scripts/frameworks-requirements.txt, installed after torch so that neither
+# brings its own. Their wheels (DeepSpeed's built once from its sdist with DS_BUILD_OPS=0, ~30 s)
+# are kept in a wheelhouse beside torch's, so a fresh venv installs them without the index.
+# DeepSpeed compiles a C++ op (shm_comm, ~90 s) when a job first starts on the CPU: the tests
+# keep it under ~/.cache/perseus-k8s/torch_extensions (TORCH_EXTENSIONS_DIR), so CI compiles it
+# once per cache.
+FRAMEWORKS_REQUIREMENTS := scripts/frameworks-requirements.txt
+FRAMEWORKS_WHEELHOUSE ?= $(HOME)/.cache/perseus-k8s/wheels/frameworks
+FRAMEWORKS_STAMP := $(VENV)/.installed-frameworks
+
+$(FRAMEWORKS_STAMP): $(TORCH_STAMP) $(FRAMEWORKS_REQUIREMENTS)
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-index --find-links $(FRAMEWORKS_WHEELHOUSE) \
+	    --wheel-dir $(FRAMEWORKS_WHEELHOUSE) -r $(FRAMEWORKS_REQUIREMENTS) 2>/dev/null \
+	  || DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps \
+	    --wheel-dir $(FRAMEWORKS_WHEELHOUSE) -r $(FRAMEWORKS_REQUIREMENTS)
+	$(BIN)/python -m pip install --quiet --no-index --find-links $(FRAMEWORKS_WHEELHOUSE) \
+	    --find-links $(WHEELHOUSE) -r $(FRAMEWORKS_REQUIREMENTS)
+	touch $@
+
+frameworks: $(FRAMEWORKS_STAMP)
 
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
 demo: $(STAMP)
@@ -53,9 +75,10 @@ typecheck: $(STAMP)
 # first use and cached in ~/.cache/perseus-k8s (scripts/control_plane.md). scripts/run_tests.sh
 # builds them in the background while tests/unit and tests/integration run, then runs tests/e2e;
 # without a Go toolchain those tests skip, saying why (CI sets PERSEUS_REQUIRE_E2E=1: they fail
-# instead). The real-torch tests likewise skip without torch (`make torch`), and fail under
+# instead). The real-torch tests likewise skip without torch (`make torch`), the DeepSpeed and
+# Megatron ones without those (`make frameworks`), and fail under
 # PERSEUS_REQUIRE_E2E=1 or PERSEUS_REQUIRE_TORCH=1.
-unit: $(STAMP) $(TORCH_STAMP)
+unit: $(STAMP) $(TORCH_STAMP) $(FRAMEWORKS_STAMP)
 	PYTHON=$(BIN)/python scripts/run_tests.sh
 
 ## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the

@@ -64,6 +64,7 @@ def test_perseus_client_builds_and_runs_alone_in_a_bare_environment(tmp_path: Pa
         "perseus_client"
     }
     assert "perseus_client/torch/__init__.py" in names
+    assert {"perseus_client/deepspeed.py", "perseus_client/megatron.py"} <= set(names)
     assert "perseus_client/py.typed" in names
     requires = [line for line in meta.decode().splitlines() if line.startswith("Requires-Dist:")]
     assert all("extra ==" in line for line in requires), requires  # nothing unconditional
@@ -81,6 +82,7 @@ def test_perseus_client_builds_and_runs_alone_in_a_bare_environment(tmp_path: Pa
         import sys
         import perseus_client, perseus_client.client, perseus_client.protocol
         import perseus_client.torch, perseus_client.torch.ddp
+        import perseus_client.deepspeed, perseus_client.megatron
         ours = {"perseus_client", "__main__"}
         foreign = sorted(
             name for name in sys.modules
@@ -237,8 +239,16 @@ def test_every_import_of_a_component_comes_with_its_extra(package: str) -> None:
 def test_the_client_imports_only_the_standard_library() -> None:
     for path in sorted((CLIENT_PROJECT / "perseus_client").rglob("*.py")):
         stray = _third_party_imports(path)
-        # The torch adapter imports its framework inside attach() (perseus-client[torch]).
-        assert stray <= ({"torch"} if "torch" in path.parts else set()), (path, stray)
+        # The adapters import their framework inside attach() (perseus-client[torch],
+        # [deepspeed], [megatron]); DeepSpeed and Megatron run on torch.
+        framework = {
+            "torch": {"torch"},
+            "deepspeed": {"torch", "deepspeed"},
+            "megatron": {"torch", "megatron"},
+        }.get(path.stem if path.stem != "__init__" else path.parent.name, set())
+        if "torch" in path.parts:
+            framework = {"torch"}
+        assert stray <= framework, (path, stray)
 
 
 @pytest.mark.parametrize("package", sorted(COMPONENT_EXTRAS))
