@@ -19,7 +19,7 @@ The plans and assignments still say which GPU runs which stage.
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -111,18 +111,34 @@ class ProfilingSpec(_Model):
         return clocks
 
 
+MAX_ASSIGNMENTS: Final = 256
+"""GPUs one node plan may assign: far more than any node has (8 or 16), few enough that a
+plan written by hand cannot make an agent bind, apply and report thousands of entries."""
+MAX_PLANS: Final = 16
+"""Pipeline plans one node plan may carry (a job uses one, two with a straggler)."""
+
+
 class NodePlan(_Model):
-    """Frequency plans of one job for the GPUs of one node."""
+    """Frequency plans of one job for the GPUs of one node.
+
+    In a PerseusNodePlan object ``namespace`` must be the object's own namespace (the node agent
+    refuses the object otherwise): a plan manages pods of its own namespace only.
+    """
 
     api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
     kind: Literal["NodePlan"] = "NodePlan"
     node: str = Field(min_length=1)
-    namespace: str = Field(default="default", min_length=1)
+    namespace: str = Field(
+        default="default",
+        min_length=1,
+        description="The namespace of the job's pods: in a PerseusNodePlan, the object's own "
+        "(the node agent refuses a plan naming another).",
+    )
     job: str = Field(min_length=1)
     revision: int = Field(ge=0, description="Increases with every change; agents report it.")
     granularity: Granularity
-    plans: dict[str, PipelinePlan]
-    assignments: list[GpuAssignment]
+    plans: dict[str, PipelinePlan] = Field(max_length=MAX_PLANS)
+    assignments: list[GpuAssignment] = Field(max_length=MAX_ASSIGNMENTS)
     profiling: ProfilingSpec | None = Field(
         default=None,
         description="Profile the assigned GPUs instead of applying the plans (see ProfilingSpec).",

@@ -2,7 +2,9 @@
 
 :class:`NodePlanSource` lists and then watches the node plans of this node in all namespaces
 (label ``perseus.energy/node=<node>``; objects are also checked client-side, by label and by
-``spec.node``) in a background thread, and calls ``on_plan`` for every new or changed plan,
+``spec.node``, and ``spec.namespace`` must be the object's own namespace: the CRD's CEL rules
+cannot see ``metadata.namespace``, so the agent is where a plan naming another namespace's
+pods is refused) in a background thread, and calls ``on_plan`` for every new or changed plan,
 ``on_delete`` when one goes away and ``on_invalid`` for a malformed one. It resumes after a
 watch ends, expires (410 Gone: it lists again and reports what changed meanwhile) or fails
 (connection errors: exponential backoff), and never stops on bad data. Needs RBAC: ``list``
@@ -312,6 +314,15 @@ class NodePlanSource:
         self._known[key] = seen
         try:
             plan = resources.parse_node_plan_object(obj)
+            if plan.namespace != namespace:
+                # A namespaced object speaks for its own namespace only: whoever may write plans
+                # in one namespace must not reach the pods (and GPUs) of another.
+                raise resources.NodePlanObjectError(
+                    f"{resources.NODE_PLAN_KIND} {namespace}/{name}: spec.namespace is "
+                    f"{plan.namespace!r} but the object is in namespace {namespace!r}; a node "
+                    "plan manages pods of its own namespace only (the operator writes each plan "
+                    "in its job's namespace): nothing of it is applied"
+                )
             if plan.node != self.node_name:
                 raise resources.NodePlanObjectError(
                     f"{resources.NODE_PLAN_KIND} {namespace}/{name}: spec.node is {plan.node!r}"

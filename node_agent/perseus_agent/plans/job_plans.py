@@ -29,6 +29,7 @@ from perseus_agent.ownership.gpu_ownership import (
     PeerPod,
 )
 from perseus_agent.plans.gpu_arbitration import GpuGrant, arbitrate_gpus, restrict_plan
+from perseus_agent.plans.plan_limits import plan_refusal
 from perseus_agent.plans.plan_status import invalid_status, report_status
 from perseus_agent.serving.client_dispatch import RequestError
 from perseus_api import resources
@@ -62,6 +63,10 @@ class _Job:
     """What was last applied (``None``: apply at the next reconciliation)."""
     error: str | None = None
     """Why the last apply failed, if it did."""
+    refused: str | None = None
+    """Why the plan object is refused whole (:mod:`perseus_agent.plans.plan_limits`)."""
+    offered: NodePlan | None = None
+    """The refused plan, offered again when another plan goes."""
 
 
 class JobPlans:
@@ -120,20 +125,36 @@ class JobPlans:
     def plans(self) -> dict[ObjectKey, NodePlan]:
         """The plan of every object, oldest first (to apply them again after a release)."""
         with self._lock:
-            return {key: job.plan for key, job in self._jobs.items()}
+            return {key: job.offered or job.source or job.plan for key, job in self._jobs.items()}
 
     def set_plan(self, key: ObjectKey, plan: NodePlan) -> list[ObjectKey]:
         """A plan object is new or changed: apply it. Returns the plans whose state changed."""
         with self._lock:
             job = self._jobs.get(key)
+            others = sum(k != key and j.refused is None for k, j in self._jobs.items())
+            refusal = plan_refusal(key, plan, others)
             if job is None:
                 applier = PlanApplier(
                     self._backend, self._reset_state, self.node_name, self.metrics
                 )
                 job = self._jobs[key] = _Job(plan, applier)
-            job.source, job.grant = plan, None
-            self._bind(job, plan)
+            if refusal is not None:
+                self._refuse(key, job, plan, refusal)
+            else:
+                job.refused = job.offered = None
+                job.source, job.grant = plan, None
+                self._bind(job, plan)
             return sorted({key, *self._reconcile()})
+
+    def _refuse(self, key: ObjectKey, job: _Job, plan: NodePlan, refusal: str) -> None:
+        """Hold ``job`` with no assignment (its GPUs reset, if it had any) and say why."""
+        if job.refused != refusal:
+            log.error("plan object %s/%s refused: %s", *key, refusal)
+            self.metrics.count_error("invalid_plan")
+        job.applier.clear()
+        job.plan = plan.model_copy(update={"assignments": []})
+        job.source = job.binding = job.grant = None
+        job.refused, job.offered = refusal, plan
 
     def refresh_ownership(self) -> list[ObjectKey]:
         """Bind every plan again (pods start, restart and end); the plans whose state changed.
@@ -175,7 +196,12 @@ class JobPlans:
             if job is None:
                 return []
             job.applier.clear()
-            return self._reconcile()
+            retried = [k for k, j in self._jobs.items() if j.offered is not None]
+            for other in retried:  # one may fit now (plans per node)
+                offered = self._jobs[other].offered
+                assert offered is not None
+                self.set_plan(other, offered)
+            return sorted({*retried, *self._reconcile()})
 
     def clear(self) -> None:
         """Reset every clock of every plan and forget the plans."""
@@ -192,7 +218,7 @@ class JobPlans:
         """The state of plan ``key`` (GPUs denied to it included), if it is applied."""
         with self._lock:
             job = self._jobs.get(key)
-            if job is None or job.error is not None:
+            if job is None or job.error is not None or job.refused is not None:
                 return None
             report = job.applier.report()
             denied = (
@@ -209,6 +235,8 @@ class JobPlans:
             job = self._jobs.get(key)
             if job is None:
                 return None
+            if job.refused is not None:
+                return invalid_status(job.refused, job.plan.revision)
             if job.error is not None:
                 return invalid_status(job.error, job.plan.revision, resources.REASON_FAILED)
         report = self.report(key)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.kube.plan_source import NodePlanSource
@@ -27,7 +28,7 @@ from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import GpuStatus
-from support.agent_process import NODE, TIMEOUT_S, Agent, wait_for
+from support.agent_process import NODE, REPO_ROOT, TIMEOUT_S, Agent, wait_for
 from support.factories import pipeline_plan_fields
 from support.fake_gpu import FakeBackend
 
@@ -212,6 +213,68 @@ def test_an_emptied_plan_resets_its_gpus_and_confirms_the_revision(tmp_path: Pat
     assert status is not None
     assert (status["observedRevision"], status["gpus"]) == (2, [])
     assert status["conditions"][0]["status"] == "True"
+
+
+def test_a_plan_object_speaks_for_its_own_namespace_only(tmp_path: Path) -> None:
+    """Issue 30, case 1: a plan in team-b naming namespace serving (whose pods no job of
+    team-b runs) is refused whole: no GPU is touched, the status says why."""
+    backend = FakeBackend(num_gpus=2)
+    jobs = JobPlans(backend, ResetState(tmp_path), NODE)
+    key = ("team-b", "steal-n1")
+    rogue = node_plan(job="steal").model_copy(update={"namespace": "serving"})
+    assert jobs.set_plan(key, rogue) == [key]
+    assert backend.locked() == {} and jobs.managed_gpus() == {}
+    status = jobs.status(key)
+    assert status is not None and status["observedRevision"] == 1
+    [condition] = status["conditions"]
+    assert (condition["status"], condition["reason"]) == ("False", "InvalidSpec")
+    assert (
+        "spec.namespace is 'serving' but the object is in namespace 'team-b'"
+        in (condition["message"])
+    )
+    assert status.get("gpus") is None and jobs.report(key) is None
+    # Fixed by its author: applied as any plan.
+    jobs.set_plan(key, rogue.model_copy(update={"namespace": "team-b", "revision": 2}))
+    assert backend.locked() == {0: 1200, 1: 1005}
+    jobs.clear()
+
+
+def test_a_node_applies_a_bounded_number_of_plans(tmp_path: Path) -> None:
+    """Issue 30, case 8: past MAX_PLANS_PER_NODE a plan object waits, refused with the
+    reason, and is applied when another goes."""
+    from perseus_agent.plans.plan_limits import MAX_PLANS_PER_NODE
+
+    backend = FakeBackend(num_gpus=2)
+    jobs = JobPlans(backend, ResetState(tmp_path), NODE)
+    for i in range(MAX_PLANS_PER_NODE):
+        jobs.set_plan(("ml", f"j{i}-n1"), node_plan(job=f"j{i}", gpus=()))
+    late = ("ml", "late-n1")
+    jobs.set_plan(late, node_plan(job="late", gpus=(0,)))
+    assert backend.locked() == {}
+    status = jobs.status(late)
+    assert status is not None
+    message = status["conditions"][0]["message"]
+    assert f"the most one agent applies ({MAX_PLANS_PER_NODE})" in message
+    assert late in jobs.remove(("ml", "j0-n1"))
+    assert backend.locked() == {0: 1200}
+    status = jobs.status(late)
+    assert status is not None and status["conditions"][0]["reason"] == "Applied"
+    jobs.clear()
+
+
+def test_a_plan_assigns_a_bounded_number_of_gpus() -> None:
+    """Issue 30, case 8: 20,000 assignments are refused by the schema (the CRD's maxItems and
+    the agent's parsing), with a message saying so, instead of being bound one by one."""
+    from perseus_api.node_plan import MAX_ASSIGNMENTS
+
+    body = resources.node_plan_object(node_plan())
+    one = body["spec"]["assignments"][0]
+    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(20_000)]
+    with pytest.raises(resources.NodePlanObjectError, match=f"at most {MAX_ASSIGNMENTS} items"):
+        resources.parse_node_plan_object(body)
+    crd = yaml.safe_load((REPO_ROOT / "crds" / "perseus.energy_perseusnodeplans.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["assignments"]["maxItems"] == MAX_ASSIGNMENTS
 
 
 def _session(connection_id: int, **hello: Any) -> ClientSession:
@@ -494,6 +557,29 @@ def test_source_delivers_the_plans_of_its_node_only(tmp_path: Path) -> None:
             delete(api, "ml", "odd-n2")
             assert recorder.next() == ("delete", "ml", "odd-n2")
             assert recorder.nothing_within(0.5)
+        finally:
+            source.stop()
+
+
+def test_source_refuses_a_plan_naming_another_namespace(tmp_path: Path) -> None:
+    """Issue 30, case 1: the object's namespace is the plan's; spec.namespace only echoes it."""
+    with (
+        KmockServer({RESOURCE: RESOURCE_INFO}, enforce_label_selectors=False) as server,
+        closing_api(custom_objects(server, tmp_path)) as api,
+    ):
+        rogue = resources.node_plan_object(node_plan(job="steal"))
+        rogue["metadata"]["namespace"] = "team-b"  # spec.namespace stays "ml"
+        create(api, rogue)
+        create(api, resources.node_plan_object(node_plan(job="own")))
+        recorder = Recorder()
+        source = recorder.source(api)
+        source.start()
+        try:
+            events = sorted([recorder.next(), recorder.next()], key=lambda e: e[0])
+            kind, ns, name, message, revision = events[0]
+            assert (kind, ns, name, revision) == ("invalid", "team-b", "steal-n1", 1)
+            assert "spec.namespace is 'ml' but the object is in namespace 'team-b'" in message
+            assert events[1] == ("plan", "ml", "own-n1", 1)
         finally:
             source.stop()
 
