@@ -57,6 +57,10 @@ DEFAULT_TIMEOUT_S: Final = 5.0
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 """What the kubelet's own client allows (``podresources.DefaultMaxMsgSize``)."""
 
+MAX_CONTAINERS_PER_POD: Final = 1024
+"""Container entries of one pod the decoder takes: a pod has a few (init, sidecar, ephemeral
+containers included); more is a broken kubelet, refused rather than decoded."""
+
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
@@ -167,15 +171,22 @@ def _decode_devices(data: bytes) -> ContainerDevices:
 
 def _decode_pod(data: bytes) -> PodDevices:
     f = _strings(data, {1: "name", 2: "namespace", 3: "containers"})
-    containers: dict[str, tuple[ContainerDevices, ...]] = {}
+    if len(f["containers"]) > MAX_CONTAINERS_PER_POD:
+        raise PodResourcesError(
+            f"a pod of the PodResources answer lists {len(f['containers'])} containers, more "
+            f"than any pod has ({MAX_CONTAINERS_PER_POD}): not a kubelet's answer"
+        )
+    # Entries of a repeated container name are merged (a protobuf runtime keeps them all):
+    # appended to one list each, so that a broken kubelet's repeats cost linear time.
+    merged: dict[str, list[ContainerDevices]] = {}
     for raw in f["containers"]:
         c = _strings(raw, {1: "name", 2: "devices"})
         name = _text(c["name"][-1]) if c["name"] else ""
-        containers[name] = containers.get(name, ()) + tuple(map(_decode_devices, c["devices"]))
+        merged.setdefault(name, []).extend(map(_decode_devices, c["devices"]))
     return PodDevices(
         namespace=_text(f["namespace"][-1]) if f["namespace"] else "",
         name=_text(f["name"][-1]) if f["name"] else "",
-        containers=containers,
+        containers={name: tuple(devices) for name, devices in merged.items()},
     )
 
 

@@ -122,3 +122,28 @@ def test_an_absent_socket_is_an_error_that_names_it(socket_dir: Path) -> None:
             client.list()
     finally:
         client.close()
+
+
+def _repeated(names: int) -> bytes:
+    """A pod listing one container name ``names`` times, one GPU each (a broken kubelet)."""
+    message = message_class("ListPodResourcesResponse")()
+    pod = message.pod_resources.add(name="p", namespace="ml")
+    for i in range(names):
+        container = pod.containers.add(name="pytorch")
+        container.devices.add(resource_name="nvidia.com/gpu", device_ids=[f"GPU-{i}"])
+    return message.SerializeToString()
+
+
+def test_repeated_container_names_are_merged_in_order_up_to_a_bound() -> None:
+    """Issue 30, case 7: 80,000 repeats of one container name (101 s to decode before) are
+    refused by their count, before any is decoded; up to the bound, repeats are merged in the
+    kubelet's order (a linear merge: each entry appended once)."""
+    from perseus_agent.ownership.pod_resources import MAX_CONTAINERS_PER_POD
+
+    with pytest.raises(PodResourcesError, match="lists 80000 containers, more than any pod"):
+        decode_list_response(_repeated(80_000))
+    (pod,) = decode_list_response(_repeated(MAX_CONTAINERS_PER_POD))
+    assert list(pod.containers) == ["pytorch"]
+    assert pod.device_ids("nvidia.com/gpu") == tuple(
+        f"GPU-{i}" for i in range(MAX_CONTAINERS_PER_POD)
+    )
