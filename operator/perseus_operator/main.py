@@ -74,6 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory holding the webhook's tls.crt and tls.key (default: %(default)s)",
     )
     webhook.add_argument(
+        "--webhook-max-connections",
+        type=int,
+        default=32,
+        metavar="N",
+        help="connections the webhook serves at once; more are closed at accept "
+        "(default: %(default)s)",
+    )
+    webhook.add_argument(
+        "--webhook-request-timeout-s",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="time for one webhook request in all, TLS handshake included (default: %(default)s)",
+    )
+    webhook.add_argument(
+        "--webhook-client-ca",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="serve only clients presenting a certificate this CA signed (the API server's, "
+        "where its AdmissionConfiguration gives it one; default: any client)",
+    )
+    webhook.add_argument(
         "--agent-tcp-port",
         type=int,
         default=7460,
@@ -116,6 +139,9 @@ def _start_webhook(args: argparse.Namespace, config: OperatorConfig) -> None:
         args.webhook_cert_dir / "tls.key",
         PerseusJobLister(load_api_client(kubeconfig)),
         InjectionConfig(agent_port=args.agent_tcp_port),
+        max_connections=args.webhook_max_connections,
+        request_timeout_s=args.webhook_request_timeout_s,
+        client_ca_file=args.webhook_client_ca,
     ).start()
 
 

@@ -204,13 +204,12 @@ def test_a_managed_pod_in_a_baseline_namespace_is_injected_and_reaches_the_agent
         [container] = pod["spec"]["containers"]
         names = [e["name"] for e in container["env"]]
         assert names == ["RANK", "PERSEUS_HOST_IP", "PERSEUS_AGENT_ADDRESS", "POD_NAME",
-                         "POD_NAMESPACE", "PERSEUS_JOB"]  # fmt: skip
+                         "POD_NAMESPACE"]  # fmt: skip
         env = {e["name"]: e for e in container["env"]}
         assert env["PERSEUS_AGENT_ADDRESS"]["value"] == f"tcp://$(PERSEUS_HOST_IP):{agent.tcp_port}"
         assert env["PERSEUS_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
-        assert env["PERSEUS_JOB"]["value"] == JOB
         assert pod["metadata"]["labels"]["perseus.energy/agent-client"] == "true"
-        assert pod["metadata"]["annotations"]["perseus.energy/injected"] == JOB
+        assert pod["metadata"]["annotations"]["perseus.energy/injected"] == "true"
         # Nothing privileged was added: no host path, no host namespace, no capability.
         assert [v for v in pod["spec"].get("volumes") or () if "hostPath" in v] == []
         assert not pod["spec"].get("hostNetwork") and not pod["spec"].get("hostPID")

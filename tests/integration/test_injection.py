@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import json
+import socket
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +91,11 @@ def test_a_pytorchjob_pod_gets_the_agent_address_and_its_identity() -> None:
     assert env[ADDRESS_ENV] == "tcp://$(PERSEUS_HOST_IP):7460"
     assert env["POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    assert env["PERSEUS_JOB"] == "llm"
+    assert "PERSEUS_JOB" not in env  # the patch names no PerseusJob (issue 30, case 5)
     names = [e["name"] for e in out["spec"]["containers"][0]["env"]]
     assert names.index("PERSEUS_HOST_IP") < names.index(ADDRESS_ENV)  # $(VAR) order
     assert out["metadata"]["labels"][CLIENT_LABEL] == "true"
-    assert out["metadata"]["annotations"] == {INJECTED_ANNOTATION: "llm"}
+    assert out["metadata"]["annotations"] == {INJECTED_ANNOTATION: "true"}
     # Nothing else changes: no volume, security context, host namespace or capability.
     assert {op["op"] for op in ops} == {"add"}
     assert all(
@@ -131,7 +134,6 @@ def test_the_authors_own_variables_win() -> None:
     env = _env(_applied(pod, ops)["spec"]["containers"][0])
     assert job == "bare"
     assert env[ADDRESS_ENV] == "unix:///run/perseus/agent.sock" and env["POD_NAME"] == "fixed"
-    assert env["PERSEUS_JOB"] == "bare"
 
 
 @pytest.mark.parametrize(
@@ -175,7 +177,9 @@ def test_containers_chosen_are_the_gpu_ones_else_the_training_one() -> None:
     assert (
         "env" not in out["spec"]["containers"][0] and "env" not in out["spec"]["initContainers"][0]
     )
-    assert _env(out["spec"]["containers"][1])["PERSEUS_JOB"] == "sets"
+    assert _env(out["spec"]["containers"][1])["POD_NAME"]["fieldRef"]["fieldPath"] == (
+        "metadata.name"
+    )
 
 
 def test_the_admission_response_carries_the_patch_only_for_creates() -> None:
@@ -268,6 +272,173 @@ def test_the_server_fails_the_call_when_it_cannot_list_the_jobs(
         "request": {"uid": "u-3", "operation": "CREATE", "namespace": "broken", "object": _pod({})}
     }
     status, body = _post(srv, tls, review)
-    assert status == 500 and b"API server unavailable" in body  # failurePolicy decides
+    assert status == 500 and b"cannot list the PerseusJobs" in body  # failurePolicy decides
+    assert b"API server unavailable" not in body  # the details are the operator's log's
     status, _ = _post(srv, tls, {"nonsense": True})
     assert status == 400
+
+
+# -- exposure: what anyone reaching the port gets (issue 30, case 5) ------------------------------
+
+
+def _bounded_server(tls: Path, **limits: Any) -> InjectionServer:
+    jobs = [_job("secret-name", {"kind": "PyTorchJob", "name": "llm"})]
+    srv = InjectionServer(
+        "127.0.0.1", 0, tls / "tls.crt", tls / "tls.key", lambda ns: jobs, CONFIG, **limits
+    )
+    srv.start()
+    return srv
+
+
+def _review(namespace: str = "team-a") -> dict[str, Any]:
+    pod = _pod({"training.kubeflow.org/job-name": "llm"})
+    return {"request": {"uid": "u", "operation": "CREATE", "namespace": namespace, "object": pod}}
+
+
+def test_the_answer_names_no_perseusjob(tls: Path) -> None:
+    """A made-up pod of another namespace is patched (one bit: some job selects it), but the
+    answer carries no PerseusJob name, not even base64-encoded."""
+    srv = _bounded_server(tls)
+    try:
+        status, body = _post(srv, tls, _review("someone-elses"))
+    finally:
+        srv.stop()
+    assert status == 200
+    patch = base64.b64decode(json.loads(body)["response"]["patch"])
+    assert b"secret-name" not in body and b"secret-name" not in patch
+
+
+def test_connections_beyond_the_bound_are_closed_before_their_handshake(tls: Path) -> None:
+    srv = _bounded_server(tls, max_connections=4)
+    silent = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]
+    try:
+        wait_until(lambda: srv.open_connections == 4)
+        with socket.create_connection(("127.0.0.1", srv.port)) as extra:
+            extra.settimeout(5.0)
+            assert extra.recv(1) == b""  # closed at accept, no thread and no handshake
+        assert srv.open_connections == 4
+    finally:
+        for sock in silent:
+            sock.close()
+    try:
+        wait_until(lambda: srv.open_connections == 0)
+        assert _post(srv, tls, _review())[0] == 200  # slots freed
+    finally:
+        srv.stop()
+
+
+def test_a_request_has_a_total_time_however_slowly_it_drips(tls: Path) -> None:
+    """Each read used to get a fresh timeout: a byte every few seconds held a thread forever.
+    Now the request's whole time counts, from its start."""
+    srv = _bounded_server(tls, request_timeout_s=1.0)
+    context = ssl.create_default_context(cafile=str(tls / "tls.crt"))
+    drips = 0
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", srv.port)) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as conn,
+        ):
+            conn.settimeout(0.3)
+            # One byte every 0.3 s, up to 12 s: the old per-read timeout (10 s) never ends it.
+            for drips in range(1, 40):
+                try:
+                    conn.sendall(b"P" if drips == 1 else b"O")
+                    if conn.recv(1) == b"":
+                        break
+                except TimeoutError:
+                    continue  # no answer yet: drip on
+                except (OSError, ssl.SSLError):
+                    break  # reset by the server: closed
+            closed = _closed(conn)
+    finally:
+        srv.stop()
+    assert closed and drips < 39
+
+
+def _closed(conn: ssl.SSLSocket) -> bool:
+    conn.settimeout(5.0)
+    try:
+        return conn.recv(1) == b""
+    except (OSError, ssl.SSLError):
+        return True
+
+
+def test_client_certificates_can_be_required(tls: Path, tmp_path: Path) -> None:
+    """Where the API server presents a client certificate, nobody else is served."""
+    ca = tmp_path / "client-ca"
+    ca.mkdir()
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=client-ca",
+            "-keyout",
+            str(ca / "ca.key"),
+            "-out",
+            str(ca / "ca.crt"),
+        ]
+    )
+    run(
+        [
+            "openssl",
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=kube-apiserver",
+            "-keyout",
+            str(ca / "c.key"),
+            "-out",
+            str(ca / "c.csr"),
+        ]
+    )
+    run(["openssl", "x509", "-req", "-in", str(ca / "c.csr"), "-CA", str(ca / "ca.crt"),
+         "-CAkey", str(ca / "ca.key"), "-CAcreateserial", "-days", "1",
+         "-out", str(ca / "c.crt")])  # fmt: skip
+    srv = _bounded_server(tls, client_ca_file=ca / "ca.crt")
+    try:
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _post(srv, tls, _review())
+        context = ssl.create_default_context(cafile=str(tls / "tls.crt"))
+        context.load_cert_chain(ca / "c.crt", ca / "c.key")
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{srv.port}/mutate", data=json.dumps(_review()).encode()
+        )
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        srv.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.01)
+
+
+def test_the_webhook_listens_on_an_ipv6_address(tls: Path) -> None:
+    """An IPv6-only or dual-stack cluster's pod address (``--webhook-address=[::]:8443``):
+    the server used to bind IPv4 sockets only."""
+    srv = InjectionServer("::1", 0, tls / "tls.crt", tls / "tls.key", lambda ns: JOBS, CONFIG)
+    srv.start()
+    try:
+        context = ssl.create_default_context(cafile=str(tls / "tls.crt"))
+        context.check_hostname = False  # the test certificate names 127.0.0.1
+        with (
+            socket.create_connection(("::1", srv.port)) as raw,
+            context.wrap_socket(raw) as conn,
+        ):
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        srv.stop()

@@ -326,6 +326,14 @@ class JobPlans:
                 ):
                     return key
             return None
+        if session.verified_pod is not None:  # a TCP peer: its address says its pod
+            namespace, pod, _ = session.verified_pod
+            for key, job in jobs:
+                assert job.grant is not None
+                if job.plan.namespace == namespace and any(
+                    a.pod == pod for a in job.grant.plan.assignments
+                ):
+                    return key
         uuids = set(hello.get("gpu_uuids") or ())
         for key, job in jobs:
             assert job.grant is not None

@@ -11,10 +11,14 @@ container (those requesting ``nvidia.com/gpu``, else the training container), th
   ``PERSEUS_AGENT_ADDRESS=tcp://$(PERSEUS_HOST_IP):<agent port>``: the agent listens on the
   node's address (:mod:`perseus_agent.serving.tcp_server`), so the pod needs no hostPath volume and
   no extra group, and PodSecurity ``baseline`` (and ``restricted``) admit it;
-* ``POD_NAME``, ``POD_NAMESPACE`` (downward API) and ``PERSEUS_JOB``: who the process is;
+* ``POD_NAME`` and ``POD_NAMESPACE`` (downward API): who the process is;
 
 and to the pod the label :data:`CLIENT_LABEL` (the agent serves TCP peers only from pods
-carrying it) and the annotation :data:`INJECTED_ANNOTATION` (which job, for the reader).
+carrying it) and the annotation :data:`INJECTED_ANNOTATION` (``"true"``, for the reader).
+
+The patch names no PerseusJob: whoever can reach the webhook may post a made-up pod, and the
+answer must not tell it the names of a namespace's PerseusJobs (the agent knows a pod's job from
+its node plan). It tells only whether some PerseusJob selects such a pod.
 
 Nothing else: no volume, no security context, no capability, no host namespace, so the webhook
 can never make a pod more privileged than its author wrote it. A variable the pod already sets
@@ -131,14 +135,13 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-def _wanted_env(job: str, config: InjectionConfig) -> list[dict[str, Any]]:
+def _wanted_env(config: InjectionConfig) -> list[dict[str, Any]]:
     # PERSEUS_HOST_IP before the address: the kubelet expands $(VAR) from earlier entries only.
     return [
         _field_env(HOST_IP_ENV, "status.hostIP"),
         {"name": ADDRESS_ENV, "value": f"tcp://$({HOST_IP_ENV}):{config.agent_port}"},
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
-        {"name": "PERSEUS_JOB", "value": job},
     ]
 
 
@@ -178,7 +181,7 @@ def build_patch(
     for index in target_containers(pod):
         env = containers[index].get("env")
         present = {e.get("name") for e in env or () if isinstance(e, Mapping)}
-        missing = [e for e in _wanted_env(job, config) if e["name"] not in present]
+        missing = [e for e in _wanted_env(config) if e["name"] not in present]
         if not missing:
             continue
         path = f"/spec/containers/{index}/env"
@@ -189,7 +192,7 @@ def build_patch(
     if not ops and _labels(pod).get(CLIENT_LABEL) == "true":
         return job, []  # injected before (or written by hand): the labels are the author's now
     ops += _metadata_ops(meta, "labels", CLIENT_LABEL, "true")
-    ops += _metadata_ops(meta, "annotations", INJECTED_ANNOTATION, job)
+    ops += _metadata_ops(meta, "annotations", INJECTED_ANNOTATION, "true")
     return job, ops
 
 
