@@ -327,10 +327,10 @@ class JobPlans:
                     return key
             return None
         if session.verified_pod is not None:  # a TCP peer: its address says its pod
-            namespace, pod, _ = session.verified_pod
+            pod_namespace, pod, _ = session.verified_pod
             for key, job in jobs:
                 assert job.grant is not None
-                if job.plan.namespace == namespace and any(
+                if job.plan.namespace == pod_namespace and any(
                     a.pod == pod for a in job.grant.plan.assignments
                 ):
                     return key
