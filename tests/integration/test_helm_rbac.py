@@ -192,8 +192,11 @@ AGENT_CLIENT_CALLS: dict[str, list[Call]] = {
     ],
     # NodeLabelSource.run: its own node's GPU driver upgrade label.
     "read_node": [Call("get", "", "nodes", True, "NodeLabelSource.run")],
-    # NodePodLister (agent.tcp, on by default): which pod a TCP connection comes from.
-    "list_pod_for_all_namespaces": [Call("list", "", "pods", True, "NodePodLister")],
+    # NodePodWatch._list and ._watch: which pod a connection comes from (address, cgroup UID).
+    "list_pod_for_all_namespaces": [
+        Call("list", "", "pods", True, "NodePodWatch._list"),
+        Call("watch", "", "pods", True, "NodePodWatch._watch"),
+    ],
 }
 
 OPERATOR_SA = f"system:serviceaccount:{NAMESPACE}:perseus-operator"
@@ -343,9 +346,10 @@ def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
 def test_agent_rbac_is_exactly_its_calls() -> None:
     rendered = render()
     assert grants_of(rendered, AGENT_SA) == expected_grants(agent_calls())
-    # Without the TCP transport the agent tells pods by their pid: no pods to list.
+    # Without the TCP transport the agent still tells a pod by its cgroup's UID, and needs
+    # the node's pods for which pod that is now (issue 30: recreated pods, claimed UIDs).
     socket_only = render({"agent": {"tcp": {"enabled": False}}})
-    assert not allows(grants_of(socket_only, AGENT_SA), "list", "", "pods", "ml")
+    assert grants_of(socket_only, AGENT_SA) == expected_grants(agent_calls())
 
 
 @pytest.mark.parametrize(
@@ -353,8 +357,7 @@ def test_agent_rbac_is_exactly_its_calls() -> None:
     [
         ("get", "", "secrets"),
         ("list", "", "secrets"),
-        ("get", "", "pods"),  # list only, its own node's (agent.tcp)
-        ("watch", "", "pods"),
+        ("get", "", "pods"),  # list and watch only, its own node's
         ("list", "", "nodes"),  # get only: its own node's upgrade label
         ("patch", "", "nodes"),
         ("get", "", "configmaps"),
@@ -524,7 +527,8 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
         return NodePlan.model_validate(body)
 
     socket_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="prbac-"))
-    with KmockServer({plural: info}) as server:
+    pods = {"kind": "Pod", "singular": "pod", "namespaced": True}
+    with KmockServer({plural: info, "v1/pods": pods}) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
         client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
         client.user_agent = "perseus-rbac-test"  # this test's own requests are told apart
@@ -539,10 +543,11 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
         try:
             agent.start()
             assert agent.tcp_port is not None
-            # A TCP peer (no pod of the node has its address: refused) makes the agent list
-            # its node's pods.
+            # A TCP peer (no pod of the node has its address: refused); the agent lists and
+            # watches its node's pods whatever the peers.
             with socket.create_connection(("127.0.0.1", agent.tcp_port), timeout=10) as peer:
-                assert b"not the address of a pod" in peer.makefile("rb").readline()
+                line = peer.makefile("rb").readline()
+                assert b"not the address of a live pod" in line or b"not listed the pods" in line
             api.create_namespaced_custom_object(*args, resources.node_plan_object(plan(1, 1005)))
             wait_for(lambda: status().get("observedRevision") == 1, "a report", agent)
             new = plan(2, 1200).model_dump(mode="json")

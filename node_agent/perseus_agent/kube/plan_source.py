@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from perseus_agent.kube import REQUEST_TIMEOUT_S, ObjectKey, close_response
+from perseus_agent.kube.watch_stream import Backoff, lines
 from perseus_api import resources
 from perseus_api.kube_client import describe_api_error, http_status
 from perseus_api.node_plan import NodePlan
@@ -53,22 +53,6 @@ _HINTS: Final = {
     403: _RBAC_HINT,
     404: f" (is the {resources.NODE_PLAN_KIND} CustomResourceDefinition installed?)",
 }
-
-
-class _Backoff:
-    """Exponential backoff with jitter, ``min_s`` to ``max_s`` seconds."""
-
-    def __init__(self, min_s: float, max_s: float) -> None:
-        self.min_s, self.max_s = min_s, max_s
-        self._next = min_s
-
-    def reset(self) -> None:
-        self._next = self.min_s
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.max_s, self._next * 2)
-        return delay * random.uniform(0.8, 1.2)
 
 
 class _WatchExpiredError(Exception):
@@ -133,7 +117,7 @@ class NodePlanSource:
         self._on_invalid = on_invalid
         self._watch_timeout_s = watch_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._backoff = _Backoff(min_backoff_s, max_backoff_s)
+        self._backoff = Backoff(min_backoff_s, max_backoff_s)
         self._known: dict[ObjectKey, _Seen] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -240,7 +224,7 @@ class NodePlanSource:
         try:
             if self._stop.is_set():
                 return version
-            for line in _lines(response):
+            for line in lines(response):
                 if self._stop.is_set():
                     break
                 version = self._event(line) or version
@@ -357,16 +341,3 @@ def _creation_order(item: Mapping[str, Any]) -> tuple[str, str, str]:
     created = metadata.get("creationTimestamp") if isinstance(metadata, Mapping) else None
     namespace, name = resources.object_key(item)
     return (created if isinstance(created, str) else "", namespace, name)
-
-
-def _lines(response: Any) -> Iterator[str]:
-    """The lines of a streamed HTTP response, as they arrive."""
-    buffer = b""
-    for chunk in response.stream(amt=None, decode_content=True):
-        buffer += chunk if isinstance(chunk, bytes) else str(chunk).encode()
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if line.strip():
-                yield line.decode("utf-8", errors="replace")
-    if buffer.strip():
-        yield buffer.decode("utf-8", errors="replace")

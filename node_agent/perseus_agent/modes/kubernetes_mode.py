@@ -31,8 +31,9 @@ from perseus_agent.kube import (
     custom_objects_api,
     load_api_client,
 )
-from perseus_agent.kube.node import NodeLabelSource, NodePodLister
+from perseus_agent.kube.node import NodeLabelSource
 from perseus_agent.kube.plan_source import NodePlanSource
+from perseus_agent.kube.pod_watch import NodePodWatch
 from perseus_agent.kube.report_writer import ReportWriter
 from perseus_agent.modes.agent_config import Config, StartupError
 from perseus_agent.modes.agent_lifecycle import Server
@@ -43,10 +44,11 @@ from perseus_agent.ownership.gpu_ownership import (
     LocalRankIndexOwnership,
     Ownership,
 )
+from perseus_agent.ownership.node_pods import NodePods
 from perseus_agent.ownership.pod_resources import PodResourcesClient
 from perseus_agent.plans.job_plans import JobPlans
 from perseus_agent.plans.plan_status import invalid_status, stopped_status
-from perseus_agent.serving.tcp_server import PodAddressBook, TcpServer
+from perseus_agent.serving.tcp_server import TcpServer
 from perseus_api.node_plan import NodePlan
 
 __all__ = ["KubernetesMode", "KubernetesRunner", "choose_ownership"]
@@ -100,11 +102,21 @@ class KubernetesMode:
             events.put(_PlanEvent("delete", (namespace, name)))
 
         metrics = AgentMetrics(config.node_name)
-        jobs = JobPlans(guard, reset_state, config.node_name, metrics, choose_ownership(config))
+        # Who a connection comes from, as the API server says now (a watch, never a request on
+        # a connection's path): a TCP peer's address, a Unix peer's cgroup pod UID.
+        pods = NodePods(config.node_name)
+        watch = NodePodWatch(
+            core_v1_api(self._api_client), config.node_name, pods.listed, pods.changed, pods.lost
+        )
+        watch.start()
+        ownership = choose_ownership(config, pods)
+        jobs = JobPlans(guard, reset_state, config.node_name, metrics, ownership)
         # Lives until the shutdown has reset the clocks, to report that.
         writer = ReportWriter(custom_objects_api(self._api_client), on_gone=gone)
         writer.start()
-        return KubernetesRunner(config, self._api_client, gpus, guard, jobs, writer, events)
+        return KubernetesRunner(
+            config, self._api_client, gpus, guard, jobs, writer, events, pods, watch
+        )
 
     def close(self) -> None:
         close = getattr(self._api_client, "close", None)
@@ -127,6 +139,8 @@ class KubernetesRunner:
         jobs: JobPlans,
         writer: ReportWriter,
         events: queue.Queue[_PlanEvent],
+        pods: NodePods,
+        pod_watch: NodePodWatch,
     ) -> None:
         self._config = config
         self._api_client = api_client
@@ -135,6 +149,8 @@ class KubernetesRunner:
         self._jobs = jobs
         self._writer = writer
         self._events = events
+        self._pods = pods
+        self._pod_watch = pod_watch
         self._invalid: dict[ObjectKey, dict[str, Any]] = {}  # statuses of invalid objects
         self._revisions: dict[ObjectKey, int | None] = {}  # at the shutdown
 
@@ -146,9 +162,7 @@ class KubernetesRunner:
         if self._config.tcp_address is None:
             return []
         host, port = self._config.tcp_address
-        node_name = self._config.node_name
-        book = PodAddressBook(node_name, NodePodLister(core_v1_api(self._api_client), node_name))
-        server = TcpServer(host, port, self._jobs, book.resolve)
+        server = TcpServer(host, port, self._jobs, self._pods.resolve, self._pods.holds)
         try:
             server.start()
         except AgentError as exc:
@@ -231,6 +245,7 @@ class KubernetesRunner:
             self._revisions[key] = None if report is None else report.revision
 
     def stopped(self, reset_ok: bool) -> None:
+        self._pod_watch.stop()
         for key, revision in self._revisions.items():
             self._writer.submit(*key, stopped_status(revision, reset_ok=reset_ok))
         self._writer.stop(timeout_s=STOP_REPORT_TIMEOUT_S)
@@ -261,8 +276,9 @@ class KubernetesRunner:
             self._writer.submit(*key, status)
 
 
-def choose_ownership(config: Config) -> Ownership:
-    """Who tells which GPUs a plan's pods own (``--gpu-ownership``)."""
+def choose_ownership(config: Config, pods: NodePods | None = None) -> Ownership:
+    """Who tells which GPUs a plan's pods own (``--gpu-ownership``); ``pods``: the node's pods
+    as the API server says (which pod a cgroup's UID is)."""
     if config.gpu_ownership == "local-rank-index":
         log.warning(
             "--gpu-ownership=local-rank-index: a pod's local rank r is taken to run on GPU "
@@ -277,4 +293,4 @@ def choose_ownership(config: Config) -> Ownership:
             "--gpu-ownership=local-rank-index on a cluster without a kubelet)",
             socket,
         )
-    return KubeletOwnership(PodResourcesClient(str(socket)))
+    return KubeletOwnership(PodResourcesClient(str(socket)), pods=pods)

@@ -16,10 +16,14 @@ own alone:
 
 It also says which pod a training process on the agent's socket belongs to
 (:meth:`KubeletOwnership.peer_pod`): from the peer's pid (``SO_PEERCRED``, host pid with
-``hostPID``) through ``/proc/<pid>/cgroup`` to the pod UID, which the plans carry; without it
-(an agent outside the host PID namespace), from the pod the process names, checked against the
-kubelet. A process is refused, with the reason, when it claims a GPU its pod was not
-allocated.
+``hostPID``) through ``/proc/<pid>/cgroup`` to the pod UID, and from the node's pods as the API
+server says (:mod:`perseus_agent.ownership.node_pods`) to its namespace and name; a TCP peer's
+address tells the same (:mod:`perseus_agent.serving.tcp_server`). A plan then manages the pod if
+it names it in its own namespace: the UIDs the plans carry are a fallback only (no pod list),
+each plan's for its own namespace, so a pod recreated under its old name is still its job's and
+a plan claiming another tenant's pod UID takes nothing from it. Without a pid (an agent outside
+the host PID namespace), the pod the process names is checked against the kubelet. A process
+is refused, with the reason, when it claims a GPU its pod was not allocated.
 
 :class:`LocalRankIndexOwnership` is for clusters without a kubelet (the emulated test clusters:
 the agents' flag ``--gpu-ownership=local-rank-index``): process ``local_rank`` of a pod runs on
@@ -246,6 +250,20 @@ def pod_uid_of_pid(pid: int, proc_root: Path = Path("/proc")) -> str | None:
     return None
 
 
+def _managed(plans: Sequence[NodePlan], namespace: object, name: str) -> bool:
+    """Whether a plan of ``namespace`` names pod ``name``."""
+    return any(
+        p.namespace == namespace and any(a.pod == name for a in p.assignments) for p in plans
+    )
+
+
+class PodNames(Protocol):
+    """This node's pods as the API server says (:class:`~perseus_agent.ownership.node_pods.
+    NodePods`)."""
+
+    def pod_of_uid(self, uid: str) -> tuple[str, str] | None: ...
+
+
 # -- strategies ------------------------------------------------------------------------------------
 
 
@@ -256,13 +274,22 @@ class KubeletOwnership:
         client: The kubelet's API.
         proc_root: Where peers' ``<pid>/cgroup`` are read (``/proc``; the agent needs
             ``hostPID`` for ``SO_PEERCRED`` to give host pids).
+        pods: The node's pods as the API server says (a cgroup's pod UID -> the pod); without
+            it, the plans' ``pod_uid`` (a pod recreated with a new UID is then unmanaged, and
+            logged so).
     """
 
     verifies_peers = True
 
-    def __init__(self, client: PodResourcesClient, proc_root: Path = Path("/proc")) -> None:
+    def __init__(
+        self,
+        client: PodResourcesClient,
+        proc_root: Path = Path("/proc"),
+        pods: PodNames | None = None,
+    ) -> None:
         self.client = client
         self.proc_root = proc_root
+        self.pods = pods
 
     def bind(self, plan: NodePlan, devices: Sequence[GpuInfo]) -> Binding:
         try:
@@ -284,31 +311,26 @@ class KubeletOwnership:
         hello = session.hello
         assert hello is not None
         claimed = [u for u in hello.get("gpu_uuids") or () if isinstance(u, str)]
-        by_uid = {
-            a.pod_uid: (p.namespace, a.pod)
-            for p in plans
-            for a in p.assignments
-            if a.pod_uid is not None and a.pod is not None
-        }
-        uid: str | None
-        if session.verified_pod is not None:  # a TCP peer: its address told the pod
-            uid, told_by = session.verified_pod[2], "address"
+        reported = hello.get("pod")
+        known: tuple[str, str] | None
+        if session.verified_pod is not None:  # a TCP peer: its address told the pod, now
+            known, how = session.verified_pod[:2], "address"
         else:
             uid = pod_uid_of_pid(session.peer_pid, self.proc_root) if session.peer_pid else None
-            told_by = "cgroup"
-        reported = hello.get("pod")
-        if uid is not None:
-            known = by_uid.get(uid)
-            if known is None:
+            known = None if uid is None else self._pod_of_uid(uid, hello, plans)
+            how = "cgroup"
+            if uid is not None and known is None:
                 return None  # a pod no plan on this node manages
+        if known is not None:
             namespace, name = known
+            if not _managed(plans, namespace, name):
+                return None  # a pod no plan on this node manages
             if reported and reported != name:
                 raise self._refuse(
                     session,
                     f"the process says it runs in pod {reported} but its cgroup is pod "
                     f"{namespace}/{name}'s",
                 )
-            how = told_by
         else:
             namespace, reported_name, how = self._reported_pod(hello, plans, claimed)
             if reported_name is None:
@@ -331,6 +353,41 @@ class KubeletOwnership:
             )
         uuids = {g.uuid for g in devices}
         return PeerPod(namespace, name, frozenset(owned & uuids), how)
+
+    def _pod_of_uid(
+        self, uid: str, hello: Mapping[str, object], plans: Sequence[NodePlan]
+    ) -> tuple[str, str] | None:
+        """The pod whose UID is ``uid``: as the API server says (the node's pods), else as the
+        plans do, each plan for its own namespace only. A recreated pod (a new UID under the
+        old name) is its job's all the same; a plan claiming another namespace's pod UID
+        claims nothing the real pod's process would lose."""
+        if self.pods is not None:
+            actual = self.pods.pod_of_uid(uid)
+            if actual is not None:
+                return actual
+        claims = sorted(
+            {
+                (p.namespace, a.pod)
+                for p in plans
+                for a in p.assignments
+                if a.pod_uid == uid and a.pod is not None
+            }
+        )
+        if len(claims) > 1:  # only a hand-edited plan makes two: the process says which
+            claims = [c for c in claims if c[0] == hello.get("namespace")]
+        if len(claims) == 1:
+            return claims[0]
+        reported, namespace = hello.get("pod"), hello.get("namespace")
+        if isinstance(reported, str) and reported and _managed(plans, namespace, reported):
+            log.warning(
+                "a training process of pod UID %s says it is pod %s/%s, which a plan manages "
+                "under another UID (the pod was recreated?): the agent cannot tell without its "
+                "list of the node's pods (RBAC: list and watch on pods); it is not managed",
+                uid,
+                namespace,
+                reported,
+            )
+        return None
 
     def _reported_pod(
         self, hello: Mapping[str, object], plans: Sequence[NodePlan], claimed: Sequence[str]

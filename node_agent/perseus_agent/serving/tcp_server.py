@@ -7,11 +7,13 @@ webhook gives each pod of a managed workload ``PERSEUS_AGENT_ADDRESS=tcp://$(hos
 (:mod:`perseus_operator.webhook.injection`). Same protocol, same limits, same handler.
 
 Who is calling. A Unix peer shows its pid (``SO_PEERCRED``); a TCP peer shows its source
-address, which on a pod network is the pod's IP (no NAT between a pod and its own node).
-:class:`PodAddressBook` maps it to the pod, from the API server's list of this node's pods, and
-a connection is refused at once unless it comes from:
+address, which on a pod network is the pod's IP (no NAT between a pod and its own node). The
+caller's ``resolve`` (:class:`perseus_agent.ownership.node_pods.NodePods`: this node's pods as
+the API server's watch says they are now) maps it to the pod, from memory: the accept loop never
+waits on the API server, and a stranger costs no API call. A connection is refused at once
+unless it comes from:
 
-* a pod of this node (an address from elsewhere reaches the node's port too: refused);
+* a live pod of this node (an address from elsewhere reaches the node's port too: refused);
 * not on the host network (its address would be the node's, any host process's too);
 * of a workload Perseus manages: labelled :data:`CLIENT_LABEL` by the webhook. The label
   grants nothing (the kubelet's allocation still decides which GPUs a pod may drive); it keeps
@@ -19,9 +21,12 @@ a connection is refused at once unless it comes from:
 
 A hello naming another pod or namespace than the address's is refused; one naming none gets
 the address's, and the GPU ownership check (:mod:`perseus_agent.ownership.gpu_ownership`) uses the
-address's pod UID as it uses the cgroup's for a Unix peer. Per-peer limits count per pod
-address. Spoofing a source address needs the return path too (TCP's handshake) on the node's
-own pod network; the CNI's anti-spoofing rules, where there are any, stop even that.
+address's pod UID as it uses the cgroup's for a Unix peer. The identity is never older than the
+pod it names: every request checks (``holds``, a lookup) that the address is still that pod's,
+and once it is not (the pod ended and its IP went to another pod) the connection's requests are
+refused. Per-peer limits count per pod address. Spoofing a source address needs the return path
+too (TCP's handshake) on the node's own pod network; the CNI's anti-spoofing rules, where there
+are any, stop even that.
 """
 
 from __future__ import annotations
@@ -30,9 +35,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
@@ -46,8 +49,8 @@ __all__ = [
     "CLIENT_LABEL",
     "DEFAULT_TCP_PORT",
     "PodAddress",
-    "PodAddressBook",
     "TcpServer",
+    "normal_ip",
     "parse_listen_address",
     "pod_addresses",
 ]
@@ -84,7 +87,7 @@ def pod_addresses(pod: Mapping[str, Any]) -> list[PodAddress]:
     labels = meta.get("labels") or {}
     return [
         PodAddress(
-            ip=_normal(ip),
+            ip=normal_ip(ip),
             namespace=str(meta.get("namespace", "")),
             name=str(meta.get("name", "")),
             uid=str(meta.get("uid", "")),
@@ -96,7 +99,7 @@ def pod_addresses(pod: Mapping[str, Any]) -> list[PodAddress]:
     ]
 
 
-def _normal(ip: str) -> str:
+def normal_ip(ip: str) -> str:
     """One spelling per address (an IPv4-mapped IPv6 peer is its IPv4 address)."""
     try:
         addr = ipaddress.ip_address(ip)
@@ -105,87 +108,6 @@ def _normal(ip: str) -> str:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return str(addr.ipv4_mapped)
     return str(addr)
-
-
-class PodAddressBook:
-    """Source address -> pod of this node, from ``list_pods`` (the pods of the node, API
-    JSON), listed again at most every ``min_refresh_s`` when an address is unknown and at every
-    lookup once the list is ``max_age_s`` old (addresses are reused after a pod ends).
-
-    A failing list keeps the last one (logged); before any list every peer is refused.
-    Thread-safe; a lookup that lists blocks only its caller (the accept loop, at most once per
-    ``min_refresh_s``).
-    """
-
-    def __init__(
-        self,
-        node: str,
-        list_pods: Callable[[], Sequence[Mapping[str, Any]]],
-        *,
-        min_refresh_s: float = 1.0,
-        max_age_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.node = node
-        self._list_pods = list_pods
-        self.min_refresh_s = min_refresh_s
-        self.max_age_s = max_age_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._by_ip: dict[str, list[PodAddress]] = {}
-        self._listed_at: float | None = None
-        self._error: str | None = None
-
-    def refresh(self) -> None:
-        """List the node's pods now."""
-        now = self._clock()
-        try:
-            pods = self._list_pods()
-        except Exception as exc:  # the API is down: keep what we had, say why once
-            self._error = f"{type(exc).__name__}: {exc}"
-            log.warning("cannot list the pods of node %s: %s", self.node, self._error)
-            self._listed_at = now
-            return
-        by_ip: dict[str, list[PodAddress]] = {}
-        for pod in pods:
-            phase = (pod.get("status") or {}).get("phase")
-            if phase in ("Succeeded", "Failed"):  # its address may already be another pod's
-                continue
-            for entry in pod_addresses(pod):
-                by_ip.setdefault(entry.ip, []).append(entry)
-        self._by_ip, self._listed_at, self._error = by_ip, now, None
-
-    def resolve(self, ip: str) -> PodAddress:
-        """The pod ``ip`` is; raises :class:`RequestError` saying why a peer is refused."""
-        ip = _normal(ip)
-        with self._lock:
-            now = self._clock()
-            listed_at = self._listed_at
-            if (
-                listed_at is None
-                or now - listed_at >= self.max_age_s
-                or (ip not in self._by_ip and now - listed_at >= self.min_refresh_s)
-            ):
-                self.refresh()
-            found = list(self._by_ip.get(ip, ()))
-            error = self._error
-        pods = [p for p in found if not p.host_network]
-        if not found:
-            why = f" (cannot list its pods: {error})" if error else ""
-            raise RequestError(f"{ip} is not the address of a pod on node {self.node}{why}")
-        if not pods or len(pods) > 1:
-            names = ", ".join(sorted(f"{p.namespace}/{p.name}" for p in found))
-            raise RequestError(
-                f"{ip} is the address of {names} on the host network, or of several pods: the "
-                "agent cannot tell which; such pods reach the agent on its Unix socket"
-            )
-        pod = pods[0]
-        if not pod.client:
-            raise RequestError(
-                f"pod {pod.namespace}/{pod.name} is not labelled {CLIENT_LABEL}=true: only pods "
-                "of workloads Perseus manages (the operator's webhook labels them) reach the agent"
-            )
-        return pod
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -203,11 +125,39 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-class _PodCheckedHandler:
-    """The server's handler, with each hello held to the pod the connection's address is."""
+_PER_REQUEST_OPS: Final = ("step_begin", "step_end", "instruction_begin", "instruction_end")
 
-    def __init__(self, inner: ClientHandler) -> None:
+
+class _PodCheckedHandler:
+    """The server's handler, with each hello held to the pod the connection's address is, and
+    every later request to that pod still being the address's (``holds``)."""
+
+    def __init__(self, inner: ClientHandler, holds: Callable[[str, str], bool] | None) -> None:
         self._inner = inner
+        self._holds = holds
+        self._revoked: set[int] = set()  # connection ids whose address changed hands
+
+    def _check(self, session: ClientSession) -> None:
+        pod, address = session.verified_pod, session.address
+        if self._holds is None or pod is None or address is None:
+            return
+        if session.connection_id not in self._revoked:
+            if self._holds(address, pod[2]):
+                return
+            self._revoked.add(session.connection_id)
+            log.warning(
+                "connection %d: %s is no longer the address of pod %s/%s (UID %s); its "
+                "requests are refused from now on",
+                session.connection_id,
+                address,
+                pod[0],
+                pod[1],
+                pod[2],
+            )
+            self._inner.disconnected(session)  # its GPUs go back to the plan's clocks
+        raise RequestError(
+            f"{address} is no longer the address of pod {pod[0]}/{pod[1]}: reconnect"
+        )
 
     def hello(
         self, session: ClientSession, msg: HelloRequest, received_ns: int
@@ -232,17 +182,37 @@ class _PodCheckedHandler:
                     f"the hello says {key} {claimed!r} but this connection comes from pod "
                     f"{namespace}/{name}"
                 )
+        if self._holds is not None and not self._holds(session.address or "", pod[2]):
+            raise RequestError(  # the address changed hands since the accept
+                f"{session.address} is no longer the address of pod {namespace}/{name}: reconnect"
+            )
         msg["namespace"], msg["pod"] = namespace, name
         return self._inner.hello(session, msg, received_ns)
 
-    def __getattr__(self, op: str) -> Any:  # every other request goes through as it is
-        return getattr(self._inner, op)
+    def disconnected(self, session: ClientSession) -> None:
+        if session.connection_id in self._revoked:
+            self._revoked.discard(session.connection_id)
+            return  # told already
+        self._inner.disconnected(session)
+
+    def __getattr__(self, op: str) -> Any:
+        method = getattr(self._inner, op)
+        if op not in _PER_REQUEST_OPS:
+            return method
+
+        def checked(session: ClientSession, *args: Any) -> Any:
+            self._check(session)
+            return method(session, *args)
+
+        return checked
 
 
 class TcpServer(LocalServer):
     """Serve the client protocol on ``host:port`` (see the module); each peer must resolve to a
-    pod through ``resolve`` (:meth:`PodAddressBook.resolve`). Limits as :class:`LocalServer`.
-    ``port`` 0 takes a free port (:attr:`port` after :meth:`start`)."""
+    pod through ``resolve`` (:meth:`perseus_agent.ownership.node_pods.NodePods.resolve`, which
+    must not block), and each request after hello is refused once ``holds(address, pod UID)``
+    says the address is no longer that pod's. Limits as :class:`LocalServer`. ``port`` 0 takes
+    a free port (:attr:`port` after :meth:`start`)."""
 
     def __init__(
         self,
@@ -250,11 +220,14 @@ class TcpServer(LocalServer):
         port: int,
         handler: ClientHandler,
         resolve: Callable[[str], PodAddress],
+        holds: Callable[[str, str], bool] | None = None,
         **limits: Any,
     ) -> None:
         parse_listen_address(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         super().__init__(
-            Path(f"{host}:{port}"), cast(ClientHandler, _PodCheckedHandler(handler)), **limits
+            Path(f"{host}:{port}"),
+            cast(ClientHandler, _PodCheckedHandler(handler, holds)),
+            **limits,
         )
         self.host = host
         self.port = port
@@ -288,7 +261,7 @@ class TcpServer(LocalServer):
             ip = str(sock.getpeername()[0])
         except OSError as exc:
             raise RequestError(f"no peer address: {exc}") from None
-        pod = self._resolve(ip)  # RequestError: refused with the reason
+        pod = self._resolve(ip)  # from memory (never the API); RequestError: refused, why
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return ClientSession(
@@ -298,6 +271,6 @@ class TcpServer(LocalServer):
             None,
             now_ns,
             last_request_ns=now_ns,
-            address=_normal(ip),
+            address=normal_ip(ip),
             verified_pod=(pod.namespace, pod.name, pod.uid),
         )

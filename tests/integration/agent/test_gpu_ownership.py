@@ -397,7 +397,8 @@ def test_the_peer_is_told_by_its_address_over_the_agent_tcp_listener(
 ) -> None:
     # This test process plays pod a-0's training process, whose pod IP is 127.0.0.1 in the
     # node's pod list (the listener binds loopback); no cgroup, no pid: the address decides.
-    from perseus_agent.serving.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
+    from perseus_agent.ownership.node_pods import NodePods
+    from perseus_agent.serving.tcp_server import CLIENT_LABEL, TcpServer
 
     pod = {
         "metadata": {
@@ -414,7 +415,9 @@ def test_the_peer_is_told_by_its_address_over_the_agent_tcp_listener(
     jobs.set_plan(
         ("team-b", "b"), node_plan("team-b", "b", "b-0", UID_B, granularity="Instruction")
     )
-    server = TcpServer("127.0.0.1", 0, jobs, PodAddressBook(NODE, lambda: [pod]).resolve)
+    book = NodePods(NODE)
+    book.listed([pod])
+    server = TcpServer("127.0.0.1", 0, jobs, book.resolve, book.holds)
     with server:
         address = f"tcp://127.0.0.1:{server.port}"
         # Speaking for b-0 (its name and GPU): refused, nothing locked.
@@ -453,3 +456,88 @@ def test_a_standalone_agent_refuses_gpus_named_by_process_only(
     assert [g.status for g in report.gpus] == ["Failed", "Failed"]
     assert "named by its process only" in report.gpus[0].message
     assert locked(backend) == {}
+
+
+# -- tenancy (issue 30) ----------------------------------------------------------------------------
+
+
+def _api_pod(namespace: str, name: str, uid: str) -> dict[str, Any]:
+    """A pod as the API server lists it (what the agent's pod watch keeps)."""
+    return {
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"nodeName": NODE},
+        "status": {"phase": "Running"},
+    }
+
+
+def test_a_plan_naming_another_namespaces_pod_touches_no_gpu(
+    backend: EmulatedBackend, client: PodResourcesClient, tmp_path: Path
+) -> None:
+    """Case 1: a plan object in team-b whose spec names namespace serving and its inference
+    pod (no job manages it) is refused whole; the victim's GPU is not locked and its UUID does
+    not appear in team-b's status."""
+    jobs = JobPlans(backend, ResetState(tmp_path), NODE, ownership=KubeletOwnership(client))
+    rogue = node_plan("serving", "steal", "infer", UID_B, container="server", local_ranks=(0,))
+    jobs.set_plan(("team-b", "steal-n1"), rogue)
+    assert locked(backend) == {}
+    status = jobs.status(("team-b", "steal-n1"))
+    assert status is not None and status["conditions"][0]["reason"] == "InvalidSpec"
+    assert uuid(1) not in json.dumps(status)
+    jobs.clear()
+
+
+def test_a_recreated_pod_is_its_jobs_by_its_current_uid(
+    backend: EmulatedBackend, client: PodResourcesClient, tmp_path: Path
+) -> None:
+    """Case 3: a PyTorchJob retry recreates pod ml/a-0 with a new UID; the plan still carries
+    the old one. The pod's process (cgroup: the new UID) is managed, as the API says the UID
+    is ml/a-0's; without the pod list it is unmanaged, and the log says why."""
+    from perseus_agent.ownership.node_pods import NodePods
+
+    new_uid = "99999999-1d5e-4b8e-9a0b-2f4d6c8e0a11"
+    root = proc_root_for(tmp_path, 777, f"0::/kubepods/pod{new_uid}/c1\n")
+    pods = NodePods(NODE)
+    pods.listed([_api_pod("ml", "a-0", new_uid), _api_pod("team-b", "b-0", UID_B)])
+    plan = node_plan("ml", "a", "a-0", UID_A, granularity="Instruction")  # the old UID
+    for ownership, managed in (
+        (KubeletOwnership(client, proc_root=root, pods=pods), True),
+        (KubeletOwnership(client, proc_root=root), False),
+    ):
+        jobs = JobPlans(backend, ResetState(tmp_path), NODE, ownership=ownership)
+        jobs.set_plan(("ml", "a"), plan)
+        rank1 = session(1, pid=777, rank=1, local_rank=1, pod="a-0", namespace="ml")
+        reply = jobs.hello(rank1, rank1.hello, 0)
+        assert reply["managed"] is managed
+        if managed:
+            assert gpus_of(reply) == [5]
+            jobs.step_begin(rank1, {"op": "step_begin", "step": 0}, 0)
+            begin = {"op": "instruction_begin", "name": "forward", "microbatch": 0}
+            assert jobs.instruction_begin(rank1, begin, 0)["sm_clock_mhz"] == 915
+            assert locked(backend) == {5: 915}
+        jobs.clear()
+
+
+def test_a_plan_claiming_another_tenants_pod_uid_locks_nobody_out(
+    backend: EmulatedBackend, client: PodResourcesClient, tmp_path: Path
+) -> None:
+    """Case 6: a hand-edited plan of team-b claims ml/a-0's UID for a pod of its own. The
+    plans used to share one UID map (the later plan won) and a-0's process was refused. The
+    pod list says whose the UID is; without it, each plan speaks for its own namespace and the
+    process's own namespace decides between them."""
+    from perseus_agent.ownership.node_pods import NodePods
+
+    root = proc_root_for(tmp_path, 777, f"0::/kubepods/pod{UID_A}/c1\n")
+    pods = NodePods(NODE)
+    pods.listed([_api_pod("ml", "a-0", UID_A), _api_pod("team-b", "b-0", UID_B)])
+    for ownership in (
+        KubeletOwnership(client, proc_root=root, pods=pods),
+        KubeletOwnership(client, proc_root=root),
+    ):
+        jobs = JobPlans(backend, ResetState(tmp_path), NODE, ownership=ownership)
+        jobs.set_plan(("ml", "a"), node_plan("ml", "a", "a-0", UID_A, granularity="Instruction"))
+        jobs.set_plan(
+            ("team-b", "b"), node_plan("team-b", "b", "b-0", UID_A, granularity="Instruction")
+        )
+        rank0 = session(1, pid=777, rank=0, local_rank=0, namespace="ml")
+        assert gpus_of(jobs.hello(rank0, rank0.hello, 0)) == [2]
+        jobs.clear()

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from perseus_agent.ownership.node_pods import NodePods
 from perseus_agent.serving.client_dispatch import ClientSession, RequestError
 from perseus_agent.serving.tcp_server import (
     CLIENT_LABEL,
-    PodAddressBook,
     TcpServer,
     parse_listen_address,
     pod_addresses,
@@ -54,78 +54,79 @@ class Clock:
         return self.now
 
 
-def _book(
-    pods: list[dict[str, Any]], clock: Clock | None = None
-) -> tuple[PodAddressBook, list[int]]:
-    calls: list[int] = []
-
-    def list_pods() -> list[dict[str, Any]]:
-        calls.append(1)
-        return pods
-
-    return PodAddressBook("gpu-node-1", list_pods, clock=clock or Clock()), calls
+def _book(pods: list[dict[str, Any]], clock: Clock | None = None) -> NodePods:
+    book = NodePods("gpu-node-1", clock=clock or Clock())
+    book.listed(pods)
+    return book
 
 
 def test_an_address_resolves_to_its_pod() -> None:
-    book, _ = _book([_pod("llm-0", "10.1.0.5"), _pod("llm-1", "10.1.0.6")])
+    book = _book([_pod("llm-0", "10.1.0.5"), _pod("llm-1", "10.1.0.6")])
     found = book.resolve("10.1.0.6")
     assert (found.namespace, found.name, found.uid) == ("team-a", "llm-1", "uid-llm-1")
     assert book.resolve("::ffff:10.1.0.5").name == "llm-0"  # IPv4-mapped peer of a dual stack
+    assert book.pod_of_uid("uid-llm-1") == ("team-a", "llm-1")
+
+
+def _terminating(pod: dict[str, Any]) -> dict[str, Any]:
+    pod["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+    return pod
 
 
 @pytest.mark.parametrize(
     ("pods", "ip", "why"),
     [
-        ([_pod("llm-0", "10.1.0.5")], "10.9.9.9", "is not the address of a pod on node gpu-node-1"),
+        ([_pod("llm-0", "10.1.0.5")], "10.9.9.9", "is not the address of a live pod on node"),
         ([_pod("agent", "10.0.0.1", host_network=True)], "10.0.0.1", "host network"),
         ([_pod("web", "10.1.0.7", labelled=False)], "10.1.0.7", f"not labelled {CLIENT_LABEL}"),
         ([_pod("old", "10.1.0.8", phase="Succeeded")], "10.1.0.8", "is not the address"),
+        ([_terminating(_pod("going", "10.1.0.8"))], "10.1.0.8", "is not the address"),
         ([_pod("a", "10.1.0.9"), _pod("b", "10.1.0.9")], "10.1.0.9", "several pods"),
+        # The node's own address: host-network pods have it; a host process has no pod at all.
+        ([_pod("llm-0", "10.1.0.5")], "10.0.0.1", "is not the address of a live pod"),
     ],
 )
 def test_peers_that_are_not_a_managed_pod_of_this_node_are_refused(
     pods: list[dict[str, Any]], ip: str, why: str
 ) -> None:
-    book, _ = _book(pods)
     with pytest.raises(RequestError, match=why):
-        book.resolve(ip)
+        _book(pods).resolve(ip)
 
 
-def test_unknown_addresses_list_again_at_most_once_per_interval() -> None:
+def test_a_reused_address_is_the_new_pods_at_once_and_no_longer_the_old_ones() -> None:
+    """Issue 30, case 2: the old pod ends, another pod (another namespace, unlabelled) gets
+    its IP; the watch's events make the address the new pod's, not the old one's."""
+    book = _book([_pod("llm-0", "10.1.0.5")])
+    assert book.holds("10.1.0.5", "uid-llm-0")
+    book.changed("MODIFIED", _terminating(_pod("llm-0", "10.1.0.5")))
+    assert not book.holds("10.1.0.5", "uid-llm-0")
+    with pytest.raises(RequestError, match="is not the address of a live pod"):
+        book.resolve("10.1.0.5")
+    book.changed("ADDED", _pod("web", "10.1.0.5", namespace="serving", labelled=False))
+    with pytest.raises(RequestError, match="serving/web is not labelled"):
+        book.resolve("10.1.0.5")
+    book.changed("DELETED", _pod("llm-0", "10.1.0.5"))
+    assert book.pod_of_uid("uid-llm-0") is None and book.pod_of_uid("uid-web") == (
+        "serving",
+        "web",
+    )
+
+
+def test_before_its_first_listing_and_long_without_the_api_no_peer_is_taken() -> None:
     clock = Clock()
-    pods = [_pod("llm-0", "10.1.0.5")]
-    book, calls = _book(pods, clock)
-    book.resolve("10.1.0.5")
-    for _ in range(5):
-        with pytest.raises(RequestError):
-            book.resolve("10.1.0.6")
-    assert len(calls) == 1  # a flood of strangers costs no API calls
-    pods.append(_pod("llm-1", "10.1.0.6"))
-    clock.now += 1.0
-    assert book.resolve("10.1.0.6").name == "llm-1"
-    assert len(calls) == 2
-    clock.now += 30.0  # an old list is listed again even for a known address (IPs are reused)
-    pods[0] = _pod("other", "10.1.0.5")
-    assert book.resolve("10.1.0.5").name == "other"
-
-
-def test_a_failing_list_keeps_the_last_one_and_says_why() -> None:
-    clock = Clock()
-    state = {"fail": False}
-
-    def list_pods() -> list[dict[str, Any]]:
-        if state["fail"]:
-            raise OSError("connection refused")
-        return [_pod("llm-0", "10.1.0.5")]
-
-    book = PodAddressBook("gpu-node-1", list_pods, clock=clock)
-    book.resolve("10.1.0.5")
-    state["fail"] = True
-    clock.now += 31.0
+    book = NodePods("gpu-node-1", clock=clock, max_stale_s=60.0)
+    with pytest.raises(RequestError, match="has not listed the pods of node gpu-node-1 yet"):
+        book.resolve("10.1.0.5")
+    book.listed([_pod("llm-0", "10.1.0.5")])
+    book.lost("HTTP 503: the API server is overloaded")
+    clock.now += 60.0  # pods are not scheduled without the API server: the view stands
     assert book.resolve("10.1.0.5").name == "llm-0"
-    clock.now += 2.0
-    with pytest.raises(RequestError, match="connection refused"):
-        book.resolve("10.1.0.6")
+    clock.now += 1.0
+    with pytest.raises(RequestError, match=r"for 61 s \(HTTP 503: the API server is overloaded"):
+        book.resolve("10.1.0.5")
+    assert book.holds("10.1.0.5", "uid-llm-0")  # verified connections go on
+    book.changed("MODIFIED", _pod("llm-0", "10.1.0.5"))  # the watch is back
+    assert book.resolve("10.1.0.5").name == "llm-0"
 
 
 def test_pod_addresses_reads_every_ip_and_none_before_there_is_one() -> None:
@@ -133,6 +134,8 @@ def test_pod_addresses_reads_every_ip_and_none_before_there_is_one() -> None:
     dual["status"]["podIPs"].append({"ip": "fd00::5"})
     assert [a.ip for a in pod_addresses(dual)] == ["10.1.0.5", "fd00::5"]
     assert pod_addresses(_pod("pending", None)) == []
+    book = _book([dual])
+    assert book.resolve("fd00:0:0:0:0:0:0:5").name == "llm-0"  # another spelling of the IPv6
 
 
 @pytest.mark.parametrize("text", ["7460", "node:7460", "10.0.0.1:", "10.0.0.1:99999", ":7460"])
@@ -174,14 +177,19 @@ class Recorder:
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[TcpServer, Recorder, list[dict[str, Any]]]]:
-    pods = [_pod("llm-worker-0", "127.0.0.1")]
-    book = PodAddressBook("gpu-node-1", lambda: pods, min_refresh_s=0.0)
+def served() -> Iterator[tuple[TcpServer, Recorder, NodePods]]:
+    book = _book([_pod("llm-worker-0", "127.0.0.1")])
     recorder = Recorder()
-    server = TcpServer("127.0.0.1", 0, recorder, book.resolve)  # type: ignore[arg-type]
+    server = TcpServer(
+        "127.0.0.1",
+        0,
+        recorder,  # type: ignore[arg-type]
+        book.resolve,
+        book.holds,
+    )
     server.start()
     try:
-        yield server, recorder, pods
+        yield server, recorder, book
     finally:
         server.stop()
 
@@ -195,7 +203,7 @@ def _client(server: TcpServer, **kwargs: Any) -> PerseusClient:
 
 
 def test_a_client_reaches_the_agent_over_tcp_as_the_pod_of_its_address(
-    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+    served: tuple[TcpServer, Recorder, NodePods],
 ) -> None:
     server, recorder, _ = served
     client = _client(server)
@@ -215,7 +223,7 @@ def test_a_client_reaches_the_agent_over_tcp_as_the_pod_of_its_address(
 
 
 def test_a_hello_speaking_for_another_pod_is_refused(
-    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+    served: tuple[TcpServer, Recorder, NodePods],
 ) -> None:
     server, recorder, _ = served
     client = _client(server, pod="someone-else", namespace="team-a")
@@ -228,12 +236,40 @@ def test_a_hello_speaking_for_another_pod_is_refused(
 
 
 def test_a_connection_from_an_unmanaged_pod_is_refused_before_hello(
-    served: tuple[TcpServer, Recorder, list[dict[str, Any]]],
+    served: tuple[TcpServer, Recorder, NodePods],
 ) -> None:
-    server, recorder, pods = served
-    pods[0] = _pod("web", "127.0.0.1", labelled=False)
+    server, recorder, book = served
+    book.listed([_pod("web", "127.0.0.1", labelled=False)])
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         reply = sock.makefile("rb").readline()
     assert b'"ok": false' in reply.replace(b'"ok":false', b'"ok": false')
     assert CLIENT_LABEL.encode() in reply
     assert recorder.hellos == []
+
+
+def test_a_connection_whose_address_changes_hands_speaks_for_nobody(
+    served: tuple[TcpServer, Recorder, NodePods],
+) -> None:
+    """Issue 30, case 2: the connection was taken for pod llm-worker-0; once its address is
+    another pod's (the old one ended before the connection did), its requests are refused,
+    and a new connection from that address is the new pod's."""
+    server, recorder, book = served
+    client = _client(server)
+    try:
+        client.on_step_begin(1)
+        assert client.connected and recorder.steps == [1]
+        book.changed("DELETED", _pod("llm-worker-0", "127.0.0.1"))
+        book.changed("ADDED", _pod("infer", "127.0.0.1", namespace="serving"))
+        client.on_step_begin(2)
+        assert recorder.steps == [1]  # never reached the handler
+        assert client.on_instruction_begin("forward", 0) is None
+    finally:
+        client.close()
+    fresh = _client(server)
+    try:
+        fresh.on_step_begin(3)
+        assert fresh.connected
+    finally:
+        fresh.close()
+    assert [h["namespace"] for _, h in recorder.hellos] == ["team-a", "serving"]
+    assert recorder.steps == [1, 3]
