@@ -13,9 +13,9 @@ reply).
 Access control: the socket is ``0o660``, reachable by its owner and ``socket_group`` only
 (see :mod:`perseus_agent.serving.socket_file`).
 
-Threading. One thread accepts connections and each connection gets a thread of
-its own (at most ``max_connections``), which reads the connection's requests,
-calls the handler directly and writes each reply: calls for one session are
+Threading. One thread accepts connections (this module) and each connection gets a thread of
+its own (at most ``max_connections``; :mod:`perseus_agent.serving.connection`), which reads the
+connection's requests, calls the handler directly and writes each reply: calls for one session are
 sequential (one request at a time, in order), calls for different sessions may
 run concurrently, so a handler must be thread-safe. There is no hand-off
 between threads on a request's path (a training hook waits for its reply, so
@@ -58,11 +58,8 @@ import math
 import os
 import select
 import socket
-import struct
 import threading
 import time
-from collections.abc import Hashable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -75,7 +72,13 @@ from perseus_agent.serving.client_dispatch import (
     ClientHandler,
     ClientSession,
     RequestError,
-    dispatch,
+)
+from perseus_agent.serving.connection import (
+    RECV_BYTES,
+    Connection,
+    RequestLoop,
+    discard_input,
+    peer_credentials,
 )
 from perseus_agent.serving.socket_file import (
     DEFAULT_SOCKET_MODE,
@@ -114,66 +117,8 @@ agent without ``hostPID``)."""
 DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
 """A training process needs one connection (per rank it drives)."""
 
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def _peer_credentials(sock: Any) -> tuple[int | None, int | None, int | None]:
-    if sock is None or not hasattr(socket, "SO_PEERCRED"):
-        return None, None, None
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        pid, uid, gid = _PEERCRED.unpack(raw)
-    except (OSError, struct.error):
-        return None, None, None
-    return int(pid), int(uid), int(gid)
-
-
-_RECV_BYTES: Final = 65536
-_DISCARD_LIMIT_BYTES: Final = 1 << 20
 _ACCEPT_RETRY_S: Final = 1.0
 _ACCEPT_BATCH: Final = 64
-
-
-@dataclass(eq=False)
-class _Connection:
-    session: ClientSession
-    sock: socket.socket
-    thread: threading.Thread | None = None
-    """``None`` until its first line: the accept loop reads that, so a connection that never
-    sends one costs a file descriptor, not a thread."""
-    buffer: bytes = b""
-    """What the accept loop read, handed to the thread."""
-    evicted: bool = False
-    """Closed to make room for a newcomer (its thread, if any, is ending)."""
-
-    @property
-    def pending(self) -> bool:
-        return self.session.hello is None
-
-    @property
-    def peer(self) -> Hashable:
-        return self.session.peer
-
-    @property
-    def last_request_ns(self) -> int:
-        return self.session.last_request_ns
-
-
-def _discard_input(sock: socket.socket) -> None:
-    """Read (without blocking) and drop what the peer already sent, before closing.
-
-    On Linux, closing a Unix socket that still holds unread input makes the peer's
-    next read fail with ECONNRESET once it has read what was sent to it, instead of
-    seeing end-of-file; a client must get the last reply and then a clean EOF.
-    """
-    with contextlib.suppress(OSError):  # BlockingIOError: nothing (more) to read
-        sock.setblocking(False)
-        discarded = 0
-        while discarded < _DISCARD_LIMIT_BYTES:
-            data = sock.recv(_RECV_BYTES)
-            if not data:
-                break
-            discarded += len(data)
 
 
 class LocalServer:
@@ -249,6 +194,9 @@ class LocalServer:
         self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._limit_log = RateLimitedLog(logger)
+        self._requests = RequestLoop(
+            handler, hello_timeout_s, idle_timeout_s, self._limit_log, self._release
+        )
 
         self._thread: threading.Thread | None = None  # the accept loop
         self._listener: socket.socket | None = None
@@ -258,9 +206,9 @@ class LocalServer:
         self._ids = itertools.count(1)
         # Guards _connections; a connection's socket is shut down or closed only under it.
         self._lock = threading.Lock()
-        self._connections: dict[int, _Connection] = {}
+        self._connections: dict[int, Connection] = {}
         # Accept thread only: connections waiting for their first line, by file descriptor.
-        self._waiting: dict[int, _Connection] = {}
+        self._waiting: dict[int, Connection] = {}
         self._poller: Any = None  # select.poll of the accept loop
 
     # -- lifecycle
@@ -398,8 +346,7 @@ class LocalServer:
                 self._close_waiting(conn)
 
     def _hello_deadline_s(self, session: ClientSession) -> float:
-        """``time.monotonic()`` by which ``session`` must have said hello."""
-        return session.connected_ns / 1e9 + self.hello_timeout_s
+        return self._requests.hello_deadline_s(session)
 
     def _poll_timeout_ms(self) -> int | None:
         """Until the first hello deadline of a waiting connection; ``None``: no deadline."""
@@ -429,7 +376,7 @@ class LocalServer:
     def _new_session(self, sock: socket.socket, now_ns: int) -> ClientSession:
         """The session of a connection just accepted; raise :class:`RequestError` to refuse
         it (another transport tells its peers apart differently)."""
-        pid, uid, gid = _peer_credentials(sock)
+        pid, uid, gid = peer_credentials(sock)
         return ClientSession(next(self._ids), pid, uid, gid, now_ns, last_request_ns=now_ns)
 
     def _admit(self, sock: socket.socket) -> None:
@@ -442,7 +389,7 @@ class LocalServer:
             return
         pid, uid = session.peer_pid, session.peer_uid
         cid = session.connection_id
-        conn = _Connection(session, sock)
+        conn = Connection(session, sock)
         with self._lock:
             live = [c for c in self._connections.values() if not c.evicted]  # oldest first
             victims, refusal = make_room(live, session.peer, self.limits)
@@ -484,11 +431,11 @@ class LocalServer:
         self._waiting[sock.fileno()] = conn
         logger.debug("connection %d from pid %s uid %s", cid, pid, uid)
 
-    def _read_first_line(self, conn: _Connection) -> None:
+    def _read_first_line(self, conn: Connection) -> None:
         """Read what a waiting connection sent; give it a thread of its own once a line (or
         more than a line's worth) is in."""
         try:
-            data = conn.sock.recv(_RECV_BYTES)
+            data = conn.sock.recv(RECV_BYTES)
         except BlockingIOError:
             return
         except OSError:
@@ -500,12 +447,12 @@ class LocalServer:
         if b"\n" in conn.buffer or len(conn.buffer) >= MAX_MESSAGE_BYTES:
             self._start_thread(conn)
 
-    def _start_thread(self, conn: _Connection) -> None:
+    def _start_thread(self, conn: Connection) -> None:
         cid = conn.session.connection_id
         del self._waiting[conn.sock.fileno()]
         self._poller.unregister(conn.sock)
         thread = threading.Thread(
-            target=self._serve,
+            target=self._requests.serve,
             args=(conn.sock, conn.session, conn.buffer),
             name=f"perseus-client-{cid}",
             daemon=True,
@@ -530,7 +477,7 @@ class LocalServer:
                 self._log_hello_timeout(conn.session)
                 self._close_waiting(conn)
 
-    def _close_waiting(self, conn: _Connection) -> None:
+    def _close_waiting(self, conn: Connection) -> None:
         """Close a connection that has no thread (accept thread only)."""
         fd = conn.sock.fileno()
         if self._waiting.pop(fd, None) is not None:
@@ -538,96 +485,23 @@ class LocalServer:
                 self._poller.unregister(fd)
         with self._lock:
             self._connections.pop(conn.session.connection_id, None)
-            _discard_input(conn.sock)
+            discard_input(conn.sock)
             conn.sock.close()
 
     def _log_hello_timeout(self, session: ClientSession) -> None:
-        self._limit_log.log(
-            logging.INFO,
-            "hello_timeout",
-            "closing connection %d (pid %s): no hello within %.0f s",
-            session.connection_id,
-            session.peer_pid,
-            self.hello_timeout_s,
-        )
+        self._requests.log_hello_timeout(session)
+
+    def _release(self, cid: int, sock: socket.socket) -> None:
+        """A connection's thread is done with it: forget it and close its socket."""
+        with self._lock:
+            self._connections.pop(cid, None)
+            discard_input(sock)
+            sock.close()
 
     @staticmethod
     def _refuse_connection(sock: socket.socket, message: str) -> None:
         with contextlib.suppress(OSError):
             sock.setblocking(False)  # never let a client block the accept loop
             sock.send(encode_reply(error_reply(message)))
-        _discard_input(sock)
+        discard_input(sock)
         sock.close()
-
-    def _serve(self, sock: socket.socket, session: ClientSession, buffer: bytes) -> None:
-        """Serve one connection until EOF, an oversized line, a send failure or stop();
-        ``buffer`` is what the accept loop read of it."""
-        cid = session.connection_id
-        hello_deadline_s = self._hello_deadline_s(session)
-        timeout_s: float | None = None  # of the socket now; blocking at accept
-        try:
-            while True:
-                end = buffer.find(b"\n") + 1
-                if not end:
-                    if len(buffer) >= MAX_MESSAGE_BYTES:
-                        self._oversized(sock, cid)
-                        break
-                    if session.hello is None:
-                        # From the accept on, not per read: a drip of bytes gains nothing.
-                        wanted_s: float | None = hello_deadline_s - time.monotonic()
-                        if wanted_s is not None and wanted_s <= 0:
-                            self._log_hello_timeout(session)
-                            break
-                    else:
-                        wanted_s = self.idle_timeout_s
-                    if wanted_s != timeout_s:  # a syscall-free attribute, but skip the call
-                        sock.settimeout(wanted_s)
-                        timeout_s = wanted_s
-                    try:
-                        data = sock.recv(_RECV_BYTES)
-                    except TimeoutError:
-                        if session.hello is None:
-                            continue  # the deadline check above logs and closes
-                        self._limit_log.log(
-                            logging.INFO,
-                            "idle_timeout",
-                            "closing connection %d (pid %s): no request for %.0f s",
-                            cid,
-                            session.peer_pid,
-                            self.idle_timeout_s or 0.0,
-                        )
-                        break
-                    if not data:
-                        break  # EOF (a partial last line is dropped)
-                    buffer += data
-                    continue
-                if end > MAX_MESSAGE_BYTES:
-                    self._oversized(sock, cid)
-                    break
-                received_ns = time.monotonic_ns()
-                session.last_request_ns = received_ns
-                line, buffer = buffer[:end], buffer[end:]
-                sock.sendall(dispatch(self.handler, session, line, received_ns))
-        except OSError as exc:
-            logger.debug("connection %d: %s", cid, exc)
-        except Exception:  # pragma: no cover - dispatch catches the handler's exceptions
-            logger.exception("connection %d failed", cid)
-        finally:
-            with self._lock:
-                self._connections.pop(cid, None)
-                _discard_input(sock)
-                sock.close()
-            if session.hello is not None:
-                self._disconnected(session)
-            logger.debug("connection %d closed", cid)
-
-    @staticmethod
-    def _oversized(sock: socket.socket, cid: int) -> None:
-        logger.warning("connection %d sent an oversized message; closing it", cid)
-        sock.sendall(encode_reply(error_reply(f"message exceeds {MAX_MESSAGE_BYTES} bytes")))
-
-    def _disconnected(self, session: ClientSession) -> None:
-        try:
-            self.handler.disconnected(session)
-        except Exception:
-            logger.exception("handler.disconnected failed for connection %d", session.connection_id)

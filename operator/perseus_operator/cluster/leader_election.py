@@ -174,6 +174,7 @@ class Elector:
         self._seen: Observation | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
 
     def try_once(self) -> bool:
         """One attempt to take or renew the Lease; True: this replica holds it now.
@@ -214,30 +215,58 @@ class Elector:
             self._sleep(self.timings.retry_period_s)
 
     def keep(self, on_lost: Callable[[str], None]) -> None:
-        """Renew in the background; ``on_lost(reason)`` once when the Lease is lost."""
+        """Renew in the background; ``on_lost(reason)`` once when the Lease is lost.
+
+        The renew deadline is kept by a watchdog of its own, not by the renew loop: an API
+        server that answers slowly (each call just under its timeout, or dripping) holds the
+        loop in a call for longer than the deadline, and a standby may take the Lease
+        ``lease_duration_s`` after the last renewal whatever this replica is waiting for.
+        """
+        lock = threading.Lock()
+        renewed_at_s = [self._clock()]
+        lost = threading.Event()
+
+        def lose(reason: str) -> None:
+            with lock:
+                if lost.is_set():
+                    return
+                lost.set()
+            self._stop.set()
+            on_lost(reason)
 
         def renew() -> None:
-            renewed_at_s = self._clock()
             while not self._stop.wait(self.timings.retry_period_s):
                 if self.try_once():
-                    renewed_at_s = self._clock()
+                    with lock:
+                        if not lost.is_set():
+                            renewed_at_s[0] = self._clock()
                     continue
                 current = self._current_holder()
                 if current is not None and current != self.identity:
-                    on_lost(f"the Lease is held by {current!r} now")
+                    lose(f"the Lease is held by {current!r} now")
                     return
-                if self._clock() - renewed_at_s >= self.timings.renew_deadline_s:
-                    on_lost(f"not renewed for {self.timings.renew_deadline_s:g} s")
+
+        def watchdog() -> None:
+            while True:
+                with lock:
+                    left_s = renewed_at_s[0] + self.timings.renew_deadline_s - self._clock()
+                if left_s <= 0:
+                    lose(f"not renewed for {self.timings.renew_deadline_s:g} s")
+                    return
+                if self._stop.wait(left_s):
                     return
 
         self._thread = threading.Thread(target=renew, name="perseus-lease", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=watchdog, name="perseus-lease-dog", daemon=True)
+        self._watchdog.start()
 
     def stop(self) -> None:
         """Stop renewing (and waiting to lead)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.timings.retry_period_s + 5)
+        for thread in (self._thread, self._watchdog):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.timings.retry_period_s + 5)
 
     def release(self) -> bool:
         """Stop renewing and give the Lease up; True if it was released."""

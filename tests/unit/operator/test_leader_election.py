@@ -206,3 +206,37 @@ def test_the_leader_learns_at_once_that_another_replica_holds_the_lease() -> Non
     assert done.wait(timeout=10)
     a.stop()
     assert lost == ["the Lease is held by 'b' now"]
+
+
+def test_a_leader_whose_api_calls_hang_gives_up_at_its_renew_deadline() -> None:
+    """A slow or half-reachable API server: the renewal's call hangs (as one answering just
+    under each timeout, or dripping its answer). The renew deadline is kept all the same, by a
+    watchdog, before a standby may take the Lease (issue 30, next cases)."""
+    import threading
+
+    class Hanging(Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hang = threading.Event()
+            self.release = threading.Event()
+
+        def get(self) -> LeaseRecord | None:
+            if self.hang.is_set():
+                self.release.wait()
+            return super().get()
+
+    store = Hanging()
+    fast = Timings(lease_duration_s=1.0, renew_deadline_s=0.3, retry_period_s=0.05)
+    a = Elector(store, "a", fast)
+    assert a.try_once()
+    lost: list[str] = []
+    done = threading.Event()
+    a.keep(lambda why: (lost.append(why), done.set()))
+    store.hang.set()
+    try:
+        assert done.wait(timeout=10)  # it used to wait for the hung call, however long
+        assert lost == ["not renewed for 0.3 s"]
+    finally:
+        store.release.set()
+        a.stop()
+    assert lost == ["not renewed for 0.3 s"]  # once
