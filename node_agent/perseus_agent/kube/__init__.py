@@ -8,7 +8,8 @@ a NodePlan, status the agent's report.
 - this module: the client configuration and the API objects built on it;
 - :mod:`perseus_agent.kube.plan_source`: the list/watch of this node's plans;
 - :mod:`perseus_agent.kube.report_writer`: the status writes;
-- :mod:`perseus_agent.kube.node`: this node's own object (a label) and its pods.
+- :mod:`perseus_agent.kube.node`: this node's own object (a label);
+- :mod:`perseus_agent.kube.pod_watch`: the list/watch of this node's pods (who a connection is).
 
 What the agent does with the plans is :mod:`perseus_agent.plans.job_plans` (one applier per plan,
 the GPUs arbitrated by :mod:`perseus_agent.plans.gpu_arbitration`); the status documents are

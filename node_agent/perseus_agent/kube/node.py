@@ -1,24 +1,22 @@
-"""This node's own objects from the Kubernetes API: one of its labels, and its pods.
+"""This node's own object from the Kubernetes API: one of its labels.
 
-- :class:`NodeLabelSource` reads this node's object every few seconds for one label, the GPU
-  Operator's driver upgrade state (:mod:`perseus_agent.modes.driver_upgrade`), and calls back when
-  it changes. Needs RBAC: ``get`` on ``nodes``.
-- :class:`NodePodLister` lists this node's pods for the TCP listener. Needs RBAC: ``list`` on
-  ``pods`` in all namespaces.
+:class:`NodeLabelSource` reads this node's object every few seconds for one label, the GPU
+Operator's driver upgrade state (:mod:`perseus_agent.modes.driver_upgrade`), and calls back when
+it changes. Needs RBAC: ``get`` on ``nodes``. The node's pods are watched by
+:mod:`perseus_agent.kube.pod_watch`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Final
 
-from perseus_agent.kube import REQUEST_TIMEOUT_S, close_response
+from perseus_agent.kube import REQUEST_TIMEOUT_S
 from perseus_api.kube_client import describe_api_error, http_status
 
-__all__ = ["NodeLabelSource", "NodePodLister"]
+__all__ = ["NodeLabelSource"]
 
 log = logging.getLogger(__name__)
 
@@ -99,29 +97,3 @@ class NodeLabelSource:
                 except Exception:
                     log.exception("error while handling label %s=%s", self.label, value)
             self._stop.wait(self._interval_s)
-
-
-POD_LIST_TIMEOUT_S: Final = 5.0
-"""Listing a node's pods runs on the TCP listener's accept path: it must fail fast."""
-
-
-class NodePodLister:
-    """Lists this node's pods (API JSON), for the TCP listener's address book
-    (:mod:`perseus_agent.serving.tcp_server`). Needs RBAC: ``list`` on ``pods`` in all namespaces
-    (the field selector cannot be required by RBAC)."""
-
-    def __init__(self, api: Any, node_name: str) -> None:
-        self._api = api
-        self.node_name = node_name
-
-    def __call__(self) -> list[dict[str, Any]]:
-        response = self._api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={self.node_name}",
-            _preload_content=False,
-            _request_timeout=POD_LIST_TIMEOUT_S,
-        )
-        try:
-            items = json.loads(response.data).get("items") or []
-        finally:
-            close_response(response)
-        return [item for item in items if isinstance(item, dict)]

@@ -33,7 +33,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from perseus_agent.serving.client_dispatch import RequestError
-from perseus_agent.serving.tcp_server import CLIENT_LABEL, PodAddress, normal_ip, pod_addresses
+from perseus_agent.serving.tcp_server import (
+    CLIENT_LABEL,
+    PodAddress,
+    UnknownAddressError,
+    normal_ip,
+    pod_addresses,
+)
 
 __all__ = ["DEFAULT_MAX_STALE_S", "NodePods"]
 
@@ -71,6 +77,7 @@ class NodePods:
         self.max_stale_s = max_stale_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._pods: dict[str, Mapping[str, Any]] = {}  # by UID
         self._by_ip: dict[str, list[PodAddress]] = {}
         self._names: dict[str, tuple[str, str]] = {}  # UID -> namespace, name
@@ -86,6 +93,7 @@ class NodePods:
             self._pods = {_uid(p): p for p in pods if _uid(p)}
             self._synced, self._lost_since, self._error = True, None, None
             self._index()
+            self._changed.notify_all()
 
     def changed(self, kind: str, pod: Mapping[str, Any]) -> None:
         """One watch event (``ADDED``, ``MODIFIED``, ``DELETED``)."""
@@ -99,6 +107,7 @@ class NodePods:
                 self._pods[uid] = pod
             self._lost_since, self._error = None, None
             self._index()
+            self._changed.notify_all()
 
     def lost(self, message: str) -> None:
         """The API server cannot be listed or watched now."""
@@ -120,17 +129,25 @@ class NodePods:
 
     # -- read by the listeners and the ownership -------------------------------------------------
 
-    def resolve(self, ip: str) -> PodAddress:
-        """The pod ``ip`` is now; raises :class:`RequestError` saying why a peer is refused."""
+    def resolve(self, ip: str, wait_s: float = 0.0) -> PodAddress:
+        """The pod ``ip`` is now; raises :class:`RequestError` saying why a peer is refused
+        (:class:`UnknownAddressError`: no pod has it). An unknown address is waited for up to
+        ``wait_s`` (a pod whose status the watch has not brought yet)."""
         ip = normal_ip(ip)
+        deadline = time.monotonic() + wait_s
         with self._lock:
+            while ip not in self._by_ip and self._staleness() is None:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    break
+                self._changed.wait(left_s)
             found = list(self._by_ip.get(ip, ()))
             stale = self._staleness()
         if stale is not None:
             raise RequestError(stale)
         pods = [p for p in found if not p.host_network]
         if not found:
-            raise RequestError(f"{ip} is not the address of a live pod on node {self.node}")
+            raise UnknownAddressError(f"{ip} is not the address of a live pod on node {self.node}")
         if not pods or len(found) > 1:
             names = ", ".join(sorted(f"{p.namespace}/{p.name}" for p in found))
             raise RequestError(

@@ -13,7 +13,9 @@ the API server's watch says they are now) maps it to the pod, from memory: the a
 waits on the API server, and a stranger costs no API call. A connection is refused at once
 unless it comes from:
 
-* a live pod of this node (an address from elsewhere reaches the node's port too: refused);
+* a live pod of this node (an address from elsewhere reaches the node's port too: refused at
+  its hello; an address not known at the accept is asked again then, for up to
+  :data:`HELLO_RESOLVE_WAIT_S`, on the connection's thread, in case its pod just started);
 * not on the host network (its address would be the node's, any host process's too);
 * of a workload Perseus manages: labelled :data:`CLIENT_LABEL` by the webhook. The label
   grants nothing (the kubelet's allocation still decides which GPUs a pod may drive); it keeps
@@ -48,8 +50,11 @@ from perseus_client.protocol import HelloRequest
 __all__ = [
     "CLIENT_LABEL",
     "DEFAULT_TCP_PORT",
+    "HELLO_RESOLVE_WAIT_S",
     "PodAddress",
+    "PodResolver",
     "TcpServer",
+    "UnknownAddressError",
     "normal_ip",
     "parse_listen_address",
     "pod_addresses",
@@ -128,12 +133,32 @@ def parse_listen_address(text: str) -> tuple[str, int]:
 _PER_REQUEST_OPS: Final = ("step_begin", "step_end", "instruction_begin", "instruction_end")
 
 
+class UnknownAddressError(RequestError):
+    """No pod of the node has this address, as far as the resolver knows now: its pod may have
+    started a moment ago (its status not seen yet), so the hello asks again."""
+
+
+PodResolver = Callable[[str, float], PodAddress]
+"""``(ip, wait_s)`` -> the pod ``ip`` is; may wait up to ``wait_s`` for an unknown address to
+become known; raises :class:`RequestError` (:class:`UnknownAddressError`) to refuse."""
+
+HELLO_RESOLVE_WAIT_S: Final = 0.1
+"""How long a hello from an address not known yet waits for it: within the client's reply
+timeout (0.2 s), on the connection's own thread, never the accept loop's."""
+
+
 class _PodCheckedHandler:
     """The server's handler, with each hello held to the pod the connection's address is, and
     every later request to that pod still being the address's (``holds``)."""
 
-    def __init__(self, inner: ClientHandler, holds: Callable[[str, str], bool] | None) -> None:
+    def __init__(
+        self,
+        inner: ClientHandler,
+        resolve: PodResolver,
+        holds: Callable[[str, str], bool] | None,
+    ) -> None:
         self._inner = inner
+        self._resolve = resolve
         self._holds = holds
         self._revoked: set[int] = set()  # connection ids whose address changed hands
 
@@ -163,8 +188,9 @@ class _PodCheckedHandler:
         self, session: ClientSession, msg: HelloRequest, received_ns: int
     ) -> Mapping[str, Any] | None:
         pod = session.verified_pod
-        if pod is None:  # pragma: no cover - every TCP session is given its pod at accept
-            raise RequestError("the agent could not tell which pod this connection comes from")
+        if pod is None:  # an address unknown at the accept: known by now, or refused
+            found = self._resolve(session.address or "", HELLO_RESOLVE_WAIT_S)
+            pod = session.verified_pod = (found.namespace, found.name, found.uid)
         namespace, name, _ = pod
         for key, actual in (("namespace", namespace), ("pod", name)):
             claimed = msg.get(key)
@@ -219,14 +245,14 @@ class TcpServer(LocalServer):
         host: str,
         port: int,
         handler: ClientHandler,
-        resolve: Callable[[str], PodAddress],
+        resolve: PodResolver,
         holds: Callable[[str, str], bool] | None = None,
         **limits: Any,
     ) -> None:
         parse_listen_address(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         super().__init__(
             Path(f"{host}:{port}"),
-            cast(ClientHandler, _PodCheckedHandler(handler, holds)),
+            cast(ClientHandler, _PodCheckedHandler(handler, resolve, holds)),
             **limits,
         )
         self.host = host
@@ -261,7 +287,10 @@ class TcpServer(LocalServer):
             ip = str(sock.getpeername()[0])
         except OSError as exc:
             raise RequestError(f"no peer address: {exc}") from None
-        pod = self._resolve(ip)  # from memory (never the API); RequestError: refused, why
+        try:  # from memory, never the API and never waiting: this is the accept loop
+            pod: PodAddress | None = self._resolve(ip, 0.0)
+        except UnknownAddressError:
+            pod = None  # told at its hello, on its own thread (a pod that just started)
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return ClientSession(
@@ -272,5 +301,5 @@ class TcpServer(LocalServer):
             now_ns,
             last_request_ns=now_ns,
             address=normal_ip(ip),
-            verified_pod=(pod.namespace, pod.name, pod.uid),
+            verified_pod=None if pod is None else (pod.namespace, pod.name, pod.uid),
         )

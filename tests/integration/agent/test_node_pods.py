@@ -20,7 +20,7 @@ from perseus_agent.ownership.node_pods import NodePods
 from perseus_agent.serving.client_dispatch import ClientSession
 from perseus_agent.serving.tcp_server import CLIENT_LABEL, TcpServer
 from perseus_client.client import PerseusClient
-from perseus_client.protocol import MAX_MESSAGE_BYTES
+from perseus_client.protocol import MAX_MESSAGE_BYTES, encode_request, hello_request
 from support.fake_client_handler import Handler
 
 NODE = "gpu-node-1"
@@ -87,7 +87,7 @@ class Recording(Handler):
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[TcpServer, SlowApi, Recording]]:
+def served() -> Iterator[tuple[TcpServer, SlowApi, Recording, NodePods]]:
     api = SlowApi([_pod("llm-0", "127.0.0.1")])
     book = NodePods(NODE)
     watch = NodePodWatch(api, NODE, book.listed, book.changed, book.lost)
@@ -97,27 +97,33 @@ def served() -> Iterator[tuple[TcpServer, SlowApi, Recording]]:
     try:
         assert api.watching.wait(10.0)
         server.start()
-        yield server, api, handler
+        yield server, api, handler, book
     finally:
         server.stop()
         api.released.set()
         watch.stop()
 
 
+HELLO = encode_request(
+    hello_request(rank=0, local_rank=0, gpu_uuids=[], pid=1, job=None, namespace=None, pod=None)
+)
+
+
 def _stranger(port: int) -> bytes:
-    """Connect from 127.0.0.2 (no pod of the node has it) and read the refusal."""
+    """Connect from 127.0.0.2 (no pod of the node has it), say hello, read the refusal."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.2", 0))
         sock.settimeout(10.0)
         sock.connect(("127.0.0.1", port))
+        sock.sendall(HELLO)
         return sock.makefile("rb").readline()
 
 
 def test_a_flood_of_strangers_costs_no_api_call_and_holds_no_pod_up(
-    served: tuple[TcpServer, SlowApi, Recording],
+    served: tuple[TcpServer, SlowApi, Recording, NodePods],
 ) -> None:
-    server, api, handler = served
-    for _ in range(200):
+    server, api, handler, _ = served
+    for _ in range(50):  # each hello waits HELLO_RESOLVE_WAIT_S for its address, in vain
         assert b"127.0.0.2 is not the address of a live pod" in _stranger(server.port)
     # The pod's process connects while the API server sends nothing: told from memory.
     client = PerseusClient(f"tcp://127.0.0.1:{server.port}", rank=0, local_rank=0, gpu_uuids=[])
@@ -131,9 +137,9 @@ def test_a_flood_of_strangers_costs_no_api_call_and_holds_no_pod_up(
 
 
 def test_an_oversized_line_over_tcp_closes_that_connection_only(
-    served: tuple[TcpServer, SlowApi, Recording],
+    served: tuple[TcpServer, SlowApi, Recording, NodePods],
 ) -> None:
-    server, _, handler = served
+    server, _, handler, _ = served
     with socket.create_connection(("127.0.0.1", server.port), timeout=10.0) as sock:
         sock.sendall(b"x" * (MAX_MESSAGE_BYTES + 10))
         reply = sock.makefile("rb").readline()
@@ -174,3 +180,37 @@ def test_the_watch_keeps_the_view_current_and_says_when_it_loses_the_api() -> No
     finally:
         watch.stop()
     assert events and events[0][0] == "lost" and "connection refused" in events[0][1]
+
+
+def test_a_pod_whose_address_arrives_after_its_connection_is_told_at_its_hello(
+    served: tuple[TcpServer, SlowApi, Recording, NodePods],
+) -> None:
+    """The accept loop does not wait for an unknown address: the connection waits, without a
+    thread, and its hello asks again (a pod that started a moment before its status came)."""
+    server, _, handler, book = served
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.3", 0))
+        sock.settimeout(10.0)
+        sock.connect(("127.0.0.1", server.port))
+        for _ in range(1000):
+            if server.sessions():
+                break
+            threading.Event().wait(0.01)
+        [pending] = server.sessions()
+        assert pending.verified_pod is None and pending.address == "127.0.0.3"
+        book.changed("ADDED", _pod("llm-1", "127.0.0.3"))
+        sock.sendall(HELLO)
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply["ok"] is True, reply
+    assert [s.verified_pod for s, _ in handler.hellos] == [("ml", "llm-1", "uid-llm-1")]
+
+
+def test_an_unknown_address_is_waited_for_a_moment() -> None:
+    book = NodePods(NODE)
+    book.listed([])
+    timer = threading.Timer(0.01, book.changed, ("ADDED", _pod("llm-0", "10.1.0.5")))
+    timer.start()
+    try:
+        assert book.resolve("10.1.0.5", 10.0).name == "llm-0"  # returned once it came
+    finally:
+        timer.cancel()
