@@ -236,6 +236,11 @@ def test_a_plan_object_speaks_for_its_own_namespace_only(tmp_path: Path) -> None
     # Fixed by its author: applied as any plan.
     jobs.set_plan(key, rogue.model_copy(update={"namespace": "team-b", "revision": 2}))
     assert backend.locked() == {0: 1200, 1: 1005}
+    # Edited to name another namespace again: its clocks are reset, nothing else is touched.
+    jobs.set_plan(key, rogue.model_copy(update={"revision": 3}))
+    assert backend.locked() == {} and jobs.locked_gpus() == []
+    status = jobs.status(key)
+    assert status is not None and status["conditions"][0]["reason"] == "InvalidSpec"
     jobs.clear()
 
 
