@@ -85,9 +85,13 @@ class JobPlans:
     Also the local server's handler: each training process is routed to the applier of its
     job — with kubelet ownership, the plan of its pod (told by ``ownership.peer_pod``; a
     process claiming GPUs its pod was not allocated is refused), and it drives only GPUs its
-    pod owns; otherwise the plan holding one of its GPUs (by UUID), else the plan of the job
-    its hello names, else the only plan assigning its rank — and routed again whenever the
-    plans change. A process no plan matches gets unmanaged replies (no clock).
+    pod owns; otherwise the plan naming its pod (a TCP peer: its address tells the pod), else
+    the plan holding one of its GPUs (by UUID), else the plan of the job its hello names, else
+    the only plan assigning its rank — and routed again whenever the plans change. A process
+    no plan matches gets unmanaged replies (no clock).
+
+    A plan object is refused whole (:mod:`perseus_agent.plans.plan_limits`: another namespace
+    than its own, or too many plans on the node): no GPU is bound, its status says why.
 
     Thread-safe: plans change on the agent loop, training processes call in on server threads.
 
