@@ -3,7 +3,8 @@
 One server process runs the agent's two listeners,
 :class:`perseus_agent.serving.local_server.LocalServer` (Unix socket) and
 :class:`perseus_agent.serving.tcp_server.TcpServer` (127.0.0.1, the peer mapped to a pod through the
-real :class:`~perseus_agent.serving.tcp_server.PodAddressBook` over a fixed pod list), with one
+real :class:`~perseus_agent.ownership.node_pods.NodePods` over a fixed pod list, each request
+checking that the address is still the pod's), with one
 handler for both that answers at once (no GPU work: the transport is what differs). This process
 drives a ``perseus_client.PerseusClient`` per transport, in alternating blocks of calls (so a load
 spike on a shared machine hits both alike): ``on_step_begin``, then
@@ -45,7 +46,12 @@ SERVER = r"""
 import json, sys
 from pathlib import Path
 from perseus_agent.serving.local_server import LocalServer
-from perseus_agent.serving.tcp_server import CLIENT_LABEL, PodAddressBook, TcpServer
+from perseus_agent.serving.tcp_server import CLIENT_LABEL, TcpServer
+try:
+    from perseus_agent.ownership.node_pods import NodePods
+except ImportError:  # before issue 30: the address book listed on demand
+    NodePods = None
+    from perseus_agent.serving.tcp_server import PodAddressBook
 
 class Handler:
     def hello(self, session, msg, t): return {"managed": True}
@@ -58,10 +64,14 @@ class Handler:
 pod = {"metadata": {"name": "bench-0", "namespace": "bench", "uid": "u-0",
                     "labels": {CLIENT_LABEL: "true"}},
        "spec": {}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
-book = PodAddressBook("bench-node", lambda: [pod])
 handler = Handler()
 unix = LocalServer(Path(sys.argv[1]), handler)
-tcp = TcpServer("127.0.0.1", 0, handler, book.resolve)
+if NodePods is not None:
+    book = NodePods("bench-node")
+    book.listed([pod])
+    tcp = TcpServer("127.0.0.1", 0, handler, book.resolve, book.holds)
+else:
+    tcp = TcpServer("127.0.0.1", 0, handler, PodAddressBook("bench-node", lambda: [pod]).resolve)
 unix.start(); tcp.start()
 print(json.dumps({"tcp_port": tcp.port}), flush=True)
 sys.stdin.read()

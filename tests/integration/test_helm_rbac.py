@@ -12,6 +12,7 @@ equal the list.
 from __future__ import annotations
 
 import ast
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -546,6 +547,8 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
             # A TCP peer (no pod of the node has its address: refused); the agent lists and
             # watches its node's pods whatever the peers.
             with socket.create_connection(("127.0.0.1", agent.tcp_port), timeout=10) as peer:
+                hello = {"op": "hello", "version": 2, "rank": 0, "pid": 1, "gpu_uuids": []}
+                peer.sendall(json.dumps(hello).encode() + b"\n")
                 line = peer.makefile("rb").readline()
                 assert b"not the address of a live pod" in line or b"not listed the pods" in line
             api.create_namespaced_custom_object(*args, resources.node_plan_object(plan(1, 1005)))

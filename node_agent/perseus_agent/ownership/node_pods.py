@@ -163,10 +163,11 @@ class NodePods:
         return pod
 
     def holds(self, ip: str, uid: str) -> bool:
-        """Whether ``ip`` is still the address of pod ``uid`` alone (while the view is stale,
-        what it last said)."""
+        """Whether ``ip`` (as :func:`normal_ip` spells it: a connection's address) is still the
+        address of pod ``uid`` alone (while the view is stale, what it last said). On every
+        request's path: a lookup, no parsing."""
         with self._lock:
-            found = self._by_ip.get(normal_ip(ip), ())
+            found = self._by_ip.get(ip, ())
             return len(found) == 1 and found[0].uid == uid
 
     def pod_of_uid(self, uid: str) -> tuple[str, str] | None:
