@@ -237,7 +237,8 @@ AGENT_MAY = [
     ("watch", "perseusnodeplans.perseus.energy", None),
     ("patch", "perseusnodeplans.perseus.energy/status", "ml"),
     ("get", "nodes", None),  # its node's GPU driver upgrade label
-    ("list", "pods", None),  # agent.tcp: its node's pods, to tell a TCP peer's pod
+    ("list", "pods", None),  # its node's pods: who a TCP peer's address, a cgroup's UID is
+    ("watch", "pods", None),
 ]
 AGENT_MAY_NOT = [
     ("list", "nodes", None),
@@ -247,7 +248,6 @@ AGENT_MAY_NOT = [
     ("get", "perseusjobs.perseus.energy", "ml"),
     ("patch", "perseusjobs.perseus.energy/status", "ml"),
     ("get", "pods", "ml"),
-    ("watch", "pods", "ml"),
     ("get", "secrets", "ml"),
     ("get", "configmaps", "ml"),
     ("patch", "nodes", None),
@@ -324,6 +324,31 @@ def test_an_agent_writes_the_status_of_its_own_nodes_plans_only(
         resources.node_plan_name("job", "api-node-1"),
     )  # fmt: skip
     assert "status" not in stored or "observedRevision" not in stored["status"]
+
+
+def test_an_oversized_node_plan_is_refused_by_the_api_server(
+    cluster: Cluster, namespace: str
+) -> None:
+    """Issue 30, case 8: a plan of 257 assignments (one over the bound) never reaches an agent."""
+    from perseus_api.node_plan import MAX_ASSIGNMENTS
+
+    plan = NodePlan(
+        node="api-node-0",
+        namespace=namespace,
+        job="big",
+        revision=1,
+        granularity="Instruction",
+        plans={"p": pipeline_plan_fields()},
+        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+    )
+    body = resources.node_plan_object(plan)
+    one = body["spec"]["assignments"][0]
+    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(MAX_ASSIGNMENTS + 1)]
+    done = cluster.plane.kubectl(
+        "create", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False
+    )
+    assert done.returncode != 0, done.stdout
+    assert "spec.assignments" in done.stderr and "Too many" in done.stderr, done.stderr
 
 
 def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
