@@ -57,6 +57,31 @@ def _uid(pod: Mapping[str, Any]) -> str:
     return uid if isinstance(uid, str) else ""
 
 
+def _kept(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What the view reads of a pod (a pod's full JSON is tens of KB; a node runs ~100)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels")
+    if not isinstance(labels, Mapping):
+        labels = {}
+    return {
+        "metadata": {
+            "namespace": meta.get("namespace"),
+            "name": meta.get("name"),
+            "uid": meta.get("uid"),
+            "deletionTimestamp": meta.get("deletionTimestamp"),
+            "labels": {CLIENT_LABEL: labels[CLIENT_LABEL]} if CLIENT_LABEL in labels else {},
+        },
+        "spec": {"hostNetwork": spec.get("hostNetwork")},
+        "status": {
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "podIPs": status.get("podIPs"),
+        },
+    }
+
+
 def _live(pod: Mapping[str, Any]) -> bool:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
@@ -78,7 +103,7 @@ class NodePods:
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._pods: dict[str, Mapping[str, Any]] = {}  # by UID
+        self._pods: dict[str, Mapping[str, Any]] = {}  # by UID, the fields read (_kept)
         self._by_ip: dict[str, list[PodAddress]] = {}
         self._names: dict[str, tuple[str, str]] = {}  # UID -> namespace, name
         self._synced = False
@@ -90,7 +115,7 @@ class NodePods:
     def listed(self, pods: Iterable[Mapping[str, Any]]) -> None:
         """A full listing of the node's pods."""
         with self._lock:
-            self._pods = {_uid(p): p for p in pods if _uid(p)}
+            self._pods = {_uid(p): _kept(p) for p in pods if _uid(p)}
             self._synced, self._lost_since, self._error = True, None, None
             self._index()
             self._changed.notify_all()
@@ -104,7 +129,7 @@ class NodePods:
             if kind == "DELETED":
                 self._pods.pop(uid, None)
             else:
-                self._pods[uid] = pod
+                self._pods[uid] = _kept(pod)
             self._lost_since, self._error = None, None
             self._index()
             self._changed.notify_all()
