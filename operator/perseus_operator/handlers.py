@@ -103,7 +103,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # events are ours; kopf posts only its warnings
     kubeconfig = CONFIG.kubeconfig or os.environ.get("KUBECONFIG", "")
-    metrics = OperatorMetrics()
+    # perseus-operator serves /metrics itself, from before it leads (every replica): the
+    # handlers' series join its registry. Run by `kopf run`, they serve their own.
+    served = memo.get("perseus_registry")
+    metrics = OperatorMetrics() if served is None else OperatorMetrics(registry=served)
     kube = KubeClient(load_api_client(kubeconfig))
     state = _Operator(
         kube=kube,
@@ -115,7 +118,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             kube, interval_s=CONFIG.policy_interval_s, namespaces=_watched_namespaces
         ),
     )
-    if CONFIG.metrics_port:
+    if served is None and CONFIG.metrics_port:
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(

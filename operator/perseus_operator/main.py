@@ -2,19 +2,22 @@
 
 Settings are ``PERSEUS_OPERATOR_*`` environment variables (see
 :class:`perseus_operator.config.OperatorConfig`); the command line chooses what to watch and
-the liveness endpoint. With ``PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE`` set, the process
+the health endpoint. With ``PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE`` set, the process
 waits for the leader Lease before it starts kopf, and exits the moment it loses it
-(:mod:`perseus_operator.cluster.leader_election`). ``--hook`` runs one of the chart's Helm hooks
-instead (:mod:`perseus_operator.chart_hooks`).
+(:mod:`perseus_operator.cluster.leader_election`). Its health and metrics endpoints are served
+from the start, while it waits too (:mod:`perseus_operator.endpoints`). ``--hook`` runs one
+of the chart's Helm hooks instead (:mod:`perseus_operator.chart_hooks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import socket
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +25,16 @@ from pathlib import Path
 from perseus_api.extras import check_extra
 from perseus_operator.cluster.leader_election import Elector
 from perseus_operator.config import ConfigError, OperatorConfig
+from perseus_operator.endpoints import (
+    EndpointServer,
+    Limits,
+    Phase,
+    ProcessHealth,
+    metrics_route,
+    probe_http,
+    verdict_route,
+)
+from perseus_operator.metrics import ProcessMetrics
 
 log = logging.getLogger("perseus_operator")
 LOST_LEASE_EXIT_CODE = 3
@@ -44,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--liveness",
         default="http://0.0.0.0:8081/healthz",
-        help="liveness endpoint (default: %(default)s); '' disables it",
+        help="health endpoint, served by every replica from its start (leader or standby): "
+        "its path answers liveness, /readyz beside it readiness (default: %(default)s); '' "
+        "disables both",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -145,6 +160,57 @@ def _start_webhook(args: argparse.Namespace, config: OperatorConfig) -> None:
     ).start()
 
 
+def _health_address(url: str) -> tuple[str, int, str]:
+    """``(host, port, path)`` of ``--liveness``; raises ValueError when it is not one."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise ValueError(f"--liveness: expected http://HOST:PORT/PATH, got {url!r}")
+    path = parts.path or "/healthz"
+    if path == READY_PATH:
+        raise ValueError(f"--liveness: {READY_PATH} is the readiness path; choose another")
+    return parts.hostname, parts.port, path
+
+
+READY_PATH = "/readyz"
+
+
+def _loopback_port() -> int:
+    """A free port on 127.0.0.1 for kopf's own liveness endpoint (asked by ``/healthz``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("perseus-k8s")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _serve_endpoints(
+    args: argparse.Namespace, config: OperatorConfig, health: ProcessHealth, metrics: ProcessMetrics
+) -> list[EndpointServer]:
+    """Serve ``/healthz``, ``/readyz`` and ``/metrics``; raises OSError or ValueError."""
+    servers: list[EndpointServer] = []
+    try:
+        if args.liveness:
+            host, port, path = _health_address(args.liveness)
+            routes = {path: verdict_route(health.live), READY_PATH: verdict_route(health.ready)}
+            servers.append(EndpointServer(host, port, routes).start())
+        if config.metrics_port:
+            routes = {"/metrics": metrics_route(metrics.registry)}
+            servers.append(
+                EndpointServer(config.metrics_address, config.metrics_port, routes).start()
+            )
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def _lost(reason: str) -> None:
     # Crash-only, as client-go's controllers: a leader that lost its Lease must not make one
     # more API call, and a graceful kopf shutdown would (handlers finishing, finalizers).
@@ -164,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level != "debug":
         # kopf logs every handler run per object at INFO: a line per job per timer tick.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # kopf's liveness endpoint logs every request at INFO: a line per probe.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         config = OperatorConfig.from_env()  # fail fast, before connecting anywhere
     except ConfigError as exc:
@@ -173,6 +241,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perseus_operator.chart_hooks import run_hook
 
         return run_hook(args.hook, config, args.namespace, timeout_s=args.hook_timeout_s)
+    metrics = ProcessMetrics(_version())
+    kopf_liveness = f"http://127.0.0.1:{_loopback_port()}/healthz" if args.liveness else None
+    health = ProcessHealth(
+        Limits(election_stale_s=config.lease_duration_s + 10.0),
+        probe_kopf=(lambda: probe_http(kopf_liveness)) if kopf_liveness else (lambda: None),
+    )
+    try:
+        servers = _serve_endpoints(args, config, health, metrics)
+    except (OSError, ValueError) as exc:
+        print(f"perseus-operator: error: health and metrics endpoints: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, config, health, metrics, kopf_liveness)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _run(
+    args: argparse.Namespace,
+    config: OperatorConfig,
+    health: ProcessHealth,
+    metrics: ProcessMetrics,
+    kopf_liveness: str | None,
+) -> int:
     # Imported (a few seconds: the planner) before waiting for the Lease, so that a standby
     # that takes over starts reconciling at once.
     import kopf
@@ -190,16 +283,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     elector = None
     if config.leader_election_namespace:
-        elector = _elector(config)
+        elector = electing = _elector(config)
+        health.election_attempt_s = lambda: electing.last_attempt_s
+        health.enter(Phase.STANDBY)
         elector.acquire()
         elector.keep(_lost)
+    metrics.leader.set(1)
+    health.enter(Phase.LEADER)
     try:
-        # standalone: kopf's own peering is off; the Lease above decides who runs.
+        # standalone: kopf's own peering is off; the Lease above decides who runs. kopf's
+        # liveness endpoint is a loopback one, asked by this process's /healthz.
         kopf.run(
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
-            liveness_endpoint=args.liveness or None,
+            liveness_endpoint=kopf_liveness,
+            memo=kopf.Memo(perseus_registry=metrics.registry),
         )
     finally:
         if elector is not None and elector.release():

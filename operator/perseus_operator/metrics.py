@@ -1,14 +1,56 @@
-"""The operator's Prometheus metrics (names as in DESIGN.md; base units, ``_total`` counters)."""
+"""The operator's Prometheus metrics (names as in DESIGN.md; base units, ``_total`` counters).
+
+:class:`ProcessMetrics` are every replica's (leader or standby: served from the process's start,
+:mod:`perseus_operator.endpoints`); :class:`OperatorMetrics` are the leader's reconciles, on the
+same registry once it leads.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import platform
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 from perseus_api.job import Phase
 from perseus_api.plan import PipelinePlan
+
+
+class ProcessMetrics:
+    """Metrics of the process itself, on ``registry`` (a new dedicated one by default).
+
+    ``perseus_operator_leader`` is 1 while this replica holds the Lease (so
+    ``sum(perseus_operator_leader)`` is 1 in a healthy release, 0 while no replica leads, and
+    ``absent()`` when no replica is scraped at all); ``perseus_operator_build_info`` names the
+    version; ``process_*`` and ``python_*`` are prometheus_client's standard collectors.
+    """
+
+    def __init__(self, version: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        # The standard collectors, registered on this registry instead of the global one.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
+        self.leader = Gauge(
+            "perseus_operator_leader",
+            "1 while this replica holds the leader Lease and reconciles, 0 while it waits.",
+            registry=r,
+        )
+        info = Gauge(
+            "perseus_operator_build_info",
+            "Always 1; the labels name the operator's version and its Python's.",
+            ["version", "python_version"],
+            registry=r,
+        )
+        info.labels(version, platform.python_version()).set(1)
 
 
 @dataclass

@@ -175,12 +175,21 @@ class Elector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        self.last_attempt_s: float | None = None
+        """When (``clock``) the last attempt ended, failed or not: a standby's sign of life
+        (its health endpoint's, :mod:`perseus_operator.endpoints`)."""
 
     def try_once(self) -> bool:
         """One attempt to take or renew the Lease; True: this replica holds it now.
 
         API errors count as a failed attempt (logged), never as success.
         """
+        try:
+            return self._attempt()
+        finally:
+            self.last_attempt_s = self._clock()
+
+    def _attempt(self) -> bool:
         try:
             current = self.store.get()
             now_s = self._clock()
