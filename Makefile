@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test docs lint typecheck unit torch frameworks bench bench-large bench-agent bench-operator bench-schedules reproduce clean
+.PHONY: demo test docs lint typecheck unit torch frameworks check-chart bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -115,3 +115,8 @@ reproduce: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
+
+## The chart judged by third-party tools (helm lint --strict, kubeconform, kube-score, checkov,
+## promtool), installed on first use into ~/.cache/perseus-k8s/check-chart.
+check-chart: $(STAMP)
+	PYTHON=$(BIN)/python scripts/check_chart.sh

@@ -10,8 +10,9 @@ Perseus's ``uuid``); every panel also shows data without dcgm-exporter, except t
 title says "(dcgm-exporter)". ``tests/e2e/test_dashboards.py`` runs every query against a real
 Prometheus scraping real agents.
 
-The scrape keeps the series' own ``namespace``, ``job`` and ``pod`` labels (``honor_labels``):
-on a managed GPU they name the training job; a GPU without a plan has no ``dp_rank`` label.
+On a managed GPU the labels ``job_namespace``, ``job_name`` (the PerseusJob) and ``pod_name``
+name the training job (never ``namespace``, ``job`` and ``pod``: Prometheus's target labels);
+a GPU without a plan has no ``dp_rank`` label.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 
 # Label matchers of the template variables.
-JOB = 'namespace="$namespace", job="$job"'
+JOB = 'job_namespace="$namespace", job_name="$job"'
 GPUS = 'node=~"$node", gpu=~"$gpu"'
 MANAGED = 'dp_rank!=""'
 UNMANAGED = 'dp_rank=""'
@@ -175,9 +176,9 @@ CLUSTER: list[Panel | Row] = [
         "Power saved (estimated), by job",
         [
             Target(
-                "sum by (namespace, job) "
+                "sum by (job_namespace, job_name) "
                 "(rate(perseus_job_energy_saved_joules_total[$__rate_interval]))",
-                "{{namespace}}/{{job}}",
+                "{{job_namespace}}/{{job_name}}",
             )
         ],
         6,
@@ -207,7 +208,7 @@ CLUSTER: list[Panel | Row] = [
     Panel(
         "timeseries",
         "Expected savings of the current plans",
-        [Target("perseus_job_expected_savings_ratio", "{{namespace}}/{{job}}")],
+        [Target("perseus_job_expected_savings_ratio", "{{job_namespace}}/{{job_name}}")],
         9,
         unit="percentunit",
         description="Energy each job's current plan is expected to save against every GPU at "
@@ -391,11 +392,11 @@ NODE_PANELS: list[Panel | Row] = [
         "GPUs",
         [
             Target(
-                "max by (node, gpu, uuid, modelName, namespace, job, dp_rank, pp_rank) ("
+                "max by (node, gpu, uuid, modelName, job_namespace, job_name, dp_rank, pp_rank) ("
                 f"perseus_gpu_power_watts{{{GPUS}}} * on (uuid) group_left (modelName) "
                 f"group by (uuid, modelName) ({dcgm('DCGM_FI_DEV_POWER_USAGE')})"
                 ") or on (uuid) "
-                "max by (node, gpu, uuid, namespace, job, dp_rank, pp_rank) "
+                "max by (node, gpu, uuid, job_namespace, job_name, dp_rank, pp_rank) "
                 f"(perseus_gpu_power_watts{{{GPUS}}})",
                 instant=True,
                 table=True,
@@ -555,12 +556,13 @@ JOB_VARIABLES = [
     Variable(
         "namespace",
         "Namespace",
-        f"label_values(perseus_gpu_sm_clock_hertz{{{MANAGED}}}, namespace)",
+        f"label_values(perseus_gpu_sm_clock_hertz{{{MANAGED}}}, job_namespace)",
     ),
     Variable(
         "job",
         "PerseusJob",
-        f'label_values(perseus_gpu_sm_clock_hertz{{{MANAGED}, namespace="$namespace"}}, job)',
+        "label_values(perseus_gpu_sm_clock_hertz"
+        f'{{{MANAGED}, job_namespace="$namespace"}}, job_name)',
     ),
 ]
 NODE_VARIABLES = [

@@ -10,8 +10,11 @@ fails is left out of that scrape and the failure is counted in
 one GPU. While the agent has released the GPUs for a driver upgrade, no GPU series is exported
 (``perseus_agent_driver_upgrade_released`` is 1) and nothing is counted.
 
-Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``namespace``, ``job``,
-``pod``, ``dp_rank`` and ``pp_rank`` while the GPU follows a plan.
+Labels: ``node``, ``gpu`` (index) and ``uuid`` on every GPU series, plus ``job_namespace``,
+``job_name`` (the PerseusJob), ``pod_name``, ``dp_rank`` and ``pp_rank`` while the GPU follows a
+plan. Never ``namespace``, ``job`` or ``pod``: Prometheus sets those on every target (the
+agent's own pod, the scrape job), and a clash renames one side ``exported_*`` or needs
+``honor_labels``, which overrides the target's (:data:`EXPORTED_NAMES`).
 
 ``perseus_gpu_clock_event_reasons`` has one series per GPU and NVML clock event ("throttle")
 reason (label ``reason``, :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`), 1 while that
@@ -49,6 +52,7 @@ from perseus_agent.errors import GpuError, GpuNotSupportedError, GpuReleasedErro
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
 
 __all__ = [
+    "EXPORTED_NAMES",
     "ITERATION_BUCKETS_S",
     "ITERATION_LABELS",
     "KNOWN_ERROR_REASONS",
@@ -58,14 +62,30 @@ __all__ = [
     "Health",
     "ManagedGpu",
     "MetricsServer",
+    "exported_label",
 ]
 
 log = logging.getLogger(__name__)
 
 MANAGED_LABELS: Final = ("namespace", "job", "pod", "dp_rank", "pp_rank")
-"""Labels added to a GPU's series while it follows a plan."""
+"""What the applier says about a GPU under a plan (:class:`ManagedGpu`), by these keys."""
 
-ITERATION_LABELS: Final = ("node", "gpu", "uuid", *MANAGED_LABELS, "rank")
+EXPORTED_NAMES: Final = {"namespace": "job_namespace", "job": "job_name", "pod": "pod_name"}
+"""The label each :data:`MANAGED_LABELS` key is exported as, where not itself."""
+
+
+def exported_label(key: str) -> str:
+    """The exported label name of a :data:`MANAGED_LABELS` key (others unchanged)."""
+    return EXPORTED_NAMES.get(key, key)
+
+
+ITERATION_LABELS: Final = (
+    "node",
+    "gpu",
+    "uuid",
+    *(exported_label(k) for k in MANAGED_LABELS),
+    "rank",
+)
 
 ITERATION_BUCKETS_S: Final = (
     0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
@@ -151,7 +171,10 @@ class AgentMetrics:
     def iteration_values(self, labels: Mapping[str, str]) -> tuple[str, ...]:
         """The ``perseus_iteration_seconds`` label values of ``labels``, in
         :data:`ITERATION_LABELS` order (missing ones empty, ``node`` this node)."""
-        values = {name: labels.get(name, "") for name in ITERATION_LABELS}
+        values = dict.fromkeys(ITERATION_LABELS, "")
+        for key, value in labels.items():
+            if (name := exported_label(key)) in values:
+                values[name] = value
         values["node"] = self.node
         return tuple(values[name] for name in ITERATION_LABELS)
 
@@ -254,7 +277,11 @@ class GpuCollector(Collector):
             state = managed.get(gpu.index)
             if state is not None:
                 labels.update(
-                    {k: v for k, v in state.labels.items() if k in MANAGED_LABELS and v != ""}
+                    {
+                        exported_label(k): v
+                        for k, v in state.labels.items()
+                        if k in MANAGED_LABELS and v != ""
+                    }
                 )
             energy.add_sample("perseus_gpu_energy_joules_total", labels, energy_j)
             power.add_sample("perseus_gpu_power_watts", labels, power_w)

@@ -133,15 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--metrics-port",
         type=int,
-        default=9400,
+        default=7461,
         metavar="PORT",
-        help="port of /metrics and /healthz; 0 picks a free one (default: 9400)",
+        # Not dcgm-exporter's 9400: both run on GPU nodes, both may use the host network.
+        help="port of /metrics and /healthz; 0 picks a free one (default: %(default)s)",
     )
     agent.add_argument(
         "--metrics-address",
-        default="0.0.0.0",
+        default="127.0.0.1",
         metavar="ADDRESS",
-        help="address the metrics server binds (default: 0.0.0.0)",
+        help="address the metrics server binds (default: %(default)s, this host only; the "
+        "chart passes the pod's address; 0.0.0.0 binds all of them)",
     )
     agent.add_argument(
         "--tcp-address",

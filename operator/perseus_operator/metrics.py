@@ -24,6 +24,10 @@ from prometheus_client import (
 from perseus_api.job import Phase
 from perseus_api.plan import PipelinePlan
 
+JOB_LABELS = ["job_namespace", "job_name"]
+"""A PerseusJob's series: its namespace and name, never Prometheus's target labels
+``namespace`` and ``job`` (the operator's pod and the scrape job), as the agents' series."""
+
 
 class ProcessMetrics:
     """Metrics of the process itself, on ``registry`` (a new dedicated one by default).
@@ -71,20 +75,20 @@ class OperatorMetrics:
         self.savings = Gauge(
             "perseus_job_expected_savings_ratio",
             "Energy the current plan is expected to save vs. all GPUs at max clock (fraction).",
-            ["namespace", "job"],
+            JOB_LABELS,
             registry=r,
         )
         self.saved = Counter(
             "perseus_job_energy_saved_joules",
             "Energy saved vs. all GPUs at max clock, estimated from the plans and the "
             "iterations the agents counted, in joules.",
-            ["namespace", "job"],
+            JOB_LABELS,
             registry=r,
         )
         self.stragglers = Counter(
             "perseus_straggler_events",
             "Data-parallel replicas detected as stragglers.",
-            ["namespace", "job"],
+            JOB_LABELS,
             registry=r,
         )
         self.planner = Histogram(

@@ -106,9 +106,9 @@ def run_rule_tests(rules: Mapping[str, Any], tests: list[dict[str, Any]], tmp: P
 
 def rank(job: str, dp: int, pp: int, node: str = "n1") -> dict[str, str]:
     return {
-        "namespace": "ml",
-        "job": job,
-        "pod": f"{job}-worker-{dp}-{pp}",
+        "job_namespace": "ml",
+        "job_name": job,
+        "pod_name": f"{job}-worker-{dp}-{pp}",
         "dp_rank": str(dp),
         "pp_rank": str(pp),
         "node": node,
@@ -151,7 +151,10 @@ def straggler_cases(rules: Mapping[str, Any], slowdown_for_m: int) -> dict[str, 
                 "alertname": "PerseusStragglerPersistent",
                 "exp_alerts": [
                     expected(
-                        rules, "PerseusStragglerPersistent", {"namespace": "ml", "job": "gpt3"}, 1.5
+                        rules,
+                        "PerseusStragglerPersistent",
+                        {"job_namespace": "ml", "job_name": "gpt3"},
+                        1.5,
                     )
                 ],
             },
@@ -269,9 +272,9 @@ def locked_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
         labels = {"node": node, "gpu": "0", "uuid": f"GPU-{node}-0"}
         if managed:
             labels |= {
-                "namespace": "ml",
-                "job": "gpt3",
-                "pod": "w-0",
+                "job_namespace": "ml",
+                "job_name": "gpt3",
+                "pod_name": "w-0",
                 "dp_rank": "0",
                 "pp_rank": "0",
             }

@@ -93,7 +93,12 @@ def test_operator_runs_a_job_through_its_life(
 
     def saved_joules() -> float:
         text = get(operator.metrics_port, "/metrics")[1]
-        return metric(text, 'perseus_job_energy_saved_joules_total{job="gpt3",namespace="ml"}') or 0
+        return (
+            metric(
+                text, 'perseus_job_energy_saved_joules_total{job_namespace="ml",job_name="gpt3"}'
+            )
+            or 0
+        )
 
     custom.create_namespaced_custom_object(
         resources.GROUP, resources.VERSION, NS, "perseusjobs", job_body("gpt3")
@@ -168,10 +173,17 @@ def test_operator_runs_a_job_through_its_life(
         assert metric(text, 'perseus_jobs{phase="Failed"}') == sum(
             1 for _, _, phase, _ in MALFORMED if phase == "Failed"
         )
-        assert metric(text, 'perseus_straggler_events_total{job="gpt3",namespace="ml"}') == 1.0
-        saved = metric(text, 'perseus_job_expected_savings_ratio{job="gpt3",namespace="ml"}')
+        assert (
+            metric(text, 'perseus_straggler_events_total{job_namespace="ml",job_name="gpt3"}')
+            == 1.0
+        )
+        saved = metric(
+            text, 'perseus_job_expected_savings_ratio{job_namespace="ml",job_name="gpt3"}'
+        )
         assert saved is not None and 0 < saved < 0.5
-        saved_j = metric(text, 'perseus_job_energy_saved_joules_total{job="gpt3",namespace="ml"}')
+        saved_j = metric(
+            text, 'perseus_job_energy_saved_joules_total{job_namespace="ml",job_name="gpt3"}'
+        )
         assert saved_j is not None and saved_j > 0  # the agents counted iterations
         assert (metric(text, "perseus_planner_seconds_count") or 0) >= 1
 

@@ -25,8 +25,9 @@ project's components need:
   patch of the new ``metadata``/``spec`` (good enough for the Lease's fixed fields; the check
   and the write are not one atomic step).
 
-Still missing (not needed yet): CRD schemas are not enforced, no field selectors, no 410 Gone (there is no history to expire),
-and deletions that happen between a list and the next watch are not replayed.
+Still missing (not needed yet): CRD schemas are not enforced, no field selectors, no 410 Gone
+(there is no history to expire), and deletions that happen between a list and the next watch
+are not replayed.
 
 Usage::
 

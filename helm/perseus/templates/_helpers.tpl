@@ -72,7 +72,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Image reference: (dict "ctx" $ "image" .Values.operator.image). */}}
 {{- define "perseus.image" -}}
-{{- $registry := .ctx.Values.image.registry -}}
+{{- $registry := (.ctx.Values.global).imageRegistry | default .ctx.Values.image.registry -}}
 {{- $repo := .image.repository -}}
 {{- if $registry -}}{{- $repo = printf "%s/%s" $registry $repo -}}{{- end -}}
 {{- if .image.digest -}}
@@ -84,5 +84,10 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* The user name of the agents' service account, as the API server authenticates it. */}}
 {{- define "perseus.agent.username" -}}
-{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "perseus.agent.serviceAccountName" .) -}}
+{{- printf "system:serviceaccount:%s:%s" (include "perseus.namespace" .) (include "perseus.agent.serviceAccountName" .) -}}
+{{- end -}}
+
+{{/* The namespace of every namespaced object: namespaceOverride, else the release's. */}}
+{{- define "perseus.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}

@@ -30,7 +30,7 @@ containers:
       {{- end }}
     env:
       - name: PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE
-        value: {{ $ctx.Release.Namespace | quote }}
+        value: {{ (include "perseus.namespace" $ctx) | quote }}
       - name: PERSEUS_OPERATOR_LEADER_ELECTION_LEASE
         value: {{ include "perseus.operator.fullname" $ctx | quote }}
       - name: PERSEUS_OPERATOR_LEASE_DURATION_S

@@ -278,7 +278,13 @@ def test_standalone_agent_applies_the_plan_and_resets_on_sigterm(agent: Agent) -
 
     wait_for(lambda: locked_clocks(agent.gpu_state) == [1200, 1005], "the plan's clocks", agent)
     assert (agent.socket_dir / "agent.sock").exists()
-    labels = {"node": NODE, "gpu": "1", "uuid": f"GPU-emu-{NODE}-1", "job": "gpt3", "pp_rank": "1"}
+    labels = {
+        "node": NODE,
+        "gpu": "1",
+        "uuid": f"GPU-emu-{NODE}-1",
+        "job_name": "gpt3",
+        "pp_rank": "1",
+    }
     assert agent.metric("perseus_gpu_target_sm_clock_hertz", **labels) == [1.005e9]
     assert agent.metric("perseus_gpu_sm_clock_hertz", **labels) == [1.005e9]
     assert agent.metric("perseus_gpu_energy_joules_total", gpu="0")[0] >= 0.0
@@ -383,7 +389,7 @@ def test_training_process_switches_clocks_and_sigterm_resets_them(agent: Agent) 
         second = call({"op": "instruction_begin", "name": "backward", "microbatch": 0})
         assert second["sm_clock_mhz"] == 1200
         call({"op": "step_end", "step": 0})
-        count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job="gpt3")
+        count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job_name="gpt3")
         assert count == [1.0]
 
         assert agent.stop(signal.SIGTERM) == 0  # with the training process still connected
@@ -427,7 +433,7 @@ def test_pipelined_client_drives_the_plan_like_a_synchronous_one(
         assert locked_clocks(agent.gpu_state) == [1200, None]  # backward 1 of the last step
         assert client.connections == 1
     wait_for(lambda: locked_clocks(agent.gpu_state) == [None, None], "the reset", agent)
-    count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job="gpt3")
+    count = agent.metric("perseus_iteration_seconds_count", rank="0", gpu="0", job_name="gpt3")
     assert count == [float(steps)]
     # Forward 0 runs at 1110 MHz, the rest at 1200: two changes per step, plus the reset
     # when the training process went away.
