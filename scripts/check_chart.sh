@@ -33,7 +33,7 @@ K8S_VERSIONS="1.30.0 1.33.0 1.37.0"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 failed=0
-say() { printf '[check_chart] %s\n' "$*"; }
+say() { printf '[check_chart] %s\n' "$*" >&2; }
 step() { local name="$1"; shift; local t0=$SECONDS; if "$@"; then say "$name: ok ($((SECONDS - t0)) s)"; else say "$name: FAILED"; failed=1; fi; }
 
 go_tool() {  # name module version -> path of the binary, built once
@@ -165,11 +165,10 @@ KUBE_SCORE_IGNORE=(
 kube_score_check() {
   local ks
   ks="$(go_tool kube-score github.com/zegl/kube-score/cmd/kube-score "$KUBE_SCORE_VERSION")"
-  "$ks" score --output-format ci "${KUBE_SCORE_IGNORE[@]}" \
-    --ignore-container-cpu-limit \
-    "$OUT"/*.yaml >"$OUT/kube-score.txt" || true
-  grep -E '^\[(CRITICAL|WARNING)\]' "$OUT/kube-score.txt" && return 1
-  return 0
+  "$ks" score --output-format ci --exit-one-on-warning "${KUBE_SCORE_IGNORE[@]}" \
+    "$OUT"/*.yaml >"$OUT/kube-score.txt" 2>&1 && return 0
+  grep -vE '^\[(OK|SKIPPED)\]' "$OUT/kube-score.txt"
+  return 1
 }
 step "kube-score" kube_score_check
 

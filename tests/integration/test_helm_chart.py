@@ -382,8 +382,13 @@ def test_operator_deployment() -> None:
     assert container["resources"]["requests"] and container["resources"]["limits"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "health": 8081, "webhook": 9443}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Every replica answers them, the standby too (test_operator_probes_kmock.py).
+    for probe, path in (
+        ("startupProbe", "/healthz"),
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+    ):
+        assert container[probe]["httpGet"] == {"path": path, "port": "health"}
     # A writable /tmp for the caches the read-only root cannot hold.
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     assert env_of(container)["NUMBA_CACHE_DIR"].startswith("/tmp/")
@@ -449,6 +454,7 @@ def test_agent_daemonset_runs_on_gpu_nodes_with_the_least_nvml_needs() -> None:
     assert sc["runAsUser"] == 0  # NVML locks clocks only for root ...
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}  # ... with SYS_ADMIN
     assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False  # no_new_privs keeps the capability
     assert sc["readOnlyRootFilesystem"] is True
     assert "nvidia.com/gpu" not in json.dumps(container["resources"])  # takes no GPU away
     env = env_of(container)
