@@ -143,7 +143,7 @@ EOF
     # skipped (their fields are checked by tests/integration/test_helm_chart*.py).
     "$kc" -strict -summary -output text \
       -kubernetes-version "$version" \
-      -schema-location "$schemas/v{{ .KubernetesVersion }}-standalone-strict/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+      -schema-location "$schemas/{{ .NormalizedKubernetesVersion }}-standalone-strict/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
       -schema-location "$schemas/crds/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
       -skip ServiceMonitor,PodMonitor,PrometheusRule \
       "$OUT"/*.yaml || ok=1
@@ -161,6 +161,9 @@ KUBE_SCORE_IGNORE=(
   --ignore-test pod-networkpolicy                   # networkPolicy.enabled is opt-in
   --ignore-test container-security-context-user-group-id  # the agent runs as root (NVML)
   --ignore-test deployment-replicas                 # the hook and test pods
+  --ignore-test container-image-pull-policy         # IfNotPresent with versioned tags
+  --ignore-test pod-probes                          # the agent: one /healthz (see README)
+  --ignore-container-cpu-limit                      # the agent and the hooks: no CPU limit
 )
 kube_score_check() {
   local ks
@@ -194,6 +197,9 @@ CHECKOV_SKIP=(
   CKV_K8S_15   # image pull policy Always: IfNotPresent with versioned tags
   CKV_K8S_153  # volume of the host path: the agent's socket, state and PodResources dirs
   CKV2_K8S_6   # NetworkPolicy per pod: networkPolicy.enabled is opt-in
+  CKV_K8S_8    # liveness probe: the hook and test pods run once, seconds
+  CKV_K8S_9    # readiness probe: same
+  CKV_K8S_25   # added capability: the agent's SYS_ADMIN (NVML)
 )
 checkov_check() {
   local ck skip
