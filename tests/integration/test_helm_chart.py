@@ -40,7 +40,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 # Kubernetes releases the output is validated against: the first with
 # ValidatingAdmissionPolicy v1 (rendered by default), and the newest kubernetes-validate knows.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
-OLDEST_KUBE = "1.27.0"  # the chart's kubeVersion floor (without the admission policy)
+OLDEST_KUBE = "1.30.0"  # the chart's kubeVersion floor
 
 NON_DEFAULT: dict[str, Any] = {
     "fullnameOverride": "energy",
@@ -558,7 +558,8 @@ def test_services_and_monitors_select_the_pods(monitor: str) -> None:
             "endpoints" if monitor == "serviceMonitor" else "podMetricsEndpoints"
         ]
         assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
-        assert endpoint["honorLabels"] is True  # the series' own namespace/job/pod labels win
+        # The series name the training job job_namespace/job_name/pod_name: no clash.
+        assert endpoint["honorLabels"] is False
         assert set(endpoint) <= {
             "port",
             "path",
@@ -566,6 +567,7 @@ def test_services_and_monitors_select_the_pods(monitor: str) -> None:
             "scrapeTimeout",
             "honorLabels",
             "relabelings",
+            "metricRelabelings",
         }
 
 
