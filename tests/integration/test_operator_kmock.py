@@ -95,7 +95,7 @@ def test_operator_runs_a_job_through_its_life(
         text = get(operator.metrics_port, "/metrics")[1]
         return (
             metric(
-                text, 'perseus_job_energy_saved_joules_total{job_namespace="ml",job_name="gpt3"}'
+                text, 'perseus_job_energy_saved_joules_total{job_name="gpt3",job_namespace="ml"}'
             )
             or 0
         )
@@ -174,15 +174,15 @@ def test_operator_runs_a_job_through_its_life(
             1 for _, _, phase, _ in MALFORMED if phase == "Failed"
         )
         assert (
-            metric(text, 'perseus_straggler_events_total{job_namespace="ml",job_name="gpt3"}')
+            metric(text, 'perseus_straggler_events_total{job_name="gpt3",job_namespace="ml"}')
             == 1.0
         )
         saved = metric(
-            text, 'perseus_job_expected_savings_ratio{job_namespace="ml",job_name="gpt3"}'
+            text, 'perseus_job_expected_savings_ratio{job_name="gpt3",job_namespace="ml"}'
         )
         assert saved is not None and 0 < saved < 0.5
         saved_j = metric(
-            text, 'perseus_job_energy_saved_joules_total{job_namespace="ml",job_name="gpt3"}'
+            text, 'perseus_job_energy_saved_joules_total{job_name="gpt3",job_namespace="ml"}'
         )
         assert saved_j is not None and saved_j > 0  # the agents counted iterations
         assert (metric(text, "perseus_planner_seconds_count") or 0) >= 1
