@@ -90,9 +90,9 @@ def test_hellos_with_distinct_claims_do_not_grow_the_metrics(applier: PlanApplie
             "node": NODE,
             "gpu": "0",
             "uuid": "GPU-0",
-            "namespace": "ml",
-            "job": "gpt3",
-            "pod": "gpt3-worker-0",
+            "job_namespace": "ml",
+            "job_name": "gpt3",
+            "pod_name": "gpt3-worker-0",
             "dp_rank": "0",
             "pp_rank": "0",
             "rank": "0",
@@ -120,7 +120,7 @@ def test_iteration_series_are_removed_when_their_gpu_or_plan_ends(applier: PlanA
     applier.apply(node_plan([gpu(0, 0, rank=0, pod="p2")], granularity="Instruction", revision=3))
     assert iteration_series(applier) == []
     iteration(applier, sessions[0], 0, 1.0)
-    assert [s["pod"] for s in iteration_series(applier)] == ["p2"]
+    assert [s["pod_name"] for s in iteration_series(applier)] == ["p2"]
 
     applier.clear()
     assert iteration_series(applier) == []

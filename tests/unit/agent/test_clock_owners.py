@@ -188,7 +188,7 @@ def test_clock_event_reasons_and_foreign_clocks_are_exported_per_gpu(
         if s.labels["gpu"] == "0" and s.labels["reason"] == "sw_power_cap"
     ]
     # The plan's labels, as on every other GPU series.
-    assert (gpu0.labels["namespace"], gpu0.labels["job"], gpu0.labels["pp_rank"]) == (
+    assert (gpu0.labels["job_namespace"], gpu0.labels["job_name"], gpu0.labels["pp_rank"]) == (
         "ml",
         "gpt3",
         "0",

@@ -113,9 +113,9 @@ def test_gpu_metrics_carry_names_labels_and_base_units(
         "node": NODE,
         "gpu": "0",
         "uuid": "GPU-0",
-        "namespace": "ml",
-        "job": "gpt3",
-        "pod": "w-0",
+        "job_namespace": "ml",
+        "job_name": "gpt3",
+        "pod_name": "w-0",
         "dp_rank": "1",
         "pp_rank": "3",
     }
@@ -147,7 +147,7 @@ def test_gpu_metrics_carry_names_labels_and_base_units(
     )
     count = [s for s in got if s.name == "perseus_iteration_seconds_count"]
     assert len(count) == 1 and count[0].value == 1.0
-    assert count[0].labels["rank"] == "7" and count[0].labels["job"] == "gpt3"
+    assert count[0].labels["rank"] == "7" and count[0].labels["job_name"] == "gpt3"
     assert count[0].labels["node"] == NODE
     buckets = {s.labels["le"]: s.value for s in got if s.name == "perseus_iteration_seconds_bucket"}
     assert buckets["1.5"] == 0.0 and buckets["2.0"] == 1.0 and buckets["+Inf"] == 1.0
@@ -250,9 +250,9 @@ def test_applier_labels_and_targets_reach_the_scrape(
                 "node": NODE,
                 "gpu": "1",
                 "uuid": "GPU-1",
-                "namespace": "ml",
-                "job": "gpt3",
-                "pod": "w-1",
+                "job_namespace": "ml",
+                "job_name": "gpt3",
+                "pod_name": "w-1",
                 "dp_rank": "0",
                 "pp_rank": "1",
             },
