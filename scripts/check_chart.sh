@@ -107,7 +107,7 @@ step "helm lint --strict" helm_lint
 kubeconform_check() {
   local kc schemas
   kc="$(go_tool kubeconform github.com/yannh/kubeconform/cmd/kubeconform "$KUBECONFORM_VERSION")"
-  schemas="$TOOLS/schemas"
+  schemas="$TOOLS/schemas-v2"
   "$PYTHON" - "$schemas" $K8S_VERSIONS <<'EOF'
 import json, os, pathlib, sys, yaml
 import kubernetes_validate
@@ -119,8 +119,10 @@ for version in sys.argv[2:]:
         continue
     target.mkdir(parents=True, exist_ok=True)
     for f in (src / f"v{version}-local-strict").glob("*.json"):
-        # kubernetes-validate's $refs are absolute (/api/_definitions.json): make them files.
-        text = f.read_text().replace('"/api/_definitions.json#', '"_definitions.json#')
+        # kubernetes-validate's $refs point at /api/_definitions.json: make them file URLs
+        # (kubeconform resolves no relative reference against that file's own $id).
+        url = (target / "_definitions.json").resolve().as_uri()
+        text = f.read_text().replace('"/api/_definitions.json#', f'"{url}#')
         (target / f.name).write_text(text)
     (target / ".done").write_text("")
 # Our CRDs' openAPIV3Schema, as kubeconform names them: {kind}-{group's first part}-{version}.
@@ -163,6 +165,7 @@ KUBE_SCORE_IGNORE=(
   --ignore-test deployment-replicas                 # the hook and test pods
   --ignore-test container-image-pull-policy         # IfNotPresent with versioned tags
   --ignore-test pod-probes                          # the agent: one /healthz (see README)
+  --ignore-test pod-probes-identical                # same
   --ignore-container-cpu-limit                      # the agent and the hooks: no CPU limit
 )
 kube_score_check() {

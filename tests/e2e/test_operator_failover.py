@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
@@ -150,13 +151,21 @@ def lease_holder(cluster: Cluster) -> str:
     return str(lease.spec.holder_identity or "")
 
 
-def healthy(operator: OperatorProcess) -> bool:
-    url = f"http://127.0.0.1:{operator.liveness_port}/healthz"
+def probe(operator: OperatorProcess, path: str) -> tuple[int, str]:
+    """What the replica's health endpoint answers on ``path`` (0: nothing)."""
+    url = f"http://127.0.0.1:{operator.liveness_port}{path}"
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
-            return bool(response.status == 200)
+            return int(response.status), response.read().decode().strip()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode().strip()
     except OSError:
-        return False
+        return 0, ""
+
+
+def healthy(operator: OperatorProcess) -> bool:
+    """Leading, with kopf's own liveness check answering (not merely a live standby)."""
+    return probe(operator, "/healthz") == (200, "leader")
 
 
 @pytest.fixture
@@ -213,6 +222,9 @@ def test_the_standby_takes_over_a_killed_leader_without_double_reconcile(
         assert lease_holder(cluster) == "operator-a" and status
 
         before = job()
+        # The standby is live and Ready too (it serves the webhook and takes over).
+        status_b = b.wait_for("B Ready as a standby", lambda: probe(b, "/readyz")[0] == 200)
+        assert probe(b, "/readyz")[1].startswith("standby"), status_b
         a.kill()
         killed_at = time.time()
         b.wait_for("B to take over", lambda: lease_holder(cluster) == "operator-b", 30)

@@ -194,7 +194,9 @@ def prometheus(
 
 def scrape_jobs(targets: Mapping[str, str | Sequence[str]]) -> list[dict[str, Any]]:
     """Static scrape configs with what the chart's PodMonitors set: job name, honor_labels,
-    path.
+    path, metric relabelings; and the target labels the Prometheus Operator adds to every target
+    (``namespace``, ``pod``, ``container`` of the Perseus pod), which the series' own labels
+    must not clash with.
 
     ``targets``: ``host:port`` (or several) by component: ``node-agent`` and ``operator``, and
     optionally ``dcgm`` (a ``dcgm-exporter`` job).
@@ -210,18 +212,32 @@ def scrape_jobs(targets: Mapping[str, str | Sequence[str]]) -> list[dict[str, An
         component = monitor["metadata"]["labels"]["app.kubernetes.io/component"]
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
         (job,) = [r["replacement"] for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+        target_labels = {
+            "namespace": monitor["metadata"]["namespace"],
+            "pod": f"{monitor['metadata']['name']}-0",
+            "container": component,
+        }
         jobs.append(
             {
                 "job_name": job,
                 "honor_labels": endpoint["honorLabels"],
                 "metrics_path": endpoint["path"],
-                "static_configs": [{"targets": listed(component)}],
+                "static_configs": [{"targets": listed(component), "labels": target_labels}],
+                "metric_relabel_configs": [
+                    {_snake(k): v for k, v in r.items()}
+                    for r in endpoint.get("metricRelabelings", [])
+                ],
             }
         )
     assert len(jobs) == 2
     if "dcgm" in targets:
         jobs.append({"job_name": "dcgm-exporter", "static_configs": [{"targets": listed("dcgm")}]})
     return jobs
+
+
+def _snake(key: str) -> str:
+    """A Prometheus Operator RelabelConfig key as Prometheus's (``sourceLabels``: source_labels)."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
 # -- checks --------------------------------------------------------------------------------------
