@@ -42,7 +42,14 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -128,9 +135,21 @@ class AgentMetrics:
         registry: Registry to put them on; a new dedicated one by default.
     """
 
-    def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, node: str, registry: CollectorRegistry | None = None, version: str = ""
+    ) -> None:
         self.node = node
         self.registry = registry if registry is not None else CollectorRegistry()
+        # The process's own series (process_*, python_info), as every exporter serves them.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR):
+            self.registry.register(collector)
+        build = Gauge(
+            "perseus_agent_build_info",
+            "Always 1; the label names the agent's version.",
+            ["version"],
+            registry=self.registry,
+        )
+        build.labels(version or _version()).set(1)
         self.apply_errors = Counter(
             "perseus_agent_apply_errors",
             "Errors while applying plans or reading GPUs, by reason.",
@@ -419,6 +438,15 @@ class MetricsServer:
 
 
 _POLL_S: Final = 30.0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("perseus-k8s")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class _IPv6Server(ThreadingHTTPServer):
