@@ -5,6 +5,9 @@ the image registry, alerts' runbooks and the supported Kubernetes versions."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -187,3 +190,19 @@ def test_the_chart_wants_kubernetes_1_30_as_the_readme_says() -> None:
     # does not check it.)
     new = helm_python.lint(str(CHART), {}, strict=True, kube_version="1.30.0")
     assert not new["messages"], new
+
+
+def test_helm_refuses_a_cluster_older_than_1_30() -> None:
+    helm = os.environ.get("PERSEUS_HELM_BIN") or shutil.which("helm")
+    if not helm:
+        pytest.skip("no helm CLI (scripts/build_test_control_plane.sh --only helm builds one)")
+
+    def template(version: str) -> subprocess.CompletedProcess[str]:
+        command = [helm, "template", "p", str(CHART), "--kube-version", version]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    old = template("1.29.0")
+    assert old.returncode != 0 and "requires kubeVersion: >=1.30.0-0" in old.stderr, old.stderr
+    new = template("1.30.0")
+    assert new.returncode == 0, new.stderr
+    assert "kind: ValidatingAdmissionPolicy" in new.stdout  # rendered wherever it installs
