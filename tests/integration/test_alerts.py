@@ -184,6 +184,53 @@ def agent_down_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def operator_absent_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
+    """The operator's targets vanish at 3m (no `up == 0` to see: PerseusOperatorDown stays
+    quiet); absent() holds once the last sample is out of the 5m lookback, and fires 10m later.
+    Another release's replicas answer, but none leads."""
+    target = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
+    return {
+        "interval": "1m",
+        "input_series": [
+            series("up", target, "1x3"),
+            series("perseus_operator_leader", target, "1x3"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "16m", "alertname": "PerseusOperatorAbsent", "exp_alerts": []},
+            {
+                "eval_time": "21m",
+                "alertname": "PerseusOperatorAbsent",
+                "exp_alerts": [expected(rules, "PerseusOperatorAbsent", {"job": OPERATOR_JOB}, 1)],
+            },
+            {"eval_time": "21m", "alertname": "PerseusOperatorDown", "exp_alerts": []},
+        ],
+    }
+
+
+def no_leader_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
+    """Two replicas scraped, neither holds the Lease from 2m on; the alert fires 10m later."""
+    a = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
+    b = {"job": OPERATOR_JOB, "instance": "10.0.0.10:8080"}
+    return {
+        "interval": "1m",
+        "input_series": [
+            series("perseus_operator_leader", a, "1 1 0x20"),
+            series("perseus_operator_leader", b, "0x22"),
+            series("up", a, "1x22"),
+            series("up", b, "1x22"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "11m", "alertname": "PerseusOperatorNoLeader", "exp_alerts": []},
+            {
+                "eval_time": "13m",
+                "alertname": "PerseusOperatorNoLeader",
+                "exp_alerts": [expected(rules, "PerseusOperatorNoLeader", {}, 0)],
+            },
+            {"eval_time": "13m", "alertname": "PerseusOperatorAbsent", "exp_alerts": []},
+        ],
+    }
+
+
 def operator_down_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     target = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
     return {
@@ -334,8 +381,12 @@ def test_default_alerts_pass_promtool_check_and_unit_tests(tmp_path: Path) -> No
         "PerseusGpuReadErrors",
         "PerseusGpuLockedWithoutPlan",
         "PerseusOperatorDown",
+        "PerseusOperatorAbsent",
+        "PerseusOperatorNoLeader",
     }
     tests = [
+        operator_absent_cases(rules),
+        no_leader_cases(rules),
         straggler_cases(rules, slowdown_for_m=10),
         agent_down_cases(rules),
         operator_down_cases(rules),
