@@ -13,7 +13,9 @@ Set-up, all real processes except the Kubernetes API (kmock, in memory) and the 
 - a fake dcgm-exporter serving ``DCGM_FI_DEV_*`` series with dcgm-exporter's label names for
   the agent's GPU UUIDs plus a GPU without a Perseus agent; it serves nothing at first;
 - Prometheus (Debian package) scraping them with the settings of the chart's PodMonitors
-  (``honor_labels``, the ``job`` names).
+  (``honor_labels: false``, the ``job`` names, the metric relabelings) and the target labels
+  the Prometheus Operator adds (``namespace``, ``pod``, ``container``), which no series' own
+  label clashes with.
 
 Grafana's ``$__rate_interval``, ``$__range`` and the template variables are substituted as
 Grafana would (the variables from their own ``label_values`` queries). First, without
@@ -358,9 +360,11 @@ def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
     assert not any("modelName" in s["metric"] for s in without)
     assert {s["metric"].get("modelName") for s in with_dcgm} == {"NVIDIA A100-SXM4-40GB"}
     managed = sorted(
-        (s["metric"]["gpu"], s["metric"].get("dp_rank"), s["metric"].get("job")) for s in with_dcgm
+        (s["metric"]["gpu"], s["metric"].get("dp_rank"), s["metric"].get("job_name"))
+        for s in with_dcgm
     )
-    assert managed == [("0", "0", "gpt3"), ("1", "1", "gpt3"), ("2", None, "perseus-node-agent")]
+    # The training job is job_name; the scrape job stays in `job`, on every series alike.
+    assert managed == [("0", "0", "gpt3"), ("1", "1", "gpt3"), ("2", None, None)]
     # The GPU without a Perseus agent shows up only through dcgm-exporter.
     (power,) = [q for q in queries if q.dashboard == "perseus-cluster" and q.needs_dcgm]
     result = prom.values(substitute(power.expr, {}), power.instant, with_s)
