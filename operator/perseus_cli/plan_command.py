@@ -8,7 +8,10 @@ Outputs, in the ``--out`` directory:
 - ``frontier.png``: the frontier with ``T_min``, ``T*``, the chosen point and the
   all-max-clock baseline (unless ``--no-plot``);
 - with ``--export-dag FILE``: the DAG that was solved with its measured options, as JSON
-  (:mod:`perseus_planner.dag_json`), written together with the others.
+  (:mod:`perseus_planner.dag_json`), written together with the others;
+- with ``--gpus`` (and ``--node``) or ``--ranks FILE``: ``node-plan-NODE.json`` per node, the
+  ``NodePlan`` a standalone node agent applies (``perseus-node-agent --standalone
+  --plan-file``; see :mod:`perseus_cli.node_plans` and docs/standalone.md).
 
 Schedules: ``1f1b``, ``gpipe``, ``interleaved-1f1b`` (``--virtual-stages``) and ``zb-h1``;
 the profile forms they need are in :mod:`perseus_cli.schedules`.
@@ -29,22 +32,34 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_float, positive_float, positive_int
+from perseus_cli.node_plans import (
+    build_node_plans,
+    node_plan_file_name,
+    parse_gpu_list,
+    read_rank_file,
+)
 from perseus_cli.outputs import Output, write_together
 from perseus_cli.progress import Progress
 from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for, write_dag_json
+from perseus_cli.solver_cache import solver_compiled
 
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
 if TYPE_CHECKING:
     from perseus_api import PipelinePlan, PlanEstimate
+    from perseus_api.node_plan import NodePlan
+    from perseus_cli.node_plans import RankGpu
     from perseus_planner import Baseline, Choice, Frontier, FrontierProblem, Profile
 
 log = logging.getLogger(__name__)
@@ -52,6 +67,8 @@ log = logging.getLogger(__name__)
 FRONTIER_CSV = "frontier.csv"
 PLAN_JSON = "plan.json"
 FRONTIER_PNG = "frontier.png"
+DEFAULT_OUT = Path("out/plan")
+DEFAULT_JOB = "training"
 
 DEFAULT_UNIT_TIME_S = 0.001
 """For user profiles: the unit the artifact used for A100 profiles (~1000 steps per second)."""
@@ -169,7 +186,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     output = parser.add_argument_group("output")
     output.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help="directory to write into"
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help="directory to write into (default: %(default)s)",
     )
     output.add_argument(
         "--force", action="store_true", help="write into DIR even if it is not empty"
@@ -183,6 +204,40 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     output.add_argument(
         "--quiet", action="store_true", help="print nothing on success, show no progress"
+    )
+    add_node_plan_arguments(parser)
+
+
+def add_node_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpus``/``--node``, ``--ranks`` and ``--job``: node plans for standalone agents."""
+    group = parser.add_argument_group(
+        "node plans for standalone agents (perseus-node-agent --standalone; one of)",
+        "rank r of a P-stage pipeline is stage r %% P of replica r // P unless --ranks says",
+    )
+    mapping = group.add_mutually_exclusive_group()
+    mapping.add_argument(
+        "--gpus",
+        metavar="I,J,...",
+        help="this node's GPUs (indices or UUIDs), one per training rank in rank order; "
+        "writes node-plan-NODE.json",
+    )
+    mapping.add_argument(
+        "--ranks",
+        type=Path,
+        metavar="FILE.csv",
+        help="one row per rank: rank,node,gpu[,stage,dp_rank,tp_rank]; writes "
+        "node-plan-NODE.json per node",
+    )
+    group.add_argument(
+        "--node",
+        metavar="NAME",
+        help="node of --gpus, as the agent's --node-name (default: $NODE_NAME, else the host name)",
+    )
+    group.add_argument(
+        "--job",
+        default=DEFAULT_JOB,
+        metavar="NAME",
+        help="job name in the node plans and the agent's metrics (default: %(default)s)",
     )
 
 
@@ -209,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
     source = replace(source, profile=shaped.profile)
     num_stages, virtual_stages = shaped.num_stages, shaped.virtual_stages
     check_pipeline(schedule.value, num_stages, args.microbatches, virtual_stages)
+    ranks = rank_gpus(args)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
@@ -217,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     problem = prepare(
         source, schedule, num_stages, args.microbatches, args.max_solver_work, virtual_stages
     )
+    compiled = announce_compile(quiet=args.quiet)
     frontier = solve_with_progress(problem, source.name, quiet=args.quiet)
     solve_s = time.perf_counter() - start_s
     log.info("frontier: %d points in %.2f s", len(frontier), solve_s)
@@ -232,18 +289,67 @@ def run(args: argparse.Namespace) -> int:
         )
     granularity = Granularity.STAGE if args.granularity == "stage" else Granularity.INSTRUCTION
     plan = build_plan(frontier, baseline, choice, granularity)
+    node_plans = {} if ranks is None else build_node_plans(plan, ranks, args.job)
 
     chunks = f" x {virtual_stages} virtual" if virtual_stages > 1 else ""
     title = f"{source.name}: {schedule.value}, {num_stages}{chunks} stages, M={args.microbatches}"
 
+    extra: list[Output] = [
+        (out_dir / node_plan_file_name(node), _json_writer(node_plan))
+        for node, node_plan in sorted(node_plans.items())
+    ]
     written = _write_outputs(
-        out_dir, frontier, baseline, choice, plan, title, args.no_plot, args.export_dag
+        out_dir, frontier, baseline, choice, plan, title, args.no_plot, args.export_dag, extra
     )
     if not args.quiet:
-        print(_summary(source, frontier, baseline, choice, plan, solve_s, written))
+        summary = _summary(source, frontier, baseline, choice, plan, solve_s, written, compiled)
+        print(summary)
         if shaped.derived:
             print(f"Profile used   {shaped.profile.source}")
+        if node_plans:
+            print(standalone_hint(out_dir, sorted(node_plans)))
     return 0
+
+
+def rank_gpus(args: argparse.Namespace) -> list[RankGpu] | None:
+    """The rank-to-GPU mapping of ``--gpus``/``--node`` or ``--ranks``; None without one."""
+    if args.node is not None and args.gpus is None:
+        raise CliError("--node goes with --gpus (a --ranks file names each rank's node)")
+    if args.ranks is not None:
+        return read_rank_file(args.ranks)
+    if args.gpus is not None:
+        node = args.node or os.environ.get("NODE_NAME") or socket.gethostname()
+        return parse_gpu_list(args.gpus, node)
+    return None
+
+
+def standalone_hint(out_dir: Path, nodes: list[str]) -> str:
+    """How to run the agent on the node plans just written."""
+    node = nodes[0]
+    path = out_dir / node_plan_file_name(node)
+    more = f" (and likewise on {', '.join(nodes[1:])})" if len(nodes) > 1 else ""
+    return (
+        f"Standalone     on {node}{more}: perseus-node-agent --standalone --node-name {node} "
+        f"--plan-file {path}"
+    )
+
+
+def announce_compile(*, quiet: bool) -> bool | None:
+    """Say on stderr, before the first solve, that it compiles the solver; returns whether the
+    solver was compiled already (None: cannot tell)."""
+    compiled = solver_compiled()
+    if compiled is False and not quiet:
+        print(
+            "perseus: first run: compiling the solver, once per installation (about 30 s on "
+            "2 busy cores; later runs reuse it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return compiled
+
+
+def _json_writer(model: NodePlan) -> Callable[[Path], object]:
+    return lambda tmp: tmp.write_text(model.model_dump_json(indent=2) + "\n")
 
 
 def check_pipeline(
@@ -358,18 +464,26 @@ def _write_outputs(
     title: str,
     no_plot: bool,
     export_dag: Path | None = None,
+    extra: Sequence[Output] = (),
 ) -> list[Path]:
     outputs: list[Output] = [
         (out_dir / FRONTIER_CSV, lambda tmp: tmp.write_text(frontier_csv(frontier))),
         (out_dir / PLAN_JSON, lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n")),
+        *extra,
     ]
     if export_dag is not None:
         outputs.append((export_dag, lambda tmp: write_dag_json(tmp, frontier.problem)))
     png = out_dir / FRONTIER_PNG
     if not no_plot:
-        from perseus_cli.plotting import plot_frontier
+        from perseus_cli.plotting import Savings, plot_frontier
 
-        outputs.append((png, lambda tmp: plot_frontier(tmp, frontier, baseline, choice, title)))
+        applied = (
+            plan.stage_estimate if plan.granularity.value == "Stage" else plan.instruction_estimate
+        )
+        savings = Savings(applied.savings_ratio, plan.granularity.value)
+        outputs.append(
+            (png, lambda tmp: plot_frontier(tmp, frontier, baseline, choice, title, savings))
+        )
     # With --force a picture from an earlier run would otherwise sit next to the new plan.
     write_together(outputs, stale=[png] if no_plot else [])
     return [path for path, _ in outputs]
@@ -389,6 +503,7 @@ def _summary(
     plan: PipelinePlan,
     solve_s: float,
     written: list[Path],
+    compiled: bool | None = None,
 ) -> str:
     digits = _time_digits(source.unit_time_s)
 
@@ -399,14 +514,8 @@ def _summary(
         return point(float(frontier.times_s[index]), float(frontier.energies_j[index]))
 
     def saved(est: PlanEstimate) -> str:
-        # The baseline energy is recovered from the plan's own ratio rather than recomputed, so
-        # the numbers shown are exactly those in plan.json (a straggler target moves the
-        # comparison to T', which the planner accounts for).
-        saved_j = est.energy_j * est.savings_ratio / (1.0 - est.savings_ratio)
-        # Adding 0.0 turns the "-0.0" of rounding noise (no saving at all) into "0.0".
-        saved_j = round(saved_j, 1) + 0.0
-        percent = round(100.0 * est.savings_ratio, 2) + 0.0
         shown = point(est.iteration_time_s, est.energy_j)
+        saved_j, percent = _saved(est)
         return f"{shown}  saved {saved_j:,.1f} J ({percent:.2f} %)"
 
     objective = plan.objective.value
@@ -419,24 +528,94 @@ def _summary(
         stages_shown = f"{stages} stages x {dag.virtual_stages} virtual"
     else:
         stages_shown = f"{stages} stages"
+    compile_note = " (most of it compiling the solver: first run only)" if compiled is False else ""
     lines = [
         f"Profile        {source.name}: {stages_shown}, {dag.schedule.value}, "
         f"{dag.num_microbatches} microbatches, unit {source.unit_time_s:g} s, "
         f"blocking {source.blocking_power_w:g} W",
-        f"Frontier       {len(frontier)} points, solved in {solve_s:.2f} s",
-        f"  T_max        {at(0)}",
-        f"  T*           {at(frontier.t_star_index)}",
-        f"  T_min        {at(frontier.t_min_index)}",
-        f"All max clock  {point(baseline.time_s, baseline.energy_j())}",
+        f"Frontier       {len(frontier)} points, solved in {solve_s:.2f} s{compile_note}",
+        "  (energies of the solver's fitted cost model; times on its grid of one unit)",
+        f"  T_max        {at(0)}  slowest point",
+        f"  T*           {at(frontier.t_star_index)}  least energy",
+        f"  T_min        {at(frontier.t_min_index)}  fastest, the default target",
+        f"All max clock  {point(baseline.time_s, baseline.energy_j())}  the baseline",
+        *_baseline_note(frontier, baseline, digits),
         f"Chosen         {at(choice.index)}  ({objective})",
-        "Saved vs all max clock at the same iteration time:",
+        "Replayed on the profile's measured rows, saved vs all max clock at the same "
+        "iteration time:",
         f"  instruction  {saved(plan.instruction_estimate)}",
         f"  stage        {saved(plan.stage_estimate)}",
         f"Plan applies   {plan.granularity.value} granularity",
+        *_granularity_hint(plan),
         "Wrote",
         *(f"  {path}" for path in written),
     ]
     return "\n".join(lines)
+
+
+_NOTHING_SAVED_RATIO = 0.0005
+"""Below 0.05 % a plan saves nothing worth its clock changes: the summary says why."""
+
+
+def _saved(est: PlanEstimate) -> tuple[float, float]:
+    """Joules and percent saved, as in plan.json (rounded; never "-0.0")."""
+    # The baseline energy is recovered from the plan's own ratio rather than recomputed, so
+    # the numbers shown are exactly those in plan.json (a straggler target moves the
+    # comparison to T', which the planner accounts for).
+    saved_j = est.energy_j * est.savings_ratio / (1.0 - est.savings_ratio)
+    # Adding 0.0 turns the "-0.0" of rounding noise (no saving at all) into "0.0".
+    return round(saved_j, 1) + 0.0, round(100.0 * est.savings_ratio, 2) + 0.0
+
+
+def _baseline_note(frontier: Frontier, baseline: Baseline, digits: int) -> list[str]:
+    """Why all max clock can read slower than ``T_min``: the grid, not the clocks."""
+    t_min_s = float(frontier.times_s[frontier.t_min_index])
+    if baseline.time_s <= t_min_s:
+        return []
+    unit_s = frontier.problem.unit_time_s
+    return [
+        f"  slower than T_min only because the solver rounds each computation down to its "
+        f"{unit_s:g} s unit: on that grid all max clock takes {_grid_time_s(frontier):.{digits}f} s"
+    ]
+
+
+def _grid_time_s(frontier: Frontier) -> float:
+    """The all-max-clock iteration time with every computation floored to the unit time."""
+    import numpy as np
+
+    problem = frontier.problem
+    unit_s = problem.unit_time_s
+    times_s = np.empty(problem.dag.num_nodes, dtype=np.float64)
+    for i, comp in enumerate(problem.dag.computations):
+        m = problem.profile.get(comp.stage, comp.instruction)
+        fastest = int(np.argmax(m.frequencies_mhz))
+        times_s[i] = math.floor(float(m.times_s[fastest]) / unit_s + 1e-9) * unit_s
+    return problem.real_makespan_s(times_s)
+
+
+def _granularity_hint(plan: PipelinePlan) -> list[str]:
+    """What to try when the plan's granularity saves nothing at the chosen target."""
+    from perseus_api import Granularity, PlanObjective
+
+    if plan.granularity is Granularity.STAGE:
+        applied, other, other_name = plan.stage_estimate, plan.instruction_estimate, "instruction"
+    else:
+        applied, other, other_name = plan.instruction_estimate, plan.stage_estimate, "stage"
+    if applied.savings_ratio >= _NOTHING_SAVED_RATIO:
+        return []
+    name = plan.granularity.value.lower()
+    why = (
+        "one clock per GPU cannot slow a stage whose computations are on the critical path"
+        if plan.granularity is Granularity.STAGE
+        else "every computation is on the critical path at this target"
+    )
+    tries = []
+    if other.savings_ratio >= _NOTHING_SAVED_RATIO:
+        tries.append(f"--granularity {other_name} ({_saved(other)[1]:.2f} %)")
+    if plan.objective is PlanObjective.MIN_TIME:
+        tries.append("a slowdown budget (e.g. --max-slowdown 0.02)")
+    hint = f"  hint: {name} granularity saves nothing here: {why}"
+    return [hint + (f"; try {' or '.join(tries)}" if tries else "")]
 
 
 def _time_digits(unit_time_s: float) -> int:

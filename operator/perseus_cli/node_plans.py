@@ -1,0 +1,183 @@
+"""Node plans for standalone agents: a pipeline plan spread over the GPUs that run its ranks.
+
+A standalone node agent (``perseus-node-agent --standalone``, no Kubernetes) applies one
+``NodePlan`` per node, the document the operator writes on a cluster. Here it is built from
+``perseus plan``'s pipeline plan and a rank-to-GPU mapping, given either as
+
+- ``--gpus 0,1,2,3`` (with ``--node``): this node's GPUs, by index or UUID, one per rank in
+  rank order, or
+- ``--ranks FILE``: a CSV with the header ``rank,node,gpu`` and optionally ``stage``,
+  ``dp_rank`` and ``tp_rank`` columns, one row per training process (several nodes).
+
+Without ``stage`` and ``dp_rank``, rank ``r`` of a ``P``-stage pipeline is stage ``r % P`` of
+data-parallel replica ``r // P``: the order ``torch.distributed`` launchers and the bundled
+torch example give ranks (``rank = dp_rank * P + stage``).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from perseus_cli import CliError
+
+if TYPE_CHECKING:
+    from perseus_api import PipelinePlan
+    from perseus_api.node_plan import NodePlan
+
+__all__ = [
+    "RankGpu",
+    "build_node_plans",
+    "node_plan_file_name",
+    "parse_gpu_list",
+    "read_rank_file",
+]
+
+PLAN_KEY = "main"
+"""The pipeline plan's key in each node plan (one pipeline plan per job here)."""
+_REQUIRED_COLUMNS = ("rank", "node", "gpu")
+_OPTIONAL_COLUMNS = ("stage", "dp_rank", "tp_rank")
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
+_MAX_RANKS = 100_000
+"""More rows than any job has ranks: a file this long is the wrong file."""
+
+
+@dataclass(frozen=True)
+class RankGpu:
+    """One training process: its global rank, its node and GPU (index or UUID), its place."""
+
+    rank: int
+    node: str
+    gpu: str
+    stage: int | None = None
+    dp_rank: int | None = None
+    tp_rank: int = 0
+
+
+def parse_gpu_list(text: str, node: str) -> list[RankGpu]:
+    """``--gpus 0,1,2,3`` on ``node``: rank ``r`` runs on the ``r``-th GPU listed."""
+    gpus = [g.strip() for g in text.split(",")]
+    if not gpus or any(not g for g in gpus):
+        raise CliError(f"--gpus: a comma-separated list of GPU indices or UUIDs, got {text!r}")
+    return [RankGpu(rank, node, gpu) for rank, gpu in enumerate(gpus)]
+
+
+def read_rank_file(path: Path) -> list[RankGpu]:
+    """The rows of a ``--ranks`` CSV (see the module docstring)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CliError(f"--ranks {path}: {exc.strerror or exc}") from None
+    reader = csv.DictReader(text.splitlines())
+    columns = [c.strip() for c in reader.fieldnames or []]
+    missing = [c for c in _REQUIRED_COLUMNS if c not in columns]
+    unknown = [c for c in columns if c not in (*_REQUIRED_COLUMNS, *_OPTIONAL_COLUMNS)]
+    if missing or unknown:
+        raise CliError(
+            f"--ranks {path}: the header must name rank,node,gpu (and optionally "
+            f"{','.join(_OPTIONAL_COLUMNS)}); got {','.join(columns) or 'nothing'}"
+        )
+    rows: list[RankGpu] = []
+    for line, raw in enumerate(reader, start=2):
+        if len(rows) >= _MAX_RANKS:
+            raise CliError(f"--ranks {path}: more than {_MAX_RANKS:,} rows")
+        row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
+        where = f"--ranks {path} line {line}"
+        if not row["node"] or not row["gpu"]:
+            raise CliError(f"{where}: node and gpu must not be empty")
+        rows.append(
+            RankGpu(
+                rank=_non_negative(row["rank"], "rank", where),
+                node=row["node"],
+                gpu=row["gpu"],
+                stage=_optional(row.get("stage"), "stage", where),
+                dp_rank=_optional(row.get("dp_rank"), "dp_rank", where),
+                tp_rank=_optional(row.get("tp_rank"), "tp_rank", where) or 0,
+            )
+        )
+    if not rows:
+        raise CliError(f"--ranks {path}: no rows after the header")
+    return rows
+
+
+def _non_negative(text: str, column: str, where: str) -> int:
+    if not text.isdigit():
+        raise CliError(f"{where}: {column} must be an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _optional(text: str | None, column: str, where: str) -> int | None:
+    return None if not text else _non_negative(text, column, where)
+
+
+def build_node_plans(
+    plan: PipelinePlan, ranks: Sequence[RankGpu], job: str, namespace: str = "default"
+) -> dict[str, NodePlan]:
+    """One node plan per node that runs a rank of ``plan``, by node name.
+
+    Raises:
+        CliError: A rank listed twice, a stage outside the pipeline, a GPU given twice on one
+            node, or a data-parallel replica whose stages are not all there.
+    """
+    from pydantic import ValidationError
+
+    from perseus_api.node_plan import GpuAssignment, NodePlan
+
+    stages = plan.num_stages
+    seen: set[int] = set()
+    placed: dict[tuple[int, int, int], int] = {}
+    by_node: dict[str, list[GpuAssignment]] = {}
+    for r in ranks:
+        if r.rank in seen:
+            raise CliError(f"rank {r.rank} is given twice")
+        seen.add(r.rank)
+        stage = r.rank % stages if r.stage is None else r.stage
+        dp_rank = r.rank // stages if r.dp_rank is None else r.dp_rank
+        if stage >= stages:
+            raise CliError(f"rank {r.rank}: stage {stage}, but the plan has {stages} stages")
+        if (dp_rank, stage, r.tp_rank) in placed:
+            raise CliError(
+                f"ranks {placed[dp_rank, stage, r.tp_rank]} and {r.rank} both run stage {stage} "
+                f"of replica {dp_rank} (tensor-parallel rank {r.tp_rank})"
+            )
+        placed[dp_rank, stage, r.tp_rank] = r.rank
+        gpu = {"gpu_index": int(r.gpu)} if r.gpu.isdigit() else {"gpu_uuid": r.gpu}
+        by_node.setdefault(r.node, []).append(
+            GpuAssignment(
+                **gpu, plan=PLAN_KEY, stage=stage, dp_rank=dp_rank, tp_rank=r.tp_rank, rank=r.rank
+            )
+        )
+    replicas = sorted({dp for dp, _, _ in placed})
+    for dp in replicas:
+        have = {s for d, s, _ in placed if d == dp}
+        if len(have) != stages:
+            missing = ", ".join(str(s) for s in range(stages) if s not in have)
+            raise CliError(
+                f"replica {dp} has no rank for stage(s) {missing}: list {stages} ranks per "
+                f"replica ({len(ranks)} given for {stages} stages)"
+            )
+    plans: dict[str, NodePlan] = {}
+    for node, assignments in by_node.items():
+        try:
+            plans[node] = NodePlan(
+                node=node,
+                namespace=namespace,
+                job=job,
+                revision=1,
+                granularity=plan.granularity,
+                plans={PLAN_KEY: plan},
+                assignments=assignments,
+            )
+        except ValidationError as exc:
+            reason = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise CliError(f"node {node}: {reason}") from None
+    return plans
+
+
+def node_plan_file_name(node: str) -> str:
+    """``node-plan-NODE.json``, the node's name made safe for a file name."""
+    return f"node-plan-{_SAFE_NAME.sub('_', node)}.json"
