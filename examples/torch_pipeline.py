@@ -11,6 +11,16 @@ its replicas. The one Perseus line is ``attach(schedule)``; the node agent's soc
 ``zb-h1`` one with the backward split (``ScheduleInterleavedZeroBubble``), ``looped-bfs`` a
 schedule the planner does not follow (step hooks only).
 
+While it runs, rank 0 prints each step's time. With ``--agent-metrics URL`` (the node agent's
+``/metrics``, e.g. ``http://127.0.0.1:9400/metrics``) it also reads the energy counters of the
+ranks' GPUs (GPU ``r`` for rank ``r``: one machine) and, at the end, prints the energy per
+iteration; with ``--baseline-steps K`` as well, the first ``K`` steps run without the hooks,
+so under an ``Instruction`` plan (which locks nothing until a process calls in) at the GPUs'
+own clocks, all at max, and the end compares the two: the measured savings against all-max::
+
+    python examples/torch_pipeline.py --steps 8 --baseline-steps 4 \
+        --agent-metrics http://127.0.0.1:9400/metrics
+
 ``--slow-replica R --slow-forward-s S`` makes replica ``R`` a straggler (each of its
 forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and step, when
 ``schedule.step()`` was called and when it returned (JSON lines), which is what a training
@@ -32,8 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,13 +151,24 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
         emulate(args, stages, state, name, args.pp, pp_rank)
     elif args.emulated_gpus is not None:
         emulate(args, stages, args.emulated_gpus, args.node_name, args.dp * args.pp, rank)
-    if not args.no_perseus:
+    baseline_steps = 0 if args.no_perseus else args.baseline_steps
+    if not args.no_perseus and baseline_steps == 0:
         attach(schedule, **client_options(args))  # <- the Perseus line (options: optional)
 
     generator = torch.Generator().manual_seed(1000 + dp_rank)
     first = pp_rank == 0
     last = pp_rank == args.pp - 1
+    meter = EnergyMeter(args.agent_metrics, args.dp * args.pp) if rank == 0 else None
+    phases: list[Phase] = []
     for step in range(args.steps):
+        if step == baseline_steps and baseline_steps > 0:
+            attach(schedule, **client_options(args))  # after the all-max steps
+        if step in (0, baseline_steps, baseline_steps + 1):
+            # Phase boundaries: all-max steps, the first hooked step (the agent finds its place
+            # in the schedule), the measured ones. A barrier so that every rank is there.
+            dist.barrier()
+            if meter is not None:
+                phases.append(meter.mark(step))
         x = torch.randn(BATCH, WIDTH, generator=generator)
         y = torch.randn(BATCH, WIDTH, generator=generator)
         optimizer.zero_grad()
@@ -152,11 +177,21 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
         schedule.step(*inputs, target=y if last else None)
         end_ns = time.monotonic_ns()
         optimizer.step()
+        if rank == 0:
+            hooked = "" if args.no_perseus else (" (all max)" if step < baseline_steps else "")
+            print(
+                f"step {step + 1}/{args.steps}: {(end_ns - begin_ns) / 1e9:.3f} s{hooked}",
+                flush=True,
+            )
         if args.step_times is not None:
             record = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "step": step,
                       "begin_ns": begin_ns, "end_ns": end_ns}  # fmt: skip
             with Path(args.step_times).open("a") as f:
                 f.write(json.dumps(record) + "\n")
+    dist.barrier()
+    if meter is not None:
+        phases.append(meter.mark(args.steps))
+        print(energy_summary(phases, baseline_steps, meter.enabled), flush=True)
     if args.weights_out is not None:
         weights = {k: v.tolist() for k, v in stages[0].submod.state_dict().items()}
         Path(args.weights_out, f"rank{rank}.json").write_text(json.dumps(weights))
@@ -166,6 +201,81 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
         schedule.eval(*((x,) if first else ()), target=y if last else None)
     dist.barrier()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A mark at the start of ``step``: the time and the GPUs' energy counters then."""
+
+    step: int
+    time_s: float
+    energy_j: float | None
+
+
+class EnergyMeter:
+    """The energy counters of GPUs ``0..num_gpus-1`` from the node agent's ``/metrics``."""
+
+    _SAMPLE = re.compile(r"^perseus_gpu_energy_joules_total\{([^}]*)\} (\S+)$", re.MULTILINE)
+
+    def __init__(self, url: str | None, num_gpus: int) -> None:
+        self.url = url
+        self.num_gpus = num_gpus
+        self.enabled = url is not None
+
+    def mark(self, step: int) -> Phase:
+        return Phase(step, time.monotonic(), self.read_j())
+
+    def read_j(self) -> float | None:
+        """Joules of the ranks' GPUs together; None without an agent (or when it is gone)."""
+        if self.url is None:
+            return None
+        try:
+            with urllib.request.urlopen(self.url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError as exc:
+            print(f"cannot read the agent's metrics at {self.url}: {exc}", file=sys.stderr)
+            return None
+        total, seen = 0.0, set()
+        for labels, value in self._SAMPLE.findall(text):
+            gpu = re.search(r'gpu="(\d+)"', labels)
+            if gpu is not None and int(gpu.group(1)) < self.num_gpus:
+                seen.add(int(gpu.group(1)))
+                total += float(value)
+        return total if len(seen) == self.num_gpus else None
+
+
+def energy_summary(phases: list[Phase], baseline_steps: int, metered: bool) -> str:
+    """Time and energy per iteration of the hooked steps, beside the all-max ones if any.
+
+    ``phases``: marks at step 0, at the first hooked step (with baseline steps), at the one
+    after it, and at the end. The first hooked step is left out: the agent finds its place in
+    the schedule during it.
+    """
+    end, start = phases[-1], phases[-2]
+    lines = []
+
+    def per_step(a: Phase, b: Phase) -> tuple[float, float | None]:
+        steps = b.step - a.step
+        energy = None if a.energy_j is None or b.energy_j is None else b.energy_j - a.energy_j
+        return (b.time_s - a.time_s) / steps, None if energy is None else energy / steps
+
+    if end.step <= start.step:
+        return "too few steps to measure (--steps must exceed --baseline-steps + 1)"
+    time_s, energy_j = per_step(start, end)
+    if not metered:
+        return f"mean step time {time_s:.3f} s (pass --agent-metrics for energy)"
+    if energy_j is None:
+        return f"mean step time {time_s:.3f} s; energy unknown (agent metrics unreadable)"
+    lines.append(f"Perseus        {time_s:.3f} s  {energy_j:9.2f} J per iteration")
+    if baseline_steps > 0:
+        base_s, base_j = per_step(phases[0], phases[1])
+        if base_j is not None:
+            lines.append(f"all max clock  {base_s:.3f} s  {base_j:9.2f} J per iteration")
+            lines.append(
+                f"saved          {100 * (1 - energy_j / base_j):.1f} % energy per iteration, "
+                f"time {100 * (time_s / base_s - 1):+.1f} %"
+            )
+    return "\n".join(lines)
 
 
 def emulate(
@@ -212,6 +322,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", action="store_true", help="one eval() after training")
     parser.add_argument("--no-perseus", action="store_true", help="do not attach (compare)")
     parser.add_argument(
+        "--agent-metrics",
+        default=None,
+        metavar="URL",
+        help="the node agent's /metrics: report the energy per iteration at the end",
+    )
+    parser.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run the first K steps without the hooks (all max clock) and compare at the end",
+    )
+    parser.add_argument(
         "--ddp-comm-hook", action="store_true", help="DDP with its all-reduce as a comm hook"
     )
     parser.add_argument("--client-timeout-s", type=float, default=None, help="hook round trip")
@@ -234,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--emulated-profile goes with --emulated-gpus or --node")
     if args.node and len(args.node) != args.dp:
         parser.error(f"--node: one per replica, {args.dp} in all; got {len(args.node)}")
+    if args.baseline_steps and args.steps < args.baseline_steps + 2:
+        parser.error("--steps must leave two hooked steps after --baseline-steps or more")
     with tempfile.TemporaryDirectory(prefix="torch-pipeline-") as directory:
         store_file = str(Path(directory, "store"))  # created by the ranks' FileStore
         mp.spawn(worker, args=(args, store_file), nprocs=args.dp * args.pp, join=True)

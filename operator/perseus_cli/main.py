@@ -13,13 +13,13 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from perseus_cli import CliError, plan_command, simulate_command
+from perseus_cli import CliError, plan_command, profile_plan_command, simulate_command
 
 PROG = "perseus"
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
-_COMMANDS = (plan_command, simulate_command)
+_COMMANDS = (plan_command, profile_plan_command, simulate_command)
 _DISTRIBUTION = "perseus-k8s"
 _PACKAGES = ("perseus_cli", "perseus_planner", "perseus_api")
 

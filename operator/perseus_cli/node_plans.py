@@ -27,7 +27,7 @@ from perseus_cli import CliError
 
 if TYPE_CHECKING:
     from perseus_api import PipelinePlan
-    from perseus_api.node_plan import NodePlan
+    from perseus_api.node_plan import NodePlan, ProfilingSpec
 
 __all__ = [
     "RankGpu",
@@ -115,9 +115,14 @@ def _optional(text: str | None, column: str, where: str) -> int | None:
 
 
 def build_node_plans(
-    plan: PipelinePlan, ranks: Sequence[RankGpu], job: str, namespace: str = "default"
+    plan: PipelinePlan,
+    ranks: Sequence[RankGpu],
+    job: str,
+    namespace: str = "default",
+    profiling: ProfilingSpec | None = None,
 ) -> dict[str, NodePlan]:
-    """One node plan per node that runs a rank of ``plan``, by node name.
+    """One node plan per node that runs a rank of ``plan``, by node name (with ``profiling``:
+    plans that measure a profile instead).
 
     Raises:
         CliError: A rank listed twice, a stage outside the pipeline, a GPU given twice on one
@@ -171,6 +176,7 @@ def build_node_plans(
                 granularity=plan.granularity,
                 plans={PLAN_KEY: plan},
                 assignments=assignments,
+                profiling=profiling,
             )
         except ValidationError as exc:
             reason = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
