@@ -30,10 +30,12 @@ if TYPE_CHECKING:
     from perseus_api.node_plan import NodePlan, ProfilingSpec
 
 __all__ = [
+    "Placement",
     "RankGpu",
     "build_node_plans",
     "node_plan_file_name",
     "parse_gpu_list",
+    "place_ranks",
     "read_rank_file",
 ]
 
@@ -114,6 +116,59 @@ def _optional(text: str | None, column: str, where: str) -> int | None:
     return None if not text else _non_negative(text, column, where)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A rank's place in the job: its GPU and its stage and replica."""
+
+    rank: RankGpu
+    stage: int
+    dp_rank: int
+
+
+def place_ranks(ranks: Sequence[RankGpu], num_stages: int) -> list[Placement]:
+    """Each rank's stage and replica, checked (before a solve, so that a bad mapping costs
+    nothing).
+
+    Raises:
+        CliError: A rank listed twice, a GPU given to two ranks, a stage outside the pipeline,
+            two ranks on one place, or a data-parallel replica whose stages are not all there.
+    """
+    ranks_seen: set[int] = set()
+    gpus_seen: dict[tuple[str, str], int] = {}
+    placed: dict[tuple[int, int, int], int] = {}
+    placements = []
+    for r in ranks:
+        if r.rank in ranks_seen:
+            raise CliError(f"rank {r.rank} is given twice")
+        ranks_seen.add(r.rank)
+        if (r.node, r.gpu) in gpus_seen:
+            raise CliError(
+                f"ranks {gpus_seen[r.node, r.gpu]} and {r.rank} are both on GPU {r.gpu} of node "
+                f"{r.node}: one GPU runs one rank"
+            )
+        gpus_seen[r.node, r.gpu] = r.rank
+        stage = r.rank % num_stages if r.stage is None else r.stage
+        dp_rank = r.rank // num_stages if r.dp_rank is None else r.dp_rank
+        if stage >= num_stages:
+            raise CliError(f"rank {r.rank}: stage {stage}, but the plan has {num_stages} stages")
+        if (dp_rank, stage, r.tp_rank) in placed:
+            raise CliError(
+                f"ranks {placed[dp_rank, stage, r.tp_rank]} and {r.rank} both run stage {stage} "
+                f"of replica {dp_rank} (tensor-parallel rank {r.tp_rank})"
+            )
+        placed[dp_rank, stage, r.tp_rank] = r.rank
+        placements.append(Placement(r, stage, dp_rank))
+    for dp in sorted({dp for dp, _, _ in placed}):
+        have = {s for d, s, _ in placed if d == dp}
+        if len(have) != num_stages:
+            missing = ", ".join(str(s) for s in range(num_stages) if s not in have)
+            raise CliError(
+                f"replica {dp} has no rank for stage(s) {missing}: list {num_stages} ranks per "
+                f"replica ({len(ranks)} given for {num_stages} stages)"
+            )
+    return placements
+
+
 def build_node_plans(
     plan: PipelinePlan,
     ranks: Sequence[RankGpu],
@@ -125,46 +180,26 @@ def build_node_plans(
     plans that measure a profile instead).
 
     Raises:
-        CliError: A rank listed twice, a stage outside the pipeline, a GPU given twice on one
-            node, or a data-parallel replica whose stages are not all there.
+        CliError: The mapping does not fit the plan (see :func:`place_ranks`).
     """
     from pydantic import ValidationError
 
     from perseus_api.node_plan import GpuAssignment, NodePlan
 
-    stages = plan.num_stages
-    seen: set[int] = set()
-    placed: dict[tuple[int, int, int], int] = {}
     by_node: dict[str, list[GpuAssignment]] = {}
-    for r in ranks:
-        if r.rank in seen:
-            raise CliError(f"rank {r.rank} is given twice")
-        seen.add(r.rank)
-        stage = r.rank % stages if r.stage is None else r.stage
-        dp_rank = r.rank // stages if r.dp_rank is None else r.dp_rank
-        if stage >= stages:
-            raise CliError(f"rank {r.rank}: stage {stage}, but the plan has {stages} stages")
-        if (dp_rank, stage, r.tp_rank) in placed:
-            raise CliError(
-                f"ranks {placed[dp_rank, stage, r.tp_rank]} and {r.rank} both run stage {stage} "
-                f"of replica {dp_rank} (tensor-parallel rank {r.tp_rank})"
-            )
-        placed[dp_rank, stage, r.tp_rank] = r.rank
+    for p in place_ranks(ranks, plan.num_stages):
+        r = p.rank
         gpu = {"gpu_index": int(r.gpu)} if r.gpu.isdigit() else {"gpu_uuid": r.gpu}
         by_node.setdefault(r.node, []).append(
             GpuAssignment(
-                **gpu, plan=PLAN_KEY, stage=stage, dp_rank=dp_rank, tp_rank=r.tp_rank, rank=r.rank
+                **gpu,
+                plan=PLAN_KEY,
+                stage=p.stage,
+                dp_rank=p.dp_rank,
+                tp_rank=r.tp_rank,
+                rank=r.rank,
             )
         )
-    replicas = sorted({dp for dp, _, _ in placed})
-    for dp in replicas:
-        have = {s for d, s, _ in placed if d == dp}
-        if len(have) != stages:
-            missing = ", ".join(str(s) for s in range(stages) if s not in have)
-            raise CliError(
-                f"replica {dp} has no rank for stage(s) {missing}: list {stages} ranks per "
-                f"replica ({len(ranks)} given for {stages} stages)"
-            )
     plans: dict[str, NodePlan] = {}
     for node, assignments in by_node.items():
         try:

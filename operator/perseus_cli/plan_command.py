@@ -47,6 +47,7 @@ from perseus_cli.node_plans import (
     build_node_plans,
     node_plan_file_name,
     parse_gpu_list,
+    place_ranks,
     read_rank_file,
 )
 from perseus_cli.outputs import Output, write_together
@@ -265,15 +266,18 @@ def run(args: argparse.Namespace) -> int:
     num_stages, virtual_stages = shaped.num_stages, shaped.virtual_stages
     check_pipeline(schedule.value, num_stages, args.microbatches, virtual_stages)
     ranks = rank_gpus(args)
+    if ranks is not None:
+        place_ranks(ranks, num_stages)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
     _prepare_out_dir(out_dir, force=args.force)
 
+    # Asked before preparing: that runs some of the compiled kernels already.
+    compiled = announce_compile(quiet=args.quiet)
     start_s = time.perf_counter()
     problem = prepare(
         source, schedule, num_stages, args.microbatches, args.max_solver_work, virtual_stages
     )
-    compiled = announce_compile(quiet=args.quiet)
     frontier = solve_with_progress(problem, source.name, quiet=args.quiet)
     solve_s = time.perf_counter() - start_s
     log.info("frontier: %d points in %.2f s", len(frontier), solve_s)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_int, positive_int
-from perseus_cli.node_plans import build_node_plans, node_plan_file_name
+from perseus_cli.node_plans import build_node_plans, node_plan_file_name, place_ranks
 from perseus_cli.outputs import write_together
 from perseus_cli.plan_command import (
     _prepare_out_dir,
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = rank_gpus(args)
     if ranks is None:
         raise CliError("say which GPUs run the ranks: --gpus I,J,... (with --node) or --ranks")
+    place_ranks(ranks, args.stages)
     clocks = sweep_clocks(args)
     try:
         profiling = ProfilingSpec(
