@@ -52,7 +52,16 @@ $(FRAMEWORKS_STAMP): $(TORCH_STAMP) $(FRAMEWORKS_REQUIREMENTS)
 frameworks: $(FRAMEWORKS_STAMP)
 
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
-demo: $(STAMP)
+## It needs the planner and matplotlib only (the `cli` extra): a fresh checkout installs just
+## those (a plain install, not the editable development one), quietly; a venv that already has
+## the development install uses it. See docs/cli.md for what it prints.
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -f $(STAMP) || $(BIN)/python -m pip install --quiet --disable-pip-version-check ".[cli]"
+	touch $@
+
+demo: $(DEMO_STAMP)
 	$(BIN)/perseus plan --microbatches 24 --out $(OUT) --force
 
 ## Whole test suite: lint (ruff, import contracts), strict typing, unit + reproduction tests.
