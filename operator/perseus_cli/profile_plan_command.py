@@ -188,7 +188,7 @@ def placeholder_plan(
 
     estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
     return PipelinePlan(
-        schedule=schedule,  # type: ignore[arg-type]  # one of _SCHEDULES, checked by argparse
+        schedule=schedule,  # one of _SCHEDULES (argparse checked it)
         num_stages=stages,
         num_microbatches=microbatches,
         virtual_stages=virtual_stages,

@@ -23,12 +23,13 @@ STAGES, MICROBATCHES = 2, 4
 CLOCKS = "1410,1200,1005"  # supported by the emulated A100s
 WARMUP, MEASURED = 1, 2
 SWEEP_STEPS = 3 * (WARMUP + MEASURED) + 2
-BASELINE_STEPS, STEPS = 4, 10
-SAVINGS_TOLERANCE_PP = 2.0
-"""Measured vs planned savings, percentage points. Emulated GPUs realize the profile's rows
-(the plan's replayed estimate), but each step also waits on the host: scheduling delays add
-blocking power to either phase (about 0.6 points per 20 ms of a 0.75 s step; one run gave
-3.7 % measured for 3.67 % planned)."""
+BASELINE_STEPS, STEPS = 5, 12
+SAVINGS_TOLERANCE_PP = 1.5
+"""Measured (at equal iteration time) vs planned savings, percentage points. Emulated GPUs
+realize the profile's rows (the plan's replayed estimate); each step also waits on the host,
+whose delays the equal-time comparison charges to both phases alike. Raw energy per iteration
+does not: under a load average of 18 on 2 cores one run's Perseus steps took 7.5 % longer
+than its all-max ones and saved 1.0 % raw against 3.7 % planned."""
 DOC = REPO_ROOT / "docs" / "standalone.md"
 
 
@@ -80,7 +81,7 @@ def test_the_doc_names_the_commands_this_test_runs() -> None:
         "perseus plan --profile profile.csv --blocking-power",
         "cp PLAN /run/perseus/.plan.tmp && mv /run/perseus/.plan.tmp /run/perseus/plan.json",
         "/run/perseus/plan.profile.csv",
-        "--steps 10 --baseline-steps 4",
+        "--steps 12 --baseline-steps 5",
         "--agent-metrics http://127.0.0.1:9400/metrics",
     ):
         assert command in doc, command
@@ -130,15 +131,20 @@ def test_profile_plan_and_train_without_kubernetes(agent: Agent, tmp_path: Path)
         ],
         socket_path=agent.socket_dir / "agent.sock",
     )  # fmt: skip
-    steps = re.findall(r"^step (\d+)/10: [0-9.]+ s( \(all max\))?$", done.stdout, re.MULTILINE)
+    steps = re.findall(rf"^step (\d+)/{STEPS}: [0-9.]+ s( \(all max\))?$", done.stdout, re.M)
     assert [int(n) for n, _ in steps] == list(range(1, STEPS + 1)), done.stdout
-    assert [bool(m) for _, m in steps] == [True] * BASELINE_STEPS + [False] * 6
+    assert [bool(m) for _, m in steps] == [True] * BASELINE_STEPS + [False] * (
+        STEPS - BASELINE_STEPS
+    )
     assert re.search(r"^Perseus +[0-9.]+ s +[0-9.]+ J per iteration$", done.stdout, re.MULTILINE)
     assert re.search(r"^all max clock +[0-9.]+ s +[0-9.]+ J per iteration$", done.stdout,
                      re.MULTILINE), done.stdout  # fmt: skip
-    saved = re.search(r"^saved +(-?[0-9.]+) % energy per iteration", done.stdout, re.MULTILINE)
+    assert re.search(r"^saved +-?[0-9.]+ % energy per iteration, time [-+][0-9.]+ %$",
+                     done.stdout, re.MULTILINE), done.stdout  # fmt: skip
+    saved = re.search(r"^at equal time +(-?[0-9.]+) % saved, both iterations", done.stdout, re.M)
     assert saved is not None, done.stdout
     measured_percent = float(saved.group(1))
+    print(done.stdout, f"planned {planned_percent:.2f} %")  # shown with -s: the spread
     assert measured_percent == pytest.approx(planned_percent, abs=SAVINGS_TOLERANCE_PP), (
         done.stdout,
         planned_percent,
