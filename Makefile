@@ -54,7 +54,7 @@ frameworks: $(FRAMEWORKS_STAMP)
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
 ## It needs the planner and matplotlib only (the `cli` extra): a fresh checkout installs just
 ## those (a plain install, not the editable development one), quietly; a venv that already has
-## the development install uses it. See docs/cli.md for what it prints.
+## the development install uses it. See docs/reference/cli.md for what it prints.
 DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -11,7 +11,7 @@ Outputs, in the ``--out`` directory:
   (:mod:`perseus_planner.dag_json`), written together with the others;
 - with ``--gpus`` (and ``--node``) or ``--ranks FILE``: ``node-plan-NODE.json`` per node, the
   ``NodePlan`` a standalone node agent applies (``perseus-node-agent --standalone
-  --plan-file``; see :mod:`perseus_cli.node_plans` and docs/standalone.md).
+  --plan-file``; see :mod:`perseus_cli.node_plans` and docs/user-guide/standalone.md).
 
 Schedules: ``1f1b``, ``gpipe``, ``interleaved-1f1b`` (``--virtual-stages``) and ``zb-h1``;
 the profile forms they need are in :mod:`perseus_cli.schedules`.

@@ -5,7 +5,7 @@ Outside Kubernetes nothing schedules profiling: this writes, per node, a ``NodeP
 each clock of the sweep in turn, highest first, while the training job runs with the
 ``perseus_client`` hooks, and to measure each computation's time and energy. When every GPU
 is done the agent writes ``node-plan-NODE.profile.csv`` beside the plan file: the profile
-``perseus plan --profile`` reads (docs/standalone.md).
+``perseus plan --profile`` reads (docs/user-guide/standalone.md).
 
 The plan's pipeline part only says which computations each stage runs, in the schedule's
 order (the agent matches the hooks against it); its clocks are not applied.

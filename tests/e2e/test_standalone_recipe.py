@@ -1,4 +1,4 @@
-"""docs/standalone.md's recipe, end to end without Kubernetes: a standalone agent started with
+"""docs/user-guide/standalone.md's recipe, end to end without Kubernetes: a standalone agent started with
 no plan file, ``perseus profile-plan``, real torch processes (``examples/torch_pipeline.py``)
 profiled on emulated GPUs, ``perseus plan`` from that profile to a node plan, and the example
 measuring the plan's savings against all max clock through the agent's metrics."""
@@ -30,7 +30,7 @@ realize the profile's rows (the plan's replayed estimate); each step also waits 
 whose delays the equal-time comparison charges to both phases alike. Raw energy per iteration
 does not: under a load average of 18 on 2 cores one run's Perseus steps took 7.5 % longer
 than its all-max ones and saved 1.0 % raw against 3.7 % planned."""
-DOC = REPO_ROOT / "docs" / "standalone.md"
+DOC = REPO_ROOT / "docs" / "user-guide" / "standalone.md"
 
 
 @pytest.fixture
