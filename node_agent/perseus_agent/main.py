@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
             "and resets every clock it changed when it stops."
         ),
     )
+    from perseus_api.version import distribution_version
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
     gpus = parser.add_argument_group("GPUs")
     gpus.add_argument(
         "--gpu-backend",

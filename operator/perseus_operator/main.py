@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="perseus-operator",
         description="Kubernetes operator that removes energy bloat from large-model training.",
     )
+    from perseus_api.version import distribution_version
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {distribution_version()}")
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
         "-n",

@@ -1,7 +1,8 @@
-"""docs/user-guide/standalone.md's recipe, end to end without Kubernetes: a standalone agent started with
-no plan file, ``perseus profile-plan``, real torch processes (``examples/torch_pipeline.py``)
-profiled on emulated GPUs, ``perseus plan`` from that profile to a node plan, and the example
-measuring the plan's savings against all max clock through the agent's metrics."""
+"""docs/user-guide/standalone.md's recipe, end to end without Kubernetes: a standalone agent
+started with no plan file, ``perseus profile-plan``, real torch processes
+(``examples/torch_pipeline.py``) profiled on emulated GPUs, ``perseus plan`` from that profile
+to a node plan, and the example measuring the plan's savings against all max clock through the
+agent's metrics."""
 
 from __future__ import annotations
 

@@ -126,13 +126,11 @@ def test_every_console_script_has_a_version(module: str, prog: str, tmp_path: Pa
     assert done.stdout == f"{prog} {metadata.version('perseus-k8s')}\n"
 
 
-def test_agent_metrics_and_operator_liveness_listen_on_loopback_unless_asked() -> None:
+def test_agent_metrics_listen_on_loopback_unless_asked() -> None:
     from perseus_agent.main import build_parser as agent_parser
-    from perseus_operator.main import build_parser as operator_parser
 
     assert agent_parser().parse_args([]).metrics_address == "127.0.0.1"
     assert agent_parser().parse_args(["--metrics-address=0.0.0.0"]).metrics_address == "0.0.0.0"
-    assert operator_parser().parse_args([]).liveness == "http://127.0.0.1:8081/healthz"
 
 
 @pytest.fixture
