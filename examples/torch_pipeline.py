@@ -158,12 +158,16 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
     generator = torch.Generator().manual_seed(1000 + dp_rank)
     first = pp_rank == 0
     last = pp_rank == args.pp - 1
+    # Measuring synchronizes the ranks at phase boundaries: only when asked, so that a plain
+    # run (a straggler's, say) keeps its own timing.
+    measuring = args.agent_metrics is not None or baseline_steps > 0
     meter = EnergyMeter(args.agent_metrics, args.dp * args.pp) if rank == 0 else None
     phases: list[Phase] = []
+    step_times_s: list[float] = []
     for step in range(args.steps):
         if step == baseline_steps and baseline_steps > 0:
             attach(schedule, **client_options(args))  # after the all-max steps
-        if step in (0, baseline_steps, baseline_steps + 1):
+        if measuring and step in (0, baseline_steps, baseline_steps + 1):
             # Phase boundaries: all-max steps, the first hooked step (the agent finds its place
             # in the schedule), the measured ones. A barrier so that every rank is there.
             dist.barrier()
@@ -178,21 +182,23 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
         end_ns = time.monotonic_ns()
         optimizer.step()
         if rank == 0:
-            hooked = "" if args.no_perseus else (" (all max)" if step < baseline_steps else "")
-            print(
-                f"step {step + 1}/{args.steps}: {(end_ns - begin_ns) / 1e9:.3f} s{hooked}",
-                flush=True,
-            )
+            step_times_s.append((end_ns - begin_ns) / 1e9)
+            hooked = " (all max)" if step < baseline_steps else ""
+            print(f"step {step + 1}/{args.steps}: {step_times_s[-1]:.3f} s{hooked}", flush=True)
         if args.step_times is not None:
             record = {"rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank, "step": step,
                       "begin_ns": begin_ns, "end_ns": end_ns}  # fmt: skip
             with Path(args.step_times).open("a") as f:
                 f.write(json.dumps(record) + "\n")
-    dist.barrier()
-    if meter is not None:
-        phases.append(meter.mark(args.steps))
-        summary = energy_summary(phases, baseline_steps, meter.enabled, args.blocking_power)
-        print(summary, flush=True)
+    if measuring:
+        dist.barrier()
+        if meter is not None:
+            phases.append(meter.mark(args.steps))
+            summary = energy_summary(phases, baseline_steps, meter.enabled, args.blocking_power)
+            print(summary, flush=True)
+    elif rank == 0 and step_times_s:
+        mean_s = sum(step_times_s) / len(step_times_s)
+        print(f"mean step time {mean_s:.3f} s over {len(step_times_s)} steps", flush=True)
     if args.weights_out is not None:
         weights = {k: v.tolist() for k, v in stages[0].submod.state_dict().items()}
         Path(args.weights_out, f"rank{rank}.json").write_text(json.dumps(weights))

@@ -344,8 +344,8 @@ def announce_compile(*, quiet: bool) -> bool | None:
     compiled = solver_compiled()
     if compiled is False and not quiet:
         print(
-            "perseus: first run: compiling the solver, once per installation (about 30 s on "
-            "2 busy cores; later runs reuse it)",
+            "perseus: first run: compiling the solver, once per installation (about 30 s on 2 "
+            "cores, longer when they are busy; later runs reuse it)",
             file=sys.stderr,
             flush=True,
         )
