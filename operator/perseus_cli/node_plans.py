@@ -16,8 +16,11 @@ torch example give ranks (``rank = dp_rank * P + stage``).
 
 from __future__ import annotations
 
+import argparse
 import csv
+import os
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +33,20 @@ if TYPE_CHECKING:
     from perseus_api.node_plan import NodePlan, ProfilingSpec
 
 __all__ = [
+    "DEFAULT_JOB",
     "Placement",
     "RankGpu",
+    "add_node_plan_arguments",
     "build_node_plans",
     "node_plan_file_name",
     "parse_gpu_list",
     "place_ranks",
+    "rank_gpus",
     "read_rank_file",
+    "standalone_hint",
 ]
 
+DEFAULT_JOB = "training"
 PLAN_KEY = "main"
 """The pipeline plan's key in each node plan (one pipeline plan per job here)."""
 _REQUIRED_COLUMNS = ("rank", "node", "gpu")
@@ -222,3 +230,59 @@ def build_node_plans(
 def node_plan_file_name(node: str) -> str:
     """``node-plan-NODE.json``, the node's name made safe for a file name."""
     return f"node-plan-{_SAFE_NAME.sub('_', node)}.json"
+
+
+def add_node_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpus``/``--node``, ``--ranks`` and ``--job``: node plans for standalone agents."""
+    group = parser.add_argument_group(
+        "node plans for standalone agents (perseus-node-agent --standalone; one of)",
+        "rank r of a P-stage pipeline is stage r %% P of replica r // P unless --ranks says",
+    )
+    mapping = group.add_mutually_exclusive_group()
+    mapping.add_argument(
+        "--gpus",
+        metavar="I,J,...",
+        help="this node's GPUs (indices or UUIDs), one per training rank in rank order; "
+        "writes node-plan-NODE.json",
+    )
+    mapping.add_argument(
+        "--ranks",
+        type=Path,
+        metavar="FILE.csv",
+        help="one row per rank: rank,node,gpu[,stage,dp_rank,tp_rank]; writes "
+        "node-plan-NODE.json per node",
+    )
+    group.add_argument(
+        "--node",
+        metavar="NAME",
+        help="node of --gpus, as the agent's --node-name (default: $NODE_NAME, else the host name)",
+    )
+    group.add_argument(
+        "--job",
+        default=DEFAULT_JOB,
+        metavar="NAME",
+        help="job name in the node plans and the agent's metrics (default: %(default)s)",
+    )
+
+
+def rank_gpus(args: argparse.Namespace) -> list[RankGpu] | None:
+    """The rank-to-GPU mapping of ``--gpus``/``--node`` or ``--ranks``; None without one."""
+    if args.node is not None and args.gpus is None:
+        raise CliError("--node goes with --gpus (a --ranks file names each rank's node)")
+    if args.ranks is not None:
+        return read_rank_file(args.ranks)
+    if args.gpus is not None:
+        node = args.node or os.environ.get("NODE_NAME") or socket.gethostname()
+        return parse_gpu_list(args.gpus, node)
+    return None
+
+
+def standalone_hint(out_dir: Path, nodes: list[str]) -> str:
+    """How to run the agent on the node plans just written."""
+    node = nodes[0]
+    path = out_dir / node_plan_file_name(node)
+    more = f" (and likewise on {', '.join(nodes[1:])})" if len(nodes) > 1 else ""
+    return (
+        f"Standalone     on {node}{more}: perseus-node-agent --standalone --node-name {node} "
+        f"--plan-file {path}"
+    )

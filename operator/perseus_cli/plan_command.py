@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
-import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,13 +41,15 @@ from typing import TYPE_CHECKING
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_float, positive_float, positive_int
 from perseus_cli.node_plans import (
+    add_node_plan_arguments,
     build_node_plans,
     node_plan_file_name,
-    parse_gpu_list,
     place_ranks,
-    read_rank_file,
+    rank_gpus,
+    standalone_hint,
 )
 from perseus_cli.outputs import Output, write_together
+from perseus_cli.plan_summary import plan_summary
 from perseus_cli.progress import Progress
 from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for, write_dag_json
 from perseus_cli.solver_cache import solver_compiled
@@ -58,9 +57,8 @@ from perseus_cli.solver_cache import solver_compiled
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
 if TYPE_CHECKING:
-    from perseus_api import PipelinePlan, PlanEstimate
+    from perseus_api import PipelinePlan
     from perseus_api.node_plan import NodePlan
-    from perseus_cli.node_plans import RankGpu
     from perseus_planner import Baseline, Choice, Frontier, FrontierProblem, Profile
 
 log = logging.getLogger(__name__)
@@ -69,7 +67,6 @@ FRONTIER_CSV = "frontier.csv"
 PLAN_JSON = "plan.json"
 FRONTIER_PNG = "frontier.png"
 DEFAULT_OUT = Path("out/plan")
-DEFAULT_JOB = "training"
 
 DEFAULT_UNIT_TIME_S = 0.001
 """For user profiles: the unit the artifact used for A100 profiles (~1000 steps per second)."""
@@ -209,39 +206,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_node_plan_arguments(parser)
 
 
-def add_node_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--gpus``/``--node``, ``--ranks`` and ``--job``: node plans for standalone agents."""
-    group = parser.add_argument_group(
-        "node plans for standalone agents (perseus-node-agent --standalone; one of)",
-        "rank r of a P-stage pipeline is stage r %% P of replica r // P unless --ranks says",
-    )
-    mapping = group.add_mutually_exclusive_group()
-    mapping.add_argument(
-        "--gpus",
-        metavar="I,J,...",
-        help="this node's GPUs (indices or UUIDs), one per training rank in rank order; "
-        "writes node-plan-NODE.json",
-    )
-    mapping.add_argument(
-        "--ranks",
-        type=Path,
-        metavar="FILE.csv",
-        help="one row per rank: rank,node,gpu[,stage,dp_rank,tp_rank]; writes "
-        "node-plan-NODE.json per node",
-    )
-    group.add_argument(
-        "--node",
-        metavar="NAME",
-        help="node of --gpus, as the agent's --node-name (default: $NODE_NAME, else the host name)",
-    )
-    group.add_argument(
-        "--job",
-        default=DEFAULT_JOB,
-        metavar="NAME",
-        help="job name in the node plans and the agent's metrics (default: %(default)s)",
-    )
-
-
 @dataclass(frozen=True)
 class _Source:
     """The profile to plan for and the solver settings that go with it."""
@@ -306,36 +270,16 @@ def run(args: argparse.Namespace) -> int:
         out_dir, frontier, baseline, choice, plan, title, args.no_plot, args.export_dag, extra
     )
     if not args.quiet:
-        summary = _summary(source, frontier, baseline, choice, plan, solve_s, written, compiled)
+        summary = plan_summary(
+            source.name, source.blocking_power_w, frontier, baseline, choice, plan, solve_s,
+            written, compiled,
+        )  # fmt: skip
         print(summary)
         if shaped.derived:
             print(f"Profile used   {shaped.profile.source}")
         if node_plans:
             print(standalone_hint(out_dir, sorted(node_plans)))
     return 0
-
-
-def rank_gpus(args: argparse.Namespace) -> list[RankGpu] | None:
-    """The rank-to-GPU mapping of ``--gpus``/``--node`` or ``--ranks``; None without one."""
-    if args.node is not None and args.gpus is None:
-        raise CliError("--node goes with --gpus (a --ranks file names each rank's node)")
-    if args.ranks is not None:
-        return read_rank_file(args.ranks)
-    if args.gpus is not None:
-        node = args.node or os.environ.get("NODE_NAME") or socket.gethostname()
-        return parse_gpu_list(args.gpus, node)
-    return None
-
-
-def standalone_hint(out_dir: Path, nodes: list[str]) -> str:
-    """How to run the agent on the node plans just written."""
-    node = nodes[0]
-    path = out_dir / node_plan_file_name(node)
-    more = f" (and likewise on {', '.join(nodes[1:])})" if len(nodes) > 1 else ""
-    return (
-        f"Standalone     on {node}{more}: perseus-node-agent --standalone --node-name {node} "
-        f"--plan-file {path}"
-    )
 
 
 def announce_compile(*, quiet: bool) -> bool | None:
@@ -497,131 +441,3 @@ def frontier_csv(frontier: Frontier) -> str:
     """``time,energy`` rows, slowest first, each float as ``repr`` (exact round trip)."""
     rows = zip(frontier.times_s.tolist(), frontier.energies_j.tolist(), strict=True)
     return "time,energy\n" + "".join(f"{t!r},{e!r}\n" for t, e in rows)
-
-
-def _summary(
-    source: _Source,
-    frontier: Frontier,
-    baseline: Baseline,
-    choice: Choice,
-    plan: PipelinePlan,
-    solve_s: float,
-    written: list[Path],
-    compiled: bool | None = None,
-) -> str:
-    digits = _time_digits(source.unit_time_s)
-
-    def point(time_s: float, energy_j: float) -> str:
-        return f"{time_s:.{digits}f} s  {energy_j:12,.1f} J"
-
-    def at(index: int) -> str:
-        return point(float(frontier.times_s[index]), float(frontier.energies_j[index]))
-
-    def saved(est: PlanEstimate) -> str:
-        shown = point(est.iteration_time_s, est.energy_j)
-        saved_j, percent = _saved(est)
-        return f"{shown}  saved {saved_j:,.1f} J ({percent:.2f} %)"
-
-    objective = plan.objective.value
-    if plan.target_iteration_time_s is not None:
-        what = "T'" if objective == "Straggler" else "deadline"
-        objective += f", {what} {plan.target_iteration_time_s:.{digits}f} s"
-    stages = frontier.problem.num_stages
-    dag = frontier.problem.dag
-    if dag.virtual_stages > 1:
-        stages_shown = f"{stages} stages x {dag.virtual_stages} virtual"
-    else:
-        stages_shown = f"{stages} stages"
-    compile_note = " (most of it compiling the solver: first run only)" if compiled is False else ""
-    lines = [
-        f"Profile        {source.name}: {stages_shown}, {dag.schedule.value}, "
-        f"{dag.num_microbatches} microbatches, unit {source.unit_time_s:g} s, "
-        f"blocking {source.blocking_power_w:g} W",
-        f"Frontier       {len(frontier)} points, solved in {solve_s:.2f} s{compile_note}",
-        "  (energies of the solver's fitted cost model; times on its grid of one unit)",
-        f"  T_max        {at(0)}  slowest point",
-        f"  T*           {at(frontier.t_star_index)}  least energy",
-        f"  T_min        {at(frontier.t_min_index)}  fastest, the default target",
-        f"All max clock  {point(baseline.time_s, baseline.energy_j())}  the baseline",
-        *_baseline_note(frontier, baseline, digits),
-        f"Chosen         {at(choice.index)}  ({objective})",
-        "Replayed on the profile's measured rows, saved vs all max clock at the same "
-        "iteration time:",
-        f"  instruction  {saved(plan.instruction_estimate)}",
-        f"  stage        {saved(plan.stage_estimate)}",
-        f"Plan applies   {plan.granularity.value} granularity",
-        *_granularity_hint(plan),
-        "Wrote",
-        *(f"  {path}" for path in written),
-    ]
-    return "\n".join(lines)
-
-
-_NOTHING_SAVED_RATIO = 0.0005
-"""Below 0.05 % a plan saves nothing worth its clock changes: the summary says why."""
-
-
-def _saved(est: PlanEstimate) -> tuple[float, float]:
-    """Joules and percent saved, as in plan.json (rounded; never "-0.0")."""
-    # The baseline energy is recovered from the plan's own ratio rather than recomputed, so
-    # the numbers shown are exactly those in plan.json (a straggler target moves the
-    # comparison to T', which the planner accounts for).
-    saved_j = est.energy_j * est.savings_ratio / (1.0 - est.savings_ratio)
-    # Adding 0.0 turns the "-0.0" of rounding noise (no saving at all) into "0.0".
-    return round(saved_j, 1) + 0.0, round(100.0 * est.savings_ratio, 2) + 0.0
-
-
-def _baseline_note(frontier: Frontier, baseline: Baseline, digits: int) -> list[str]:
-    """Why all max clock can read slower than ``T_min``: the grid, not the clocks."""
-    t_min_s = float(frontier.times_s[frontier.t_min_index])
-    if baseline.time_s <= t_min_s:
-        return []
-    unit_s = frontier.problem.unit_time_s
-    return [
-        f"  slower than T_min only because the solver rounds each computation down to its "
-        f"{unit_s:g} s unit: on that grid all max clock takes {_grid_time_s(frontier):.{digits}f} s"
-    ]
-
-
-def _grid_time_s(frontier: Frontier) -> float:
-    """The all-max-clock iteration time with every computation floored to the unit time."""
-    import numpy as np
-
-    problem = frontier.problem
-    unit_s = problem.unit_time_s
-    times_s = np.empty(problem.dag.num_nodes, dtype=np.float64)
-    for i, comp in enumerate(problem.dag.computations):
-        m = problem.profile.get(comp.stage, comp.instruction)
-        fastest = int(np.argmax(m.frequencies_mhz))
-        times_s[i] = math.floor(float(m.times_s[fastest]) / unit_s + 1e-9) * unit_s
-    return problem.real_makespan_s(times_s)
-
-
-def _granularity_hint(plan: PipelinePlan) -> list[str]:
-    """What to try when the plan's granularity saves nothing at the chosen target."""
-    from perseus_api import Granularity, PlanObjective
-
-    if plan.granularity is Granularity.STAGE:
-        applied, other, other_name = plan.stage_estimate, plan.instruction_estimate, "instruction"
-    else:
-        applied, other, other_name = plan.instruction_estimate, plan.stage_estimate, "stage"
-    if applied.savings_ratio >= _NOTHING_SAVED_RATIO:
-        return []
-    name = plan.granularity.value.lower()
-    why = (
-        "one clock per GPU cannot slow a stage whose computations are on the critical path"
-        if plan.granularity is Granularity.STAGE
-        else "every computation is on the critical path at this target"
-    )
-    tries = []
-    if other.savings_ratio >= _NOTHING_SAVED_RATIO:
-        tries.append(f"--granularity {other_name} ({_saved(other)[1]:.2f} %)")
-    if plan.objective is PlanObjective.MIN_TIME:
-        tries.append("a slowdown budget (e.g. --max-slowdown 0.02)")
-    hint = f"  hint: {name} granularity saves nothing here: {why}"
-    return [hint + (f"; try {' or '.join(tries)}" if tries else "")]
-
-
-def _time_digits(unit_time_s: float) -> int:
-    """Decimals that show one unit time (at least milliseconds)."""
-    return max(3, math.ceil(-math.log10(unit_time_s) - 1e-9))

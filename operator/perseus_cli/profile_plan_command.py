@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_int, positive_int
-from perseus_cli.node_plans import build_node_plans, node_plan_file_name, place_ranks
-from perseus_cli.outputs import write_together
-from perseus_cli.plan_command import (
-    _prepare_out_dir,
+from perseus_cli.node_plans import (
     add_node_plan_arguments,
-    check_pipeline,
+    build_node_plans,
+    node_plan_file_name,
+    place_ranks,
     rank_gpus,
     standalone_hint,
 )
+from perseus_cli.outputs import write_together
+from perseus_cli.plan_command import _prepare_out_dir, check_pipeline
 
 if TYPE_CHECKING:
     from perseus_api import PipelinePlan
