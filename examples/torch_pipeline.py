@@ -12,14 +12,14 @@ its replicas. The one Perseus line is ``attach(schedule)``; the node agent's soc
 schedule the planner does not follow (step hooks only).
 
 While it runs, rank 0 prints each step's time. With ``--agent-metrics URL`` (the node agent's
-``/metrics``, e.g. ``http://127.0.0.1:9400/metrics``) it also reads the energy counters of the
+``/metrics``, e.g. ``http://127.0.0.1:7461/metrics``) it also reads the energy counters of the
 ranks' GPUs (GPU ``r`` for rank ``r``: one machine) and, at the end, prints the energy per
 iteration; with ``--baseline-steps K`` as well, the first ``K`` steps run without the hooks,
 so under an ``Instruction`` plan (which locks nothing until a process calls in) at the GPUs'
 own clocks, all at max, and the end compares the two: the measured savings against all-max::
 
     python examples/torch_pipeline.py --steps 8 --baseline-steps 4 \
-        --agent-metrics http://127.0.0.1:9400/metrics
+        --agent-metrics http://127.0.0.1:7461/metrics
 
 ``--slow-replica R --slow-forward-s S`` makes replica ``R`` a straggler (each of its
 forwards sleeps ``S`` seconds more); ``--step-times FILE`` appends, per rank and step, when

@@ -84,7 +84,7 @@ def test_the_doc_names_the_commands_this_test_runs() -> None:
         "cp PLAN /run/perseus/.plan.tmp && mv /run/perseus/.plan.tmp /run/perseus/plan.json",
         "/run/perseus/plan.profile.csv",
         "--steps 12 --baseline-steps 5",
-        "--agent-metrics http://127.0.0.1:9400/metrics",
+        "--agent-metrics http://127.0.0.1:7461/metrics",
     ):
         assert command in doc, command
 
