@@ -218,10 +218,11 @@ if ((CHECKS)); then
   edited=$(mktemp -d)
   trap 'rm -rf "$edited"' EXIT
   # The build context as the Dockerfile sees it, with the README and a source file edited.
-  git ls-files -z -- pyproject.toml README.md operator node_agent scripts |
-    tar --null -T - -cf - | tar -C "$edited" -xf -
-  cp .dockerignore "$edited/"
+  git ls-files -z --cached --others --exclude-standard -- pyproject.toml README.md operator \
+    node_agent scripts docs .dockerignore | tar --null -T - --ignore-failed-read -cf - 2>/dev/null |
+    tar -C "$edited" -xf -
   echo "An edit of the documentation." >>"$edited/README.md"
+  mkdir -p "$edited/docs" && echo "An edit of the documentation." >>"$edited/docs/index.md"
   for target in operator node-agent; do
     build "$target" "${IMAGES[$target]}-docs-edit" "$edited"
     buildah inspect --type image "${IMAGES[$target]}" >"$edited/before.json"

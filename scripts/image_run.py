@@ -32,6 +32,8 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -177,8 +179,12 @@ def _main(argv: list[str]) -> int:
     run_p.add_argument("--env", action="append", default=[], help="NAME=VALUE")
     run_p.add_argument("--user")
     run_p.add_argument("--entrypoint")
-    run_p.add_argument("args", nargs="*")
+    # The program's arguments follow "--" (argparse mishandles it after a subcommand).
+    rest: list[str] = []
+    if "--" in argv:
+        argv, rest = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     ns = parser.parse_args(argv)
+    ns.args = rest
     if ns.what == "record":
         json.dump(record(json.load(sys.stdin), ns.image, ns.rootfs, ns.storage_conf), sys.stdout)
         print()
@@ -199,7 +205,12 @@ def _main(argv: list[str]) -> int:
         entrypoint=None if ns.entrypoint is None else [ns.entrypoint],
     )
     env = environment(rec, user, dict(e.split("=", 1) for e in ns.env))
-    os.execve(argv_[0], argv_, env)
+    proc = subprocess.Popen(argv_, env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _: proc.send_signal(number))
+    code = proc.wait()
+    scratch.rmdir()
+    return code
 
 
 if __name__ == "__main__":
