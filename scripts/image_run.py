@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -55,7 +54,9 @@ class Bind:
     read_only: bool = False
 
 
-def record(inspect: Mapping[str, Any], image: str, rootfs: str, storage_conf: str) -> dict[str, Any]:
+def record(
+    inspect: Mapping[str, Any], image: str, rootfs: str, storage_conf: str
+) -> dict[str, Any]:
     """What the tests need of an image, from ``buildah inspect --type image``."""
     config = inspect["OCIv1"]["config"]
     return {
@@ -81,7 +82,9 @@ def load(path: Path) -> dict[str, Any]:
     try:
         rec: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ImageError(f"{path}: no image record: build the images (scripts/build_images.sh)")
+        raise ImageError(
+            f"{path}: no image record: build the images (scripts/build_images.sh)"
+        ) from None
     if not (Path(rec["rootfs"]) / "usr").is_dir():
         raise ImageError(
             f"{rec['image']}: its root filesystem {rec['rootfs']} is not mounted: "

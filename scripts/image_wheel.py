@@ -42,9 +42,12 @@ def _entry_points(text: str, scripts: tuple[str, ...]) -> str:
         stripped = line.strip()
         if stripped.startswith("["):
             section = stripped
-        elif section == "[console_scripts]" and stripped:
-            if stripped.split("=", 1)[0].strip() not in scripts:
-                continue
+        elif (
+            section == "[console_scripts]"
+            and stripped
+            and stripped.split("=", 1)[0].strip() not in scripts
+        ):
+            continue
         out.append(line)
     return "\n".join(out) + "\n"
 
