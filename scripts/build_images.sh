@@ -75,7 +75,7 @@ cat >"$CONTAINERS_STORAGE_CONF" <<EOF
 [storage]
 driver = "$driver"
 graphroot = "$CACHE/containers/storage-$driver"
-runroot = "${XDG_RUNTIME_DIR:-/run}/perseus-k8s-containers-$driver"
+runroot = "${XDG_RUNTIME_DIR:-/run}/perseus-k8s-containers-$(echo "$CACHE" | sha256sum | cut -c1-8)-$driver"
 EOF
 # crun fails on cgroups in hybrid mode here; chroot isolation needs no runtime at all.
 export BUILDAH_ISOLATION=chroot
