@@ -91,9 +91,10 @@ bootstrap_base() {
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >&2
       }
+      # The Debian archive apt uses (not a third-party repository, not the security one).
       local mirror=${DEBIAN_MIRROR:-$(
         grep -rhoE '^(URIs:|deb) +https?://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
-          awk '{print $2}' | grep -v security | head -n1
+          awk '{print $2}' | grep -E '/debian/?$' | head -n1
       )}
       local rootfs
       rootfs=$(mktemp -d "$CACHE/images/rootfs.XXXXXX")
