@@ -6,9 +6,10 @@ with a tmpfs ``/tmp`` (scripts/image_run.py), as the chart's pods run them:
 - operator: ``perseus-operator --help`` as the image's user (65532); every module of its
   packages imports, and nothing else of the project, no pip/setuptools, no ``kubernetes.aio``
   is there; the planner's numba kernels compile (cache in ``/tmp``) and give a frontier;
-- node agent: every module imports, no planner/scipy/numba/kopf/aiohttp; standalone on
-  emulated GPUs it serves ``/healthz`` and metrics, locks the plan's clocks, and resets them
-  on SIGTERM; with the NVML backend and no driver it exits 1 saying to mount the host library.
+- node agent: every module imports, no planner code/scipy/numba/kopf/aiohttp; standalone on
+  emulated GPUs (the bundled profile, as the chart's emulated backend) it serves ``/healthz``
+  and metrics, locks the plan's clocks, and resets them on SIGTERM; with the NVML backend and
+  no driver it exits 1 saying to mount the host library.
 
 Usage: ``.venv/bin/python scripts/image_smoke.py OPERATOR.json NODE_AGENT.json`` (the records
 build_images.sh writes); exits non-zero on the first failure, with the program's output.
@@ -37,7 +38,6 @@ import image_run  # noqa: E402
 from image_run import Bind  # noqa: E402
 
 TIMEOUT_S = 180.0
-PROFILE = HERE.parent / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
 
 
 class SmokeError(Exception):
@@ -168,7 +168,7 @@ def check_agent(rec: dict[str, Any]) -> None:
 
     wanted = ("perseus_api", "perseus_agent", "perseus_client")
     absent = (
-        "perseus_planner", "perseus_operator", "perseus_cli", "perseus_emulation", "scipy",
+        "perseus_planner.solver", "perseus_operator", "perseus_cli", "perseus_emulation", "scipy",
         "numba", "kopf", "aiohttp", "kubernetes.aio", "matplotlib", "pip", "setuptools",
         "wheel",
     )  # fmt: skip
@@ -180,7 +180,6 @@ def check_agent(rec: dict[str, Any]) -> None:
     work = Path(tempfile.mkdtemp(prefix="perseus-smoke-agent-"))
     scratch = _scratch()
     try:
-        shutil.copy(PROFILE, work / "profile.csv")
         plan = plan_document()
         (work / "plan.json").write_text(json.dumps(plan))
         base_args = [
@@ -188,9 +187,9 @@ def check_agent(rec: dict[str, Any]) -> None:
             "--metrics-address=127.0.0.1", "--metrics-port=0", "--socket-dir=/work/sock",
             "--state-dir=/work/state",
         ]  # fmt: skip
+        # As the chart's emulated backend: the profile bundled in the image.
         emulated = [
-            "--gpu-backend=emulated", "--emulated-gpus=2", "--emulated-profile=/work/profile.csv",
-            "--emulated-blocking-power=83.64", "--emulated-state-file=/work/gpus.json",
+            "--gpu-backend=emulated", "--emulated-gpus=2", "--emulated-state-file=/work/gpus.json",
         ]  # fmt: skip
         binds = [Bind(work, "/work")]
         log = work / "agent.log"

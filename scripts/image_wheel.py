@@ -5,7 +5,9 @@ image gets only what its program imports, so that no console script there fails 
 its dependencies and no unused code ships:
 
 - ``operator``: perseus_api, perseus_planner, perseus_operator; ``perseus-operator``
-- ``agent``: perseus_api, perseus_agent, perseus_client; ``perseus-node-agent``
+- ``agent``: perseus_api, perseus_agent, perseus_client; ``perseus-node-agent``; and the
+  bundled profiles (``perseus_planner/profiles/``, data only: no planner code), which the
+  chart's emulated GPUs run on by default
 
 The cut wheel keeps the distribution's name and version; its RECORD is written anew, and its
 zip entries are sorted and dated 1980-01-01, so the same input gives the same bytes.
@@ -27,6 +29,8 @@ COMPONENTS = {
     "operator": (("perseus_api", "perseus_planner", "perseus_operator"), ("perseus-operator",)),
     "agent": (("perseus_api", "perseus_agent", "perseus_client"), ("perseus-node-agent",)),
 }
+DATA = {"operator": (), "agent": ("perseus_planner/profiles/",)}
+"""Folders of other packages kept as data (no module of theirs)."""
 EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
@@ -60,7 +64,8 @@ def cut(component: str, wheel: Path, out_dir: Path) -> Path:
         (dist_info,) = {n.split("/", 1)[0] for n in names if ".dist-info/" in n}
         for name in names:
             top = name.split("/", 1)[0]
-            if top in packages or (top == dist_info and not name.endswith("/RECORD")):
+            data = name.startswith(DATA[component]) and not name.endswith(".py")
+            if top in packages or data or (top == dist_info and not name.endswith("/RECORD")):
                 files[name] = zf.read(name)
     missing = [p for p in packages if not any(n.startswith(f"{p}/") for n in files)]
     if missing:

@@ -117,8 +117,7 @@ class Agent:
         kubelet: a pod's local rank r runs on GPU index r). ``tcp``: it also listens on
         127.0.0.1 (a free port: :attr:`tcp_port`) for the pods of the API's pod list.
         ``image``: run the built node agent image's entrypoint from its root filesystem
-        (support.image_process) instead of the sources; it has no planner package, so the
-        emulated GPUs' profile is given (the bundled one by default)."""
+        (support.image_process) instead of the sources."""
         self.image = image
         self.tcp = tcp
         self.tcp_port: int | None = None
@@ -165,8 +164,6 @@ class Agent:
             ]
         )
         emulated_profile = self.emulated_profile
-        if self.image is not None and emulated_profile is None:
-            emulated_profile = (PROFILE, 83.64)
         args = [
             *mode,
             "--gpu-backend=emulated",

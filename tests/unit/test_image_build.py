@@ -202,6 +202,7 @@ def fake_wheel(path: Path) -> Path:
         for p in ("perseus_api", "perseus_planner", "perseus_operator", "perseus_agent",
                   "perseus_client", "perseus_cli", "perseus_emulation")
     }  # fmt: skip
+    files["perseus_planner/profiles/gpt3.csv"] = b"stage,instruction\n"
     files[f"{dist}/METADATA"] = b"Name: perseus-k8s\nVersion: 0.1.0\n"
     files[f"{dist}/entry_points.txt"] = (
         b"[console_scripts]\nperseus = perseus_cli.main:main\n"
@@ -234,7 +235,14 @@ def test_the_wheel_is_cut_to_the_components_packages_and_script(
     assert first.read_bytes() == second.read_bytes()  # reproducible
     with zipfile.ZipFile(first) as zf:
         names = zf.namelist()
-        assert {n.split("/")[0] for n in names} == packages | {"perseus_k8s-0.1.0.dist-info"}
+        assert {n.split("/")[0] for n in names} == packages | {
+            "perseus_k8s-0.1.0.dist-info",
+            "perseus_planner",  # the agent: its bundled profiles only, for emulated GPUs
+        }
+        planner = sorted(n for n in names if n.startswith("perseus_planner/"))
+        assert planner == ["perseus_planner/__init__.py"] * (component == "operator") + [
+            "perseus_planner/profiles/gpt3.csv"
+        ]
         entry_points = zf.read("perseus_k8s-0.1.0.dist-info/entry_points.txt").decode()
         assert [x.split(" =")[0] for x in entry_points.splitlines()[1:] if x] == [program]
         rows = list(csv.reader(io.StringIO(zf.read("perseus_k8s-0.1.0.dist-info/RECORD").decode())))
