@@ -264,7 +264,7 @@ def run_lifecycle(
             assert agent.healthy(), agent.log
             assert agent.stop() == 0, agent.log
             assert agent.clocks() == [None, None]
-            assert "403" not in agent.log, agent.log
+            assert "HTTP 403" not in agent.log, agent.log
             helm("uninstall", RELEASE, "--timeout=120s")
             (cleanup,) = hooks.runs_of("-before-uninstall")
             assert cleanup.exit_code == 0, cleanup.output
