@@ -157,7 +157,10 @@ def command(
             ]
     for bind in binds:
         target = q(root + bind.target)
-        make = f"mkdir -p {target}" if bind.source.is_dir() else f"touch {target}"
+        parent = q(root + str(Path(bind.target).parent))
+        make = (
+            f"mkdir -p {target}" if bind.source.is_dir() else f"mkdir -p {parent}; touch {target}"
+        )
         lines += [make, f"mount --bind {q(str(bind.source))} {target}"]
         if bind.read_only:
             lines.append(f"mount -o remount,bind,ro {target}")

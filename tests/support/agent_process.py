@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from support.factories import pipeline_plan_fields
-from support.image_process import image_command
+from support.image_process import image_command, kubeconfig_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = REPO_ROOT / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
@@ -194,8 +194,8 @@ class Agent:
                 scratch=self.workdir / f"rootfs-{self.starts}",
                 env={},
                 shared=[
-                    *([self.kubeconfig.parent] if self.kubeconfig else []),
-                    *([emulated_profile[0].parent] if emulated_profile else []),
+                    *(kubeconfig_files(self.kubeconfig) if self.kubeconfig else []),
+                    *([emulated_profile[0]] if emulated_profile else []),
                 ],
                 writable=host_paths,
             )

@@ -21,7 +21,7 @@ from typing import Any
 
 from support.agent_process import REPO_ROOT, source_env
 from support.control_plane import ControlPlane
-from support.image_process import image_command
+from support.image_process import image_command, kubeconfig_files
 
 HOOK_TIMEOUT_S = 300.0
 
@@ -111,7 +111,7 @@ class HookRunner:
                 list(container.args or ()),
                 scratch=scratch,
                 env=pod_env,
-                shared=[kubeconfig.parent],
+                shared=kubeconfig_files(kubeconfig),
                 entrypoint=container.command,
             )
         self._set_phase(pod, "Running", None)

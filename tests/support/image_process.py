@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OPERATOR, NODE_AGENT = "operator", "node-agent"
@@ -57,6 +59,21 @@ def image(target: str) -> dict[str, Any] | None:
     return record
 
 
+def kubeconfig_files(kubeconfig: Path) -> list[Path]:
+    """The kubeconfig and the files it names (CA, client certificate and key, token file): what
+    to share with a process of the image, file by file. (Its folder would not do: pytest's
+    temporary folders are root's, mode 0700, which the operator's user cannot enter; a pod's
+    projected token is readable by it.)"""
+    config = yaml.safe_load(kubeconfig.read_text()) or {}
+    named = [
+        entry.get(kind, {}).get(key)
+        for section, kind in (("clusters", "cluster"), ("users", "user"))
+        for entry in config.get(section) or ()
+        for key in ("certificate-authority", "client-certificate", "client-key", "tokenFile")
+    ]
+    return [kubeconfig, *(Path(p) for p in named if p)]
+
+
 def image_command(
     record: Mapping[str, Any],
     args: Sequence[str],
@@ -69,12 +86,24 @@ def image_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) running the image's entrypoint (or ``entrypoint``, as a pod's
     ``command`` does) with ``args``, the image's environment plus ``env`` (a pod's), and the
-    host folders ``shared`` at the same paths, read-only (kubeconfigs and certificates), and
-    ``writable`` ones writable (a pod's volumes: sockets, state).
+    host files or folders ``shared`` at the same paths, read-only (kubeconfigs and
+    certificates: :func:`kubeconfig_files`), and ``writable`` ones writable (a pod's volumes:
+    sockets, state).
     ``scratch``: an empty folder of the host, mounted over in the namespace only."""
     run = _image_run()
     scratch.mkdir(parents=True, exist_ok=True)
-    binds = [run.Bind(path, str(path), read_only=True) for path in shared]
+    # Shared files are handed over as a kubelet mounts a secret or a projected token: copies,
+    # readable by the image's user (the harness writes kubeconfigs 0600, as root).
+    volumes = scratch.with_name(f"{scratch.name}-volumes")
+    volumes.mkdir(mode=0o755, exist_ok=True)
+    binds = []
+    for i, path in enumerate(shared):
+        source = path
+        if path.is_file():
+            source = volumes / f"{i}-{path.name}"
+            shutil.copyfile(path, source)
+            source.chmod(0o644)
+        binds.append(run.Bind(source, str(path), read_only=True))
     binds += [run.Bind(path, str(path)) for path in writable]
     argv = run.command(record, args, binds=binds, scratch=scratch, entrypoint=entrypoint)
     environment: dict[str, str] = run.environment(record, record["user"], env)

@@ -43,7 +43,7 @@ from perseus_api.profile import Profile, parse_profile
 from perseus_operator.jobs.running_decisions import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
 from support.agent_process import REPO_ROOT, source_env
-from support.image_process import image_command
+from support.image_process import image_command, kubeconfig_files
 
 JOBS = f"{resources.GROUP}/{resources.VERSION}/perseusjobs"
 PLANS = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
@@ -139,7 +139,7 @@ class OperatorProcess:
                 ["--liveness", liveness, *args],
                 scratch=scratch,
                 env=settings,
-                shared=[kubeconfig.parent],
+                shared=kubeconfig_files(kubeconfig),
             )
         self.proc = subprocess.Popen(
             argv,
