@@ -15,10 +15,11 @@
 # --no-deps. A README, docs or source edit changes only that last, small layer
 # (scripts/image_layers.py checks it on every scripts/build_images.sh run).
 #
-# Reproducible: pin the base by digest (PYTHON_IMAGE=...@sha256:..., as build_images.sh does),
-# and give the build a timestamp (buildah --timestamp, BuildKit SOURCE_DATE_EPOCH): the same
-# sources then give the same layers. Bytecode is compiled with hash-based invalidation, so no
-# file carries the time it was built.
+# Reproducible: pin the base by digest (PYTHON_IMAGE=...@sha256:..., as build_images.sh does)
+# and give the build a fixed timestamp (buildah --timestamp 0, BuildKit SOURCE_DATE_EPOCH=0 with
+# rewrite-timestamp): the same pins then give the same dependency layers, whatever the commit
+# (its date is the created label). Bytecode is compiled with hash-based invalidation and a fixed
+# hash seed, so no file carries the time or the seed of its build.
 ARG PYTHON_IMAGE=docker.io/library/python:3.11-slim-bookworm
 # Where the dependencies' wheels come from: the stage below (PyPI) by default; build_images.sh
 # passes an image holding a wheelhouse it downloaded on the host, so the build needs no network.
@@ -46,6 +47,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INDEX=1 \
     PIP_FIND_LINKS=/wheels \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONHASHSEED=0 \
     SOURCE_DATE_EPOCH=315532800
 COPY scripts/image-constraints-tools.txt /constraints/
 RUN --mount=type=bind,from=wheelhouse,source=/wheels,target=/wheels \

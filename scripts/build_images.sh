@@ -181,7 +181,9 @@ git diff --quiet HEAD -- 2>/dev/null || revision="$revision-dirty"
 created=$(date -u -d "@$epoch" +%Y-%m-%dT%H:%M:%SZ)
 build() { # TARGET NAME [CONTEXT]
   local target=$1 name=$2 context=${3:-$REPO}
-  buildah build --quiet --layers --pull=never --timestamp "$epoch" --target "$target" \
+  # Layers dated 1970 whatever the commit, so that a new commit with the same pins gives the
+  # same dependency layers (the commit's date goes into the created label).
+  buildah build --quiet --layers --pull=never --timestamp 0 --target "$target" \
     --build-arg "PYTHON_IMAGE=$pinned" --build-arg "BASE_DIGEST=$digest" \
     --build-arg "WHEELHOUSE=$wheelhouse" --build-arg "REVISION=$revision" \
     --build-arg "CREATED=$created" --build-arg "VERSION=$TAG" \
