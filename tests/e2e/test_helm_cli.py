@@ -224,6 +224,12 @@ def run_lifecycle(
         hooks.before_phase["-before-uninstall"] = lambda: output.append(operator.stop())
         try:
             operator.wait_for("the operator to lead", lambda: lease_holder(api) != "")
+            if operator_image is not None:  # the image's root, not this machine's
+                root = Path(f"/proc/{operator.proc.pid}/root").readlink()
+                assert root == plane.workdir / "operator-rootfs" / "root", root
+            if agent.image is not None and agent.proc is not None:
+                root = Path(f"/proc/{agent.proc.pid}/root").readlink()
+                assert root.name == "root" and root.parent.name.startswith("rootfs-"), root
             # helm test: passes against the running operator ...
             done = helm("test", RELEASE, "--timeout=120s")
             assert "Succeeded" in done.stdout, done.stdout
