@@ -17,9 +17,9 @@
 #
 # Reproducible: pin the base by digest (PYTHON_IMAGE=...@sha256:..., as build_images.sh does)
 # and give the build a fixed timestamp (buildah --timestamp 0, BuildKit SOURCE_DATE_EPOCH=0 with
-# rewrite-timestamp): the same pins then give the same dependency layers, whatever the commit
-# (its date is the created label). Bytecode is compiled with hash-based invalidation and a fixed
-# hash seed, so no file carries the time or the seed of its build.
+# rewrite-timestamp), meant to give the same dependency layers for the same pins whatever the
+# commit (its date is the created label). Bytecode is compiled with hash-based invalidation and
+# a fixed hash seed, so no file carries the time or the seed of its build.
 ARG PYTHON_IMAGE=docker.io/library/python:3.11-slim-bookworm
 # Where the dependencies' wheels come from: the stage below (PyPI) by default; build_images.sh
 # passes an image holding a wheelhouse it downloaded on the host, so the build needs no network.
