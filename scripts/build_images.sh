@@ -189,6 +189,11 @@ build() { # TARGET NAME [CONTEXT]
     --build-arg "CREATED=$created" --build-arg "VERSION=$TAG" \
     --file "$REPO/Dockerfile" --tag "$name" "$context" >/dev/null
 }
+# RUN --mount=...,from=<image> leaves a working container behind (buildah 1.28): remove them.
+cleanup_mount_containers() {
+  buildah containers --format '{{.ContainerName}}' | grep -E -- '-working-container(-[0-9]+)?$' |
+    xargs -r buildah rm >/dev/null || true
+}
 declare -A IMAGES=([operator]="$PREFIX/perseus-operator:$TAG" [node-agent]="$PREFIX/perseus-node-agent:$TAG")
 for target in operator node-agent; do
   t0=$SECONDS
@@ -196,6 +201,7 @@ for target in operator node-agent; do
   build "$target" "${IMAGES[$target]}"
   echo "$(date -u +%FT%TZ) build $target $((SECONDS - t0)) s driver=$driver base=$base" >>"$TIMES"
 done
+cleanup_mount_containers
 built=$SECONDS
 
 # -- records for the tests: image, id, root filesystem (mounted), entrypoint, user, env --------
@@ -233,6 +239,7 @@ if ((CHECKS)); then
     "$PYTHON" scripts/image_layers.py "$edited/before.json" "$edited/after.json" "$target"
     buildah rmi "${IMAGES[$target]}-docs-edit" >/dev/null
   done
+  cleanup_mount_containers
   echo "$(date -u +%FT%TZ) checks smoke $((smoked - built)) s, layers $((SECONDS - smoked)) s" >>"$TIMES"
 fi
 echo "$(date -u +%FT%TZ) total $((SECONDS - started)) s (base $((base_done - started)) s, wheels $((wheels_done - base_done)) s, builds $((built - wheels_done)) s) driver=$driver" >>"$TIMES"
