@@ -154,7 +154,7 @@ ENV PATH=/opt/perseus/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=utility
 USER 0:0
 # /metrics and /healthz, the training processes' TCP endpoint (the socket file is the default)
-EXPOSE 9400 7460
+EXPOSE 7461 7460
 ENTRYPOINT ["perseus-node-agent"]
 ARG PYTHON_IMAGE
 ARG BASE_DIGEST=""
