@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test docs lint typecheck unit torch frameworks check-chart bench bench-large bench-agent bench-operator bench-schedules reproduce clean
+.PHONY: demo test docs lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -89,6 +89,13 @@ typecheck: $(STAMP)
 # PERSEUS_REQUIRE_E2E=1 or PERSEUS_REQUIRE_TORCH=1.
 unit: $(STAMP) $(TORCH_STAMP) $(FRAMEWORKS_STAMP)
 	PYTHON=$(BIN)/python scripts/run_tests.sh
+
+## Container images (operator, node agent) built without a Docker daemon (buildah, installed
+## with apt when missing), smoke-tested from their root filesystems, and the check that a docs
+## edit changes no dependency layer; base, wheels and layers cached in ~/.cache/perseus-k8s.
+## The helm end-to-end test then runs both from these images. docs/operations/images.md.
+images: $(STAMP)
+	PYTHON=$(BIN)/python scripts/build_images.sh
 
 ## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the
 ## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py). Then the power

@@ -7,10 +7,15 @@ upgrade (a changed value and a CRD change), rollback and uninstall.
   README says. Checked both ways: ``helm upgrade`` alone leaves the CRD as it was, the apply
   changes it, a rollback keeps it (CRD changes must be backward compatible).
 - The operator runs as a process as the chart's service account, with the chart's settings
-  (its Lease), standing in for the Deployment's pod (no kubelet here).
+  (its Lease), standing in for the Deployment's pod (no kubelet here); a node agent likewise
+  for a DaemonSet pod on a node (emulated GPUs), with the chart's RBAC and admission policy.
 - Hook pods (``helm test``, the pre-delete clean-up) are run by :class:`HookRunner`, which
   plays the kubelet: the hook's command runs as the pod's service account and its exit code
   becomes the pod's phase, which helm waits on.
+- All of them run from the built images (``make images``; CI builds them): the image's root
+  filesystem, read-only, its entrypoint, user and environment (support.image_process), so
+  what users deploy is what is tested. Without built images they run from the sources, and
+  under ``PERSEUS_REQUIRE_E2E=1`` a missing image fails the test.
 - After ``helm uninstall`` no PerseusJob is left and a namespace that had one is deleted (the
   namespace controller runs here): nothing hangs on the jobs' finalizer.
 """
@@ -31,14 +36,17 @@ import pytest
 import yaml
 
 from perseus_api import resources
+from support.agent_process import Agent
 from support.cluster_harness import api_client, require
 from support.control_plane import ControlPlane, binaries
 from support.helm_render import CHART
 from support.hook_runner import HookRunner
+from support.image_process import NODE_AGENT, OPERATOR, image
 from support.operator_harness import OperatorProcess, perseus_job
 
 RELEASE, NAMESPACE, JOB_NAMESPACE = "perseus", "perseus-system", "ml"
 OPERATOR_SA = LEASE = "perseus-operator"  # the chart's names for release "perseus"
+AGENT_SA, AGENT_NODE = "perseus-node-agent", "gpu-node-1"
 JOB_CRD = f"perseusjobs.{resources.GROUP}"
 NEW_COLUMN = {"name": "Revision", "type": "integer", "jsonPath": ".status.revision"}
 
@@ -120,6 +128,12 @@ def helm_binary() -> Path:
 
 
 @pytest.fixture(scope="module")
+def images() -> dict[str, dict[str, Any] | None]:
+    """The built images' records (None: run from the sources; a failure in CI)."""
+    return {OPERATOR: image(OPERATOR), NODE_AGENT: image(NODE_AGENT)}
+
+
+@pytest.fixture(scope="module")
 def helm(plane: ControlPlane) -> Helm:
     return Helm(helm_binary(), plane.admin_kubeconfig, plane.workdir / "helm-home")
 
@@ -136,12 +150,45 @@ def operator_env(deployment: Any) -> dict[str, str]:
     return {e.name: e.value for e in container.env if e.value is not None}
 
 
-def test_install_test_upgrade_rollback_uninstall(plane: ControlPlane, helm: Helm) -> None:
+def test_install_test_upgrade_rollback_uninstall(
+    plane: ControlPlane, helm: Helm, images: dict[str, dict[str, Any] | None]
+) -> None:
     with api_client(plane.admin_kubeconfig) as api:
-        run_lifecycle(plane, helm, api)
+        run_lifecycle(plane, helm, api, images)
 
 
-def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
+def agent_on_node(plane: ControlPlane, core: Any, image: dict[str, Any] | None) -> Agent:
+    """A node agent as the chart's DaemonSet pod on :data:`AGENT_NODE` would run: its service
+    account's token bound to a pod on that node (the chart's admission policy keeps it to that
+    node's plans), Kubernetes mode, emulated GPUs."""
+    capacity = {"nvidia.com/gpu": "2", "cpu": "16", "memory": "64Gi", "pods": "110"}
+    core.create_node(
+        {
+            "metadata": {"name": AGENT_NODE, "labels": {"kubernetes.io/hostname": AGENT_NODE}},
+            "status": {"capacity": capacity, "allocatable": capacity},
+        }
+    )
+    pod = f"{AGENT_SA}-{AGENT_NODE}"
+    core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": pod},
+            "spec": {
+                "nodeName": AGENT_NODE,
+                "serviceAccountName": AGENT_SA,
+                "containers": [{"name": "agent", "image": "perseus-node-agent"}],
+            },
+        },
+    )
+    kubeconfig = plane.service_account_kubeconfig(NAMESPACE, AGENT_SA, bound_pod=pod)
+    workdir = plane.workdir / "agent"
+    (workdir / "sock").mkdir(parents=True)
+    return Agent(workdir, workdir / "sock", kubeconfig=kubeconfig, node=AGENT_NODE, image=image)
+
+
+def run_lifecycle(
+    plane: ControlPlane, helm: Helm, api: Any, images: dict[str, dict[str, Any] | None]
+) -> None:
     core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
     apps = kubernetes.client.AppsV1Api(api)
     started = time.monotonic()
@@ -151,13 +198,24 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
     assert "Revision" not in crd_columns(custom)
     settings = operator_env(deployment)
     assert settings["PERSEUS_OPERATOR_RECONCILE_INTERVAL_S"] == "5"
+    operator_image = images[OPERATOR]
+    if operator_image is not None:  # the Deployment runs the image as the image's user
+        uid = deployment.spec.template.spec.security_context.run_as_user
+        assert operator_image["user"] == f"{uid}:{uid}"
+    agent = agent_on_node(plane, core, images[NODE_AGENT])
+    agent.start()
 
     kubeconfig = plane.service_account_kubeconfig(NAMESPACE, OPERATOR_SA)
     election = {k: v for k, v in settings.items() if "LEASE" in k or "RETRY" in k or "RENEW" in k}
     election["PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE"] = NAMESPACE
     election["PERSEUS_OPERATOR_LEADER_ELECTION_IDENTITY"] = f"{RELEASE}-operator-pod-0"
-    with HookRunner(plane, core, NAMESPACE) as hooks:
-        operator = OperatorProcess(kubeconfig, extra_env=election)
+    with HookRunner(plane, core, NAMESPACE, image=operator_image) as hooks:
+        operator = OperatorProcess(
+            kubeconfig,
+            extra_env=election,
+            image=operator_image,
+            scratch=plane.workdir / "operator-rootfs",
+        )
         # Once the pre-delete hook is done, helm deletes the Deployment (the kubelet then
         # stops its pods) and, a moment later, the RBAC: a pod still running then is denied
         # its Lease renewals (seen: 1 run in 8). The operator is stopped as that pod would be,
@@ -166,6 +224,12 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
         hooks.before_phase["-before-uninstall"] = lambda: output.append(operator.stop())
         try:
             operator.wait_for("the operator to lead", lambda: lease_holder(api) != "")
+            if operator_image is not None:  # the image's root, not this machine's
+                root = Path(f"/proc/{operator.proc.pid}/root").readlink()
+                assert root == plane.workdir / "operator-rootfs" / "root", root
+            if agent.image is not None and agent.proc is not None:
+                root = Path(f"/proc/{agent.proc.pid}/root").readlink()
+                assert root.name == "root" and root.parent.name.startswith("rootfs-"), root
             # helm test: passes against the running operator ...
             done = helm("test", RELEASE, "--timeout=120s")
             assert "Succeeded" in done.stdout, done.stdout
@@ -201,6 +265,12 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
                 resources.GROUP, resources.VERSION, JOB_NAMESPACE, "perseusjobs", body
             )
             operator.wait_for("the job's finalizer", lambda: job_finalizers(custom) != [])
+            # The agent read its node's plans with the chart's rights all along; it goes
+            # first, as the DaemonSet's pods do on uninstall, and leaves no clock locked.
+            assert agent.healthy(), agent.log
+            assert agent.stop() == 0, agent.log
+            assert agent.clocks() == [None, None]
+            assert "HTTP 403" not in agent.log, agent.log
             helm("uninstall", RELEASE, "--timeout=120s")
             (cleanup,) = hooks.runs_of("-before-uninstall")
             assert cleanup.exit_code == 0, cleanup.output
@@ -211,6 +281,7 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
             assert [a.metadata.name for a in accounts if "uninstall" in a.metadata.name] == []
         finally:
             log = output[0] if output else operator.stop()
+            agent.kill_if_running()
         # Every call was allowed: the operator ran until the uninstall began deleting.
         denied = [line for line in log.splitlines() if "HTTP 403" in line]
         assert denied == [], log[-5000:]
@@ -225,16 +296,19 @@ def run_lifecycle(plane: ControlPlane, helm: Helm, api: Any) -> None:
     # Helm leaves the CRDs (and so users' other custom resources) in place.
     assert "Revision" in crd_columns(custom)
     took_s = time.monotonic() - started
-    print(f"\nhelm lifecycle (install .. uninstall, namespace gone): {took_s:.1f} s")
+    ran = {k: v["image"] if v else "sources" for k, v in images.items()}
+    print(f"\nhelm lifecycle (install .. uninstall, namespace gone): {took_s:.1f} s; ran {ran}")
 
 
-def test_helm_test_fails_when_no_operator_leads(plane: ControlPlane, helm: Helm) -> None:
+def test_helm_test_fails_when_no_operator_leads(
+    plane: ControlPlane, helm: Helm, images: dict[str, dict[str, Any] | None]
+) -> None:
     """The check can fail: with no operator process holding the Lease, ``helm test`` fails."""
     with api_client(plane.admin_kubeconfig) as api:
         core = kubernetes.client.CoreV1Api(api)
         helm("install", RELEASE, str(CHART), "--create-namespace", "--timeout=120s")
         try:
-            with HookRunner(plane, core, NAMESPACE) as hooks:
+            with HookRunner(plane, core, NAMESPACE, image=images[OPERATOR]) as hooks:
                 done = helm("test", RELEASE, "--timeout=120s", check=False)
             assert done.returncode != 0, done.stdout
             (run,) = hooks.runs_of("-test")
@@ -242,7 +316,7 @@ def test_helm_test_fails_when_no_operator_leads(plane: ControlPlane, helm: Helm)
             assert "FAIL: " in run.output and "leader Lease" in run.output, run.output
         finally:
             # No job exists: the pre-delete hook finds nothing to wait for.
-            with HookRunner(plane, core, NAMESPACE) as cleanup:
+            with HookRunner(plane, core, NAMESPACE, image=images[OPERATOR]) as cleanup:
                 helm("uninstall", RELEASE, "--timeout=120s")
             assert cleanup.errors == []
 

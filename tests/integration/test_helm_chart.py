@@ -2,8 +2,8 @@
 output validates against the Kubernetes schemas (``kubernetes-validate --strict``), bad values
 are rejected by ``values.schema.json``, the generated parts (CRDs, dashboards, the policy schema)
 match their sources, and the workloads are what the operator and the agent need (flags the
-programs accept, probes, privileges, volumes). Also the Grafana dashboards' structure and the
-Dockerfile's essentials.
+programs accept, probes, privileges, volumes). Also the Grafana dashboards' structure. (The
+Dockerfile: tests/unit/test_image_build.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -737,94 +736,6 @@ def test_every_dashboard_panel_works_without_dcgm_exporter() -> None:
             for target in targets:
                 if needs_dcgm(panel, target):
                     assert "DCGM_" in target["expr"]
-
-
-# -- Dockerfile ----------------------------------------------------------------------------------
-
-
-def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
-    """Stage name -> its instructions (keyword, rest), continuation lines joined."""
-    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    stages: dict[str, list[tuple[str, str]]] = {"": []}
-    current = ""
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        keyword, _, rest = line.partition(" ")
-        keyword = keyword.upper()
-        if keyword == "FROM":
-            match = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest.strip(), re.IGNORECASE)
-            assert match, line
-            current = match.group(2) or f"stage{len(stages)}"
-            stages[current] = [("FROM", match.group(1))]
-        else:
-            stages[current].append((keyword, rest.strip()))
-    return stages
-
-
-def test_dockerfile_has_a_non_root_operator_and_an_agent_target() -> None:
-    stages = dockerfile_stages()
-    assert {"operator", "node-agent"} <= set(stages)
-    default_base = next(
-        rest for kw, rest in stages[""] if kw == "ARG" and rest.startswith("PYTHON_IMAGE=")
-    )
-    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11-slim(-\w+)?", default_base)
-    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    for target, program in (("operator", "perseus-operator"), ("node-agent", "perseus-node-agent")):
-        instructions = stages[target]
-        assert instructions[0] == ("FROM", "${PYTHON_IMAGE}")  # slim runtime, no build tools
-        assert ("ENTRYPOINT", f'["{program}"]') in instructions
-        assert program in scripts
-        copies = [rest for kw, rest in instructions if kw == "COPY"]
-        assert copies and all(c.startswith("--from=") for c in copies)  # only the built venv
-    users = [rest for kw, rest in stages["operator"] if kw == "USER"]
-    assert users and users[-1].split(":")[0] not in {"0", "root"}
-    deployment = render().one("Deployment")
-    uid = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
-    assert users[-1] == f"{uid}:{uid}"  # the Deployment runs as the image's user
-
-
-def test_dockerfile_installs_pinned_dependencies() -> None:
-    from packaging.requirements import Requirement
-
-    stages = dockerfile_stages()
-    installs = [
-        rest for s in stages.values() for kw, rest in s if kw == "RUN" and "pip install" in rest
-    ]
-    assert installs and all("--constraint /constraints.txt" in r for r in installs)
-    extras = {m for r in installs for m in re.findall(r"\[(operator|agent)\]", r)}
-    assert extras == {"operator", "agent"}
-    pins = {}
-    for line in (REPO_ROOT / "scripts" / "image-constraints.txt").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    needed = [*project["dependencies"], *project["optional-dependencies"]["operator"]]
-    needed += project["optional-dependencies"]["agent"]
-    for line in needed:
-        req = Requirement(line)
-        name = re.sub(r"[-_.]+", "-", req.name).lower()
-        assert name in pins, f"{req.name} is not pinned in scripts/image-constraints.txt"
-        assert req.specifier.contains(pins[name], prereleases=True), (line, pins[name])
-    build = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
-    for line in build:
-        req = Requirement(line)
-        assert req.specifier.contains(pins[req.name.lower()]), (line, pins[req.name.lower()])
-
-
-def test_dockerignore_keeps_the_build_context_small() -> None:
-    lines = (REPO_ROOT / ".dockerignore").read_text().split()
-    assert lines[lines.index("**")] == "**"  # everything out, then only what the build copies
-    copied = {
-        "pyproject.toml",
-        "README.md",
-        "operator/",
-        "node_agent/",
-        "scripts/image-constraints.txt",
-    }
-    assert {x[1:] for x in lines if x.startswith("!")} == copied
 
 
 def test_agents_read_gpu_ownership_from_the_kubelet() -> None:

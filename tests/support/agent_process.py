@@ -11,13 +11,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from support.factories import pipeline_plan_fields
+from support.image_process import image_command, kubeconfig_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = REPO_ROOT / "operator" / "perseus_planner" / "profiles" / "gpt3-175b+a100_sxm_bf16.csv"
@@ -109,11 +110,15 @@ class Agent:
         pod_resources_socket: Path | None = None,
         emulated_profile: tuple[Path, float] | None = None,
         tcp: bool = False,
+        image: Mapping[str, Any] | None = None,
     ) -> None:
         """In Kubernetes mode the agent asks the kubelet stand-in on ``pod_resources_socket``
         which GPUs the pods own; without one, ``--gpu-ownership=local-rank-index`` (there is no
         kubelet: a pod's local rank r runs on GPU index r). ``tcp``: it also listens on
-        127.0.0.1 (a free port: :attr:`tcp_port`) for the pods of the API's pod list."""
+        127.0.0.1 (a free port: :attr:`tcp_port`) for the pods of the API's pod list.
+        ``image``: run the built node agent image's entrypoint from its root filesystem
+        (support.image_process) instead of the sources."""
+        self.image = image
         self.tcp = tcp
         self.tcp_port: int | None = None
         self.num_gpus = num_gpus
@@ -158,31 +163,45 @@ class Agent:
                 *([f"--tcp-address=127.0.0.1:{self.tcp_port or 0}"] if self.tcp else []),
             ]
         )
+        emulated_profile = self.emulated_profile
+        args = [
+            *mode,
+            "--gpu-backend=emulated",
+            f"--emulated-gpus={self.num_gpus}",
+            f"--emulated-state-file={self.gpu_state}",
+            f"--node-name={self.node}",
+            f"--metrics-port={self.metrics_port}",
+            "--metrics-address=127.0.0.1",
+            f"--socket-dir={self.socket_dir}",
+            f"--state-dir={self.state_dir}",
+            f"--log-level={self.log_level}",
+            *(
+                [
+                    f"--emulated-profile={emulated_profile[0]}",
+                    f"--emulated-blocking-power={emulated_profile[1]}",
+                ]
+                if emulated_profile is not None
+                else []
+            ),
+        ]
+        if self.image is None:
+            argv = [sys.executable, "-m", "perseus_agent.main", *args]
+        else:
+            host_paths = [self.workdir, self.socket_dir, *self._pod_resources_dir()]
+            argv, env = image_command(
+                self.image,
+                args,
+                scratch=self.workdir / f"rootfs-{self.starts}",
+                env={},
+                shared=[
+                    *(kubeconfig_files(self.kubeconfig) if self.kubeconfig else []),
+                    *([emulated_profile[0]] if emulated_profile else []),
+                ],
+                writable=host_paths,
+            )
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "perseus_agent.main",
-                    *mode,
-                    "--gpu-backend=emulated",
-                    f"--emulated-gpus={self.num_gpus}",
-                    f"--emulated-state-file={self.gpu_state}",
-                    f"--node-name={self.node}",
-                    f"--metrics-port={self.metrics_port}",
-                    "--metrics-address=127.0.0.1",
-                    f"--socket-dir={self.socket_dir}",
-                    f"--state-dir={self.state_dir}",
-                    f"--log-level={self.log_level}",
-                    *(
-                        [
-                            f"--emulated-profile={self.emulated_profile[0]}",
-                            f"--emulated-blocking-power={self.emulated_profile[1]}",
-                        ]
-                        if self.emulated_profile is not None
-                        else []
-                    ),
-                ],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -204,6 +223,9 @@ class Agent:
             return match is not None and self.healthy()
 
         wait_for(started, "the agent to start", self)
+
+    def _pod_resources_dir(self) -> list[Path]:
+        return [] if self.pod_resources_socket is None else [self.pod_resources_socket.parent]
 
     def healthy(self) -> bool:
         try:

@@ -2,8 +2,9 @@
 
 Helm creates a hook pod and waits for its phase (``Succeeded``: the hook passed; ``Failed``:
 ``helm`` fails). Here no kubelet runs containers, so :class:`HookRunner` does what one would
-for the hook pods of a namespace: it runs the container's command (``perseus-operator ...``,
-as ``python -m perseus_operator.main`` from the source tree) with the container's environment
+for the hook pods of a namespace: it runs the container's command (``perseus-operator ...``:
+from the built operator image's root filesystem when given one, else as ``python -m
+perseus_operator.main`` from the source tree) with the container's environment
 and a token of the pod's service account (so RBAC applies to the hook exactly as in a pod),
 then writes the pod's phase and the container's exit code. Only the container runtime is
 stood in for; what the hook does, and how helm reacts to its result, are real.
@@ -14,12 +15,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from support.agent_process import REPO_ROOT, source_env
 from support.control_plane import ControlPlane
+from support.image_process import image_command, kubeconfig_files
 
 HOOK_TIMEOUT_S = 300.0
 
@@ -39,7 +41,16 @@ class HookRunner:
     has ended, before its phase is written (helm goes on once it reads the phase).
     """
 
-    def __init__(self, plane: ControlPlane, core: Any, namespace: str) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        core: Any,
+        namespace: str,
+        image: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``image``: run the hooks from the built operator image's root filesystem (its
+        entrypoint is the hook's command), as a kubelet would; by default from the sources."""
+        self.image = image
         self.plane = plane
         self.core = core
         self.namespace = namespace
@@ -85,13 +96,24 @@ class HookRunner:
         kubeconfig = self.plane.service_account_kubeconfig(
             self.namespace, pod.spec.service_account_name
         )
-        env = {
-            **source_env(),
+        pod_env = {
             **{e.name: e.value for e in container.env or () if e.value is not None},
             "PERSEUS_OPERATOR_KUBECONFIG": str(kubeconfig),
         }
-        env.pop("KUBECONFIG", None)
-        argv = [sys.executable, "-m", "perseus_operator.main", *(container.args or ())]
+        if self.image is None:
+            env = {**source_env(), **pod_env}
+            env.pop("KUBECONFIG", None)
+            argv = [sys.executable, "-m", "perseus_operator.main", *(container.args or ())]
+        else:
+            scratch = self.plane.workdir / f"hook-{pod.metadata.uid}"
+            argv, env = image_command(
+                self.image,
+                list(container.args or ()),
+                scratch=scratch,
+                env=pod_env,
+                shared=kubeconfig_files(kubeconfig),
+                entrypoint=container.command,
+            )
         self._set_phase(pod, "Running", None)
         done = subprocess.run(
             argv,

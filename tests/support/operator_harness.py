@@ -43,6 +43,7 @@ from perseus_api.profile import Profile, parse_profile
 from perseus_operator.jobs.running_decisions import expected_iteration_s
 from perseus_planner import DEFAULT_PROFILE, bundled_profile
 from support.agent_process import REPO_ROOT, source_env
+from support.image_process import image_command, kubeconfig_files
 
 JOBS = f"{resources.GROUP}/{resources.VERSION}/perseusjobs"
 PLANS = f"{resources.GROUP}/{resources.VERSION}/{resources.NODE_PLAN_PLURAL}"
@@ -109,11 +110,15 @@ class OperatorProcess:
         policy_interval_s: float = 15.0,
         extra_env: Mapping[str, str] | None = None,
         args: Sequence[str] = (),
+        image: Mapping[str, Any] | None = None,
+        scratch: Path | None = None,
     ) -> None:
+        """``image``: run the built image's entrypoint from its root filesystem
+        (support.image_process), with ``scratch`` an empty folder for its mounts; by default
+        ``python -m perseus_operator.main`` from the sources."""
         self.metrics_port = metrics_port or free_port()
         self.liveness_port = free_port()
-        env = {
-            **source_env(),
+        settings = {
             "PERSEUS_OPERATOR_KUBECONFIG": str(kubeconfig),
             "PERSEUS_OPERATOR_RECONCILE_INTERVAL_S": str(reconcile_interval_s),
             "PERSEUS_OPERATOR_METRICS_PORT": str(self.metrics_port),
@@ -122,10 +127,22 @@ class OperatorProcess:
             "PERSEUS_OPERATOR_POLICY_INTERVAL_S": str(policy_interval_s),
             **(extra_env or {}),
         }
-        env.pop("KUBECONFIG", None)
         liveness = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        if image is None:
+            argv = [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness, *args]
+            env = {**source_env(), **settings}
+            env.pop("KUBECONFIG", None)
+        else:
+            assert scratch is not None, "an image needs a scratch folder"
+            argv, env = image_command(
+                image,
+                ["--liveness", liveness, *args],
+                scratch=scratch,
+                env=settings,
+                shared=kubeconfig_files(kubeconfig),
+            )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "perseus_operator.main", "--liveness", liveness, *args],
+            argv,
             env=env,
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
