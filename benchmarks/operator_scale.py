@@ -91,7 +91,10 @@ REPO = Path(__file__).resolve().parents[1]
 OPERATOR_ROOT = REPO / "operator"
 if importlib.util.find_spec("perseus_operator") is None:
     sys.path.insert(0, str(OPERATOR_ROOT))
+if importlib.util.find_spec("perseus_agent") is None:
+    sys.path.insert(0, str(REPO / "node_agent"))
 
+from perseus_agent.kube.report_cadence import ReportCadence, write_due  # noqa: E402
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
 from perseus_operator.cluster.cluster_index import (  # noqa: E402
@@ -477,6 +480,11 @@ class Settings:
     jitter: float
     planner: str
     seed: int
+    cadence: str = "dead-band"
+    """``every``: every report is written; ``dead-band``: as the agent writes them
+    (:mod:`perseus_agent.kube.report_cadence`)."""
+    heartbeat_r: float = 3.0
+    dead_band: float = 0.01
 
 
 def job_body(
@@ -548,12 +556,20 @@ class Simulation:
         self.jobs: list[SimJob] = []
         self.by_key: dict[tuple[str, str], SimJob] = {}
         self.ticks: list[Tick] = []
-        self.reports: list[tuple[float, float, float]] = []
-        """Per agent report: when it was written, how late, and what writing it cost (s)."""
+        self.reports: list[tuple[float, float, float, bool]] = []
+        """Per agent report: when it was made, how late, what making (and writing) it cost
+        (s), and whether it was written."""
         self.errors: list[str] = []
         self.stop = asyncio.Event()
         self.gc = GcWatch()
         self.iterations: dict[str, int] = {}
+        self.cadence: ReportCadence | None = None
+        if settings.cadence == "dead-band":
+            self.cadence = ReportCadence(
+                settings.report_s, settings.heartbeat_r * settings.report_s, settings.dead_band
+            )
+        self.written: dict[str, tuple[float, dict[str, Any]]] = {}
+        """Per node: when its status was last written (loop time), and what."""
         self.calls_by: Counter[str] = Counter()
         """API calls in the window, by JobIO method."""
         self.watch_events = 0
@@ -697,17 +713,19 @@ class Simulation:
             await asyncio.sleep(max(0.0, due - loop.time()))
             now = loop.time()
             t0 = time.perf_counter()
-            if self.report(node, now):
-                self.reports.append((now, now - due, time.perf_counter() - t0))
+            written = self.report(node, now)
+            if written is not None:
+                self.reports.append((now, now - due, time.perf_counter() - t0, written))
             due += period
             if due < now:  # fell behind by a whole period: skip, as a real agent would
                 due = now + period
 
-    def report(self, node: str, now: float) -> bool:
-        """Write the node's status (False: the node has no plan yet)."""
+    def report(self, node: str, now: float) -> bool | None:
+        """Report the node's status: True when written, False when the dead-band held it
+        back, None when the node has no plan yet."""
         plan = self.cluster.on_node.get(node)
         if plan is None:
-            return False
+            return None
         job = self.by_key[(plan.namespace, plan.job)]
         revision, base = plan.revision, plan.base_s
         slow_dp = job.slow_dp(now)
@@ -766,8 +784,17 @@ class Simulation:
                 }
             ],
         }
-        self.cluster.write_status(plan, status)
         self.note_report(job, node, now, slow)
+        cadence = self.cadence
+        if cadence is not None:
+            status = cadence.stamp(status)
+            last = self.written.get(node)
+            since_s = math.inf if last is None else now - last[0]
+            previous = None if last is None else last[1]
+            if write_due(previous, status, since_written_s=since_s, cadence=cadence) is None:
+                return False
+            self.written[node] = (now, status)
+        self.cluster.write_status(plan, status)
         return True
 
     @staticmethod
@@ -1108,6 +1135,10 @@ def report(results: Results) -> bool:
     print("\n== Load (information)")
     rows = [
         ["node reports / s", reports / window],
+        [
+            f"  status writes / s (cadence: {s.cadence})",
+            sum(r[3] for r in results.reports) / window,
+        ],
         ["process CPU, % of one core", 100 * results.cpu_s / window],
         ["process CPU per node report (agents + operator), µs", 1e6 * results.cpu_s / reports],
         ["  simulated agent's own share (wall time of the write), µs", 1e6 * agents_s / reports],
@@ -1204,6 +1235,22 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--planner", choices=("pool", "inline"), default="pool")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--cadence",
+        choices=("dead-band", "every"),
+        default="dead-band",
+        help="agents write a report only when it says something new, plus a heartbeat "
+        "(dead-band, as the agent does), or every report (every, as agents did before)",
+    )
+    parser.add_argument(
+        "--heartbeat-r",
+        type=float,
+        default=3.0,
+        help="dead-band cadence: report intervals between writes of an unchanged report",
+    )
+    parser.add_argument(
+        "--dead-band", type=float, default=0.01, help="relative change of a mean written at once"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
@@ -1233,18 +1280,25 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         jitter=args.jitter,
         planner=args.planner,
         seed=args.seed,
+        cadence=args.cadence,
+        heartbeat_r=args.heartbeat_r,
+        dead_band=args.dead_band,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     s = settings
+    cadence = s.cadence
+    if cadence == "dead-band":
+        cadence += f" {s.dead_band:g}, heartbeat {s.heartbeat_r:g} R"
     print(
         f"perseus operator at scale: {s.jobs} jobs on {s.jobs * s.nodes_per_job:,} nodes "
         f"({s.nodes_per_job} per job); agents report every {s.report_s:g} s, operator "
         f"reconciles every {s.reconcile_s:g} s (production {PRODUCTION_REPORT_S:g} s / "
         f"{PRODUCTION_RECONCILE_S:g} s); planner {s.planner}; window {s.duration_s:g} s; "
-        f"seed {s.seed}; Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+        f"reports written: {cadence}; seed {s.seed}; Python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs"
     )
     started = time.monotonic()
     try:
