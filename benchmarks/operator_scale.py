@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import importlib.util
 import json
@@ -112,6 +113,7 @@ from perseus_operator.jobs.planning import RETARGETED_PLAN, PlanningInput  # noq
 from perseus_operator.metrics import OperatorMetrics  # noqa: E402
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
 
+ESTIMATES: Final = {"Instruction": "instruction_estimate", "Stage": "stage_estimate"}
 PRODUCTION_REPORT_S: Final = 10.0
 PRODUCTION_RECONCILE_S: Final = 5.0
 TARGET_REACTION_R: Final = 2.0
@@ -194,10 +196,15 @@ class StoredPlan:
     granularity: str
     assignments: list[dict[str, Any]]
     base_s: float
-    """The plans' T_min: the pace the simulated ranks report."""
+    """The plans' T_min."""
+    pace_s: dict[str, float]
+    """Per pipeline plan: its expected iteration time, the pace its ranks report (a replica
+    re-targeted to a straggler's T' runs at T', as a real one does)."""
     status_json: str = "{}"
     resource_version: int = 0
     """Changes with every write, spec or status, as the API server's."""
+    generation: int = 1
+    """Changes with every spec write, as the API server's."""
 
     def text(self) -> str:
         metadata = f'{self.metadata_json[:-1]},"resourceVersion":"{self.resource_version}"}}'
@@ -358,11 +365,18 @@ class Cluster:
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         self._count("put_node_plan")
         namespace, name = resources.object_key(body)
-        metadata = {**body["metadata"], "ownerReferences": [dict(owner)]}
-        job = str(metadata["labels"][resources.JOB_LABEL])
+        job = str(body["metadata"]["labels"][resources.JOB_LABEL])
         spec = body["spec"]
         by_name = self.plans.setdefault((namespace, job), {})
         previous = by_name.get(name)
+        # As the API server: a uid for the object's life, a generation bumped by spec writes.
+        generation = previous.generation + 1 if previous else 1
+        metadata = {
+            **body["metadata"],
+            "ownerReferences": [dict(owner)],
+            "uid": f"plan-{namespace}-{name}",
+            "generation": generation,
+        }
         plan = StoredPlan(
             namespace=namespace,
             name=name,
@@ -377,8 +391,13 @@ class Cluster:
                 for a in spec["assignments"]
             ],
             base_s=min(float(p["t_min_s"]) for p in spec["plans"].values()),
+            pace_s={
+                name: float(p[f"{ESTIMATES[str(spec['granularity'])]}"]["iteration_time_s"])
+                for name, p in spec["plans"].items()
+            },
             status_json=previous.status_json if previous else "{}",  # status is a subresource
             resource_version=self._next_version(),
+            generation=generation,
         )
         by_name[name] = plan
         self.on_node[plan.node] = plan
@@ -485,6 +504,8 @@ class Settings:
     (:mod:`perseus_agent.kube.report_cadence`)."""
     heartbeat_r: float = 3.0
     dead_band: float = 0.01
+    profile: str = ""
+    """cProfile the measured window into this file (the figures then include its cost)."""
 
 
 def job_body(
@@ -760,8 +781,8 @@ class Simulation:
                     "dp_rank": a["dp_rank"],
                     "pp_rank": a["stage"],
                     "iterations": iterations,
-                    "last_iteration_s": base * factor,
-                    "mean_iteration_s": base * factor,
+                    "last_iteration_s": plan.pace_s[a["plan"]] * factor,
+                    "mean_iteration_s": plan.pace_s[a["plan"]] * factor,
                 }
             )
         status = {
@@ -857,8 +878,14 @@ class Simulation:
             self.inject(window_start)
             cpu0, calls0 = cpu_seconds(), self.cluster.calls
             by0, events0 = Counter(self.cluster.calls_by), self.cluster.watch_events
+            profiler = cProfile.Profile() if s.profile else None
+            if profiler is not None:
+                profiler.enable()
             await asyncio.sleep(s.duration_s)
             window_end = loop.time()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(s.profile)
             cpu, calls = cpu_seconds() - cpu0, self.cluster.calls - calls0
             self.calls_by = self.cluster.calls_by - by0
             self.watch_events = self.cluster.watch_events - events0
@@ -1251,6 +1278,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--dead-band", type=float, default=0.01, help="relative change of a mean written at once"
     )
     parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        default="",
+        help="cProfile the measured window (not the start-up) into FILE (pstats format)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
@@ -1283,6 +1316,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         cadence=args.cadence,
         heartbeat_r=args.heartbeat_r,
         dead_band=args.dead_band,
+        profile=args.profile,
     )
 
 

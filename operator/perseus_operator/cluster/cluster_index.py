@@ -21,9 +21,10 @@ started, or none), and a missing workload is a job's problem to report, not a fa
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
@@ -67,9 +68,10 @@ Index: TypeAlias = Mapping[Any, Collection[IndexedObject]]
 """Key -> the objects filed under it (a ``kopf.Index`` of :class:`IndexedObject`)."""
 
 
-def indexed(obj: Mapping[str, Any]) -> IndexedObject:
+def indexed(obj: Mapping[str, Any], *, spec_json: str | None = None) -> IndexedObject:
     """``obj`` (as the API shows it) for an index; its ``managedFields`` are left out (no
-    reader needs them, and they are often most of a pod)."""
+    reader needs them, and they are often most of a pod). ``spec_json``: ``obj``'s ``spec``
+    already serialized (one spec serves many watch events: see :func:`node_plan_entries`)."""
     metadata = dict(obj.get("metadata") or {})
     metadata.pop("managedFields", None)
     labels = metadata.get("labels") or {}
@@ -78,6 +80,12 @@ def indexed(obj: Mapping[str, Any]) -> IndexedObject:
         revision = int(spec.get("revision") or 0) if isinstance(spec, Mapping) else 0
     except (TypeError, ValueError):
         revision = 0
+    if spec_json is None:
+        text = json.dumps({**obj, "metadata": metadata}, separators=(",", ":"))
+    else:
+        rest = {k: v for k, v in obj.items() if k != "spec"}
+        head = json.dumps({**rest, "metadata": metadata}, separators=(",", ":"))
+        text = f'{head[:-1]},"spec":{spec_json}}}'
     return IndexedObject(
         name=str(metadata.get("name") or ""),
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
@@ -87,7 +95,7 @@ def indexed(obj: Mapping[str, Any]) -> IndexedObject:
             for ref in metadata.get("ownerReferences") or ()
             if isinstance(ref, Mapping) and ref.get("uid")
         ),
-        text=json.dumps({**obj, "metadata": metadata}, separators=(",", ":")),
+        text=text,
     )
 
 
@@ -119,17 +127,48 @@ def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
     pipeline plans (``spec.plans``, most of a plan) and the status, which every job reads at
     every step of the plans on its nodes (are its GPUs claimed?)."""
     namespace, _ = resources.object_key(obj)
-    entry = indexed(obj)
     spec = obj.get("spec")
-    claim = entry
-    if isinstance(spec, Mapping):
+    if not isinstance(spec, Mapping):
+        entry = claim = indexed(obj)
+    else:
+        full_json, claim_json = _spec_texts(obj, spec)
+        entry = indexed(obj, spec_json=full_json)
         rest = {k: v for k, v in obj.items() if k not in ("spec", "status")}
-        claim = indexed({**rest, "spec": {k: v for k, v in spec.items() if k != "plans"}})
+        claim = indexed({**rest, "spec": spec}, spec_json=claim_json)
     labels = entry.labels
     return {
         (namespace, labels.get(resources.JOB_LABEL)): entry,
         (namespace, resources.NODE_LABEL, labels.get(resources.NODE_LABEL)): claim,
     }
+
+
+_SPECS_MAX: Final = 8192
+"""Node plan specs kept serialized: more than the node plans one operator watches."""
+_specs: OrderedDict[tuple[str, str, str, int], tuple[str, str]] = OrderedDict()
+
+
+def _spec_texts(obj: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, str]:
+    """A node plan's spec as JSON, whole and without ``plans``. Serialized once per spec
+    version (uid and ``metadata.generation``, which the API server bumps on every change to
+    the spec and never on a status write): the agents' status writes are most watch events,
+    and the pipeline plans most of a plan's size."""
+    metadata = obj.get("metadata") or {}
+    generation, uid = metadata.get("generation"), metadata.get("uid")
+    key = None
+    if isinstance(generation, int) and isinstance(uid, str) and uid:
+        key = (*resources.object_key(obj), uid, generation)
+        if (found := _specs.get(key)) is not None:
+            _specs.move_to_end(key)
+            return found
+    texts = (
+        json.dumps(spec, separators=(",", ":")),
+        json.dumps({k: v for k, v in spec.items() if k != "plans"}, separators=(",", ":")),
+    )
+    if key is not None:
+        _specs[key] = texts
+        if len(_specs) > _SPECS_MAX:
+            _specs.popitem(last=False)
+    return texts
 
 
 def workload_entries(kind: WorkloadKind, obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
