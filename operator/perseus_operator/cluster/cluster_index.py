@@ -21,10 +21,10 @@ started, or none), and a missing workload is a job's problem to report, not a fa
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import marshal
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import Any, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
@@ -48,8 +48,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class IndexedObject:
-    """One object as an index keeps it: what lookups compare, and the object as JSON text
-    (parsed afresh on every read, as an API response is, so no reader shares a dict)."""
+    """One object as an index keeps it: what lookups compare, and the object, marshalled
+    (unmarshalled afresh on every read, as an API response is parsed, so no reader shares a
+    dict)."""
 
     name: str
     labels: Mapping[str, str]
@@ -57,21 +58,25 @@ class IndexedObject:
     """``spec.revision`` of a node plan (0 for other objects)."""
     owners: frozenset[str]
     """UIDs of its owner references."""
-    text: str
+    data: bytes
+    """:func:`marshal.dumps` of the object: every reconcile reads its job's node plans whole,
+    and a fresh copy from marshal's bytes costs well under half of parsing the JSON (and
+    writing them, at every watch event, a third), by ``benchmarks/operator_scale.py``'s
+    profile. Kept in memory only, by the process that wrote it (marshal's format is the
+    interpreter's)."""
 
     def read(self) -> dict[str, Any]:
-        parsed: dict[str, Any] = json.loads(self.text)
-        return parsed
+        copied: dict[str, Any] = marshal.loads(self.data)
+        return copied
 
 
 Index: TypeAlias = Mapping[Any, Collection[IndexedObject]]
 """Key -> the objects filed under it (a ``kopf.Index`` of :class:`IndexedObject`)."""
 
 
-def indexed(obj: Mapping[str, Any], *, spec_json: str | None = None) -> IndexedObject:
+def indexed(obj: Mapping[str, Any]) -> IndexedObject:
     """``obj`` (as the API shows it) for an index; its ``managedFields`` are left out (no
-    reader needs them, and they are often most of a pod). ``spec_json``: ``obj``'s ``spec``
-    already serialized (one spec serves many watch events: see :func:`node_plan_entries`)."""
+    reader needs them, and they are often most of a pod)."""
     metadata = dict(obj.get("metadata") or {})
     metadata.pop("managedFields", None)
     labels = metadata.get("labels") or {}
@@ -80,12 +85,6 @@ def indexed(obj: Mapping[str, Any], *, spec_json: str | None = None) -> IndexedO
         revision = int(spec.get("revision") or 0) if isinstance(spec, Mapping) else 0
     except (TypeError, ValueError):
         revision = 0
-    if spec_json is None:
-        text = json.dumps({**obj, "metadata": metadata}, separators=(",", ":"))
-    else:
-        rest = {k: v for k, v in obj.items() if k != "spec"}
-        head = json.dumps({**rest, "metadata": metadata}, separators=(",", ":"))
-        text = f'{head[:-1]},"spec":{spec_json}}}'
     return IndexedObject(
         name=str(metadata.get("name") or ""),
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
@@ -95,8 +94,24 @@ def indexed(obj: Mapping[str, Any], *, spec_json: str | None = None) -> IndexedO
             for ref in metadata.get("ownerReferences") or ()
             if isinstance(ref, Mapping) and ref.get("uid")
         ),
-        text=text,
+        data=_marshalled({**obj, "metadata": metadata}),
     )
+
+
+def _marshalled(obj: Mapping[str, Any]) -> bytes:
+    try:
+        return marshal.dumps(obj)
+    except ValueError:
+        # A mapping or list type of the watcher's own somewhere inside: plain JSON data first.
+        return marshal.dumps(json.loads(json.dumps(obj, default=_plain)))
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        return list(value)
+    raise TypeError(f"not JSON data: {type(value).__name__}")
 
 
 def pod_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
@@ -127,48 +142,17 @@ def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
     pipeline plans (``spec.plans``, most of a plan) and the status, which every job reads at
     every step of the plans on its nodes (are its GPUs claimed?)."""
     namespace, _ = resources.object_key(obj)
+    entry = indexed(obj)
     spec = obj.get("spec")
-    if not isinstance(spec, Mapping):
-        entry = claim = indexed(obj)
-    else:
-        full_json, claim_json = _spec_texts(obj, spec)
-        entry = indexed(obj, spec_json=full_json)
+    claim = entry
+    if isinstance(spec, Mapping):
         rest = {k: v for k, v in obj.items() if k not in ("spec", "status")}
-        claim = indexed({**rest, "spec": spec}, spec_json=claim_json)
+        claim = indexed({**rest, "spec": {k: v for k, v in spec.items() if k != "plans"}})
     labels = entry.labels
     return {
         (namespace, labels.get(resources.JOB_LABEL)): entry,
         (namespace, resources.NODE_LABEL, labels.get(resources.NODE_LABEL)): claim,
     }
-
-
-_SPECS_MAX: Final = 8192
-"""Node plan specs kept serialized: more than the node plans one operator watches."""
-_specs: OrderedDict[tuple[str, str, str, int], tuple[str, str]] = OrderedDict()
-
-
-def _spec_texts(obj: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, str]:
-    """A node plan's spec as JSON, whole and without ``plans``. Serialized once per spec
-    version (uid and ``metadata.generation``, which the API server bumps on every change to
-    the spec and never on a status write): the agents' status writes are most watch events,
-    and the pipeline plans most of a plan's size."""
-    metadata = obj.get("metadata") or {}
-    generation, uid = metadata.get("generation"), metadata.get("uid")
-    key = None
-    if isinstance(generation, int) and isinstance(uid, str) and uid:
-        key = (*resources.object_key(obj), uid, generation)
-        if (found := _specs.get(key)) is not None:
-            _specs.move_to_end(key)
-            return found
-    texts = (
-        json.dumps(spec, separators=(",", ":")),
-        json.dumps({k: v for k, v in spec.items() if k != "plans"}, separators=(",", ":")),
-    )
-    if key is not None:
-        _specs[key] = texts
-        if len(_specs) > _SPECS_MAX:
-            _specs.popitem(last=False)
-    return texts
 
 
 def workload_entries(kind: WorkloadKind, obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:

@@ -56,6 +56,7 @@ __all__ = [
     "TargetFor",
     "WorkloadDecision",
     "WorkloadView",
+    "copy_status",
     "decide_conflict",
     "decide_generation",
     "decide_workload",
@@ -153,11 +154,19 @@ class Decision:
     go_on: bool = True
 
 
+def copy_status(status: PerseusJobStatus) -> PerseusJobStatus:
+    """A deep copy of ``status`` that a decision may edit. Through the model's own (compiled)
+    schema: a quarter of the time of ``model_copy(deep=True)`` (pydantic's deep copy is pure
+    Python), which every reconcile paid several times over (``benchmarks/operator_scale.py``'s
+    profile). Every field of the copy counts as set; nothing reads the status's set fields."""
+    return PerseusJobStatus.model_validate(status.model_dump(by_alias=True))
+
+
 class StatusDraft:
     """A copy of the status that one decision edits, and the events and actions it adds."""
 
     def __init__(self, status: PerseusJobStatus, generation: int) -> None:
-        self.status = status.model_copy(deep=True)
+        self.status = copy_status(status)
         self.generation = generation
         self.events: list[Event] = []
         self.actions: list[Action] = []
