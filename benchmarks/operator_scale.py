@@ -551,7 +551,14 @@ def pod(job: str, namespace: str, index: int, node: str, gpus: int) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"{job}-{index}", "namespace": namespace, "labels": {"app": job}},
+        "metadata": {
+            "name": f"{job}-{index}",
+            "namespace": namespace,
+            "labels": {"app": job},
+            # As the API server gives them: reconciles resolve ranks once per pod version.
+            "uid": f"pod-{namespace}-{job}-{index}",
+            "resourceVersion": "1",
+        },
         "spec": {
             "nodeName": node,
             "containers": [
