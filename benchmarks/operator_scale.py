@@ -114,6 +114,9 @@ from perseus_operator.metrics import OperatorMetrics  # noqa: E402
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
 
 ESTIMATES: Final = {"Instruction": "instruction_estimate", "Stage": "stage_estimate"}
+STARVED_LATENESS_R: Final = 0.1
+"""--ci: timers later than this at the median mean the machine starved the process."""
+RESULT: Final = {True: "PASS", False: "FAIL", None: "not judged"}
 PRODUCTION_REPORT_S: Final = 10.0
 PRODUCTION_RECONCILE_S: Final = 5.0
 TARGET_REACTION_R: Final = 2.0
@@ -510,6 +513,8 @@ class Settings:
     heartbeat_r: float = 3.0
     dead_band: float = 0.01
     profile: str = ""
+    ci: bool = False
+    """The quick form for CI: the wall-clock reaction is not judged on a starved process."""
     """cProfile the measured window into this file (the figures then include its cost)."""
 
 
@@ -1246,11 +1251,24 @@ def report(results: Results) -> bool:
     results.nominal_cpu = nominal
 
     p99 = percentile(retarget, 0.99) if len(retarget) == len(reactions) else math.inf
+    # The same reaction counted in the agents' reports: they run on the same loop, so a
+    # machine too loaded to give the process its CPU delays both alike.
+    most_reports = max((r.slow_reports or 0 for r in reactions), default=0)
+    late_p50 = percentile([t.late_s for t in ticks], 0.5)
+    starved = late_p50 > STARVED_LATENESS_R * s.report_s
+    reaction_ok: bool | None = p99 < TARGET_REACTION_R
+    if s.ci and starved and not reaction_ok:
+        reaction_ok = None  # not judged: the machine, not the operator, was slow
     checks = [
         (
             f"straggler reaction p99 < {TARGET_REACTION_R:g} report intervals",
             f"{p99:.2f} R",
-            p99 < TARGET_REACTION_R,
+            reaction_ok,
+        ),
+        (
+            f"re-targeted by the first slow node's report {PERSISTENCE_REPORTS + 2}",
+            f"{most_reports} reports",
+            bool(reactions) and most_reports <= PERSISTENCE_REPORTS + 2,
         ),
         (
             "every injected straggler re-targeted",
@@ -1263,10 +1281,17 @@ def report(results: Results) -> bool:
     print(
         table(
             ["check", "measured", "result"],
-            [[c, m, "PASS" if ok else "FAIL"] for c, m, ok in checks],
+            [[c, m, RESULT[ok]] for c, m, ok in checks],
         )
     )
-    return all(ok for _, _, ok in checks)
+    if reaction_ok is None:
+        print(
+            f"The reaction was not judged: timers ran {late_p50 * 1e3:.0f} ms late at the median "
+            f"(over {STARVED_LATENESS_R:g} R): the process did not get its CPU "
+            f"({100 * results.cpu_s / window:.0f} % of one core; load average "
+            f"{os.getloadavg()[0]:.1f})."
+        )
+    return all(ok is not False for _, _, ok in checks)
 
 
 # --------------------------------------------------------------------------- main
@@ -1331,7 +1356,15 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         action="store_true",
         help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
     )
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="--quick for CI (make bench): the wall-clock reaction is not judged when the "
+        "machine starved the process (timers over 0.1 R late at the median); the reaction in "
+        "reports, the re-targets and false positives always are",
+    )
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.ci
     if args.quick:
         args.jobs, args.stragglers = min(args.jobs, 20), min(args.stragglers, 4)
     report_s = args.report_interval_s
@@ -1360,6 +1393,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         heartbeat_r=args.heartbeat_r,
         dead_band=args.dead_band,
         profile=args.profile,
+        ci=args.ci,
     )
 
 
