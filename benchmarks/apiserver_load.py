@@ -315,6 +315,8 @@ class Window:
     patches: list[float] = field(default_factory=list)  # latency of each, s
     failed: int = 0
     reports: int = 0
+    due: int = 0
+    """Reports the cadence decided to write (sent or not yet)."""
     watch_events: int = 0
     watch_bytes: int = 0
     apiserver_cpu_s: float = 0.0
@@ -390,6 +392,7 @@ class Load:
             window = self.window if self.measuring else None
             if window is not None:
                 window.reports += 1
+                window.due += write
             if write:
                 t0 = time.perf_counter()
                 async with self.server.session.patch(
@@ -412,7 +415,9 @@ class Load:
         for node in self.nodes:
             node.written, node.written_at = None, -math.inf
         slow: dict[int, int] = {}
-        agents = [asyncio.create_task(self.agent(n, cadence, slow)) for n in self.nodes]
+        agents = [
+            asyncio.create_task(self.agent(n, cadence, slow)) for n in self.nodes if name != "idle"
+        ]
         try:
             await asyncio.sleep(self.args.report_interval_s * 1.5)  # every agent wrote once
             window = self.window = Window(name)
@@ -455,6 +460,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def report(windows: list[Window], nodes: int, args: argparse.Namespace) -> None:
     per_k = 1000 / nodes
+    idle = [w for w in windows if w.cadence == "idle"]
+    idle_cpu_s = (idle[0].apiserver_cpu_s + idle[0].etcd_cpu_s) / idle[0].seconds if idle else 0.0
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, values: list[float], fmt: str = "{:.2f}") -> None:
@@ -500,8 +507,13 @@ def report(windows: list[Window], nodes: int, args: argparse.Namespace) -> None:
         ],
     )
     row(
-        "apiserver + etcd CPU per status write, ms",
-        [1e3 * (w.apiserver_cpu_s + w.etcd_cpu_s) / max(1, len(w.patches)) for w in windows],
+        "apiserver + etcd CPU per status write (less idle), ms",
+        [
+            1e3
+            * max(0.0, w.apiserver_cpu_s + w.etcd_cpu_s - idle_cpu_s * w.seconds)
+            / max(1, len(w.patches))
+            for w in windows
+        ],
     )
     row(
         "etcd DB growth per status write, KiB",
@@ -514,8 +526,11 @@ def report(windows: list[Window], nodes: int, args: argparse.Namespace) -> None:
     # What 1,000 nodes cost at the production cadence, from the costs per write: this machine's
     # apiserver may not keep up with the offered rate (then the rates above are what it served).
     period = args.report_interval_s
-    offered = [len(w.patches) / max(1, w.reports) * 1000 / period for w in windows]
-    per_write_cpu = [(w.apiserver_cpu_s + w.etcd_cpu_s) / max(1, len(w.patches)) for w in windows]
+    offered = [w.due / max(1, w.reports) * 1000 / period for w in windows]
+    per_write_cpu = [
+        max(0.0, w.apiserver_cpu_s + w.etcd_cpu_s - idle_cpu_s * w.seconds) / max(1, len(w.patches))
+        for w in windows
+    ]
     per_write_db = [
         delta(w, "etcd_mvcc_db_total_size_in_use_in_bytes") / max(1, len(w.patches))
         for w in windows
@@ -553,10 +568,12 @@ def report(windows: list[Window], nodes: int, args: argparse.Namespace) -> None:
     for label, values in rows:
         cells = [label.ljust(widths[0]), *(v.rjust(widths[i + 1]) for i, v in enumerate(values))]
         print("  ".join(cells))
-    if len(windows) == 2 and windows[1].patches:
-        cpu = [o * c for o, c in zip(offered, per_write_cpu, strict=True)]
-        db = [o * b for o, b in zip(offered, per_write_db, strict=True)]
-        a, b = windows
+    measured = [i for i, w in enumerate(windows) if w.cadence != "idle"]
+    if len(measured) == 2 and windows[measured[1]].patches:
+        cpu = [offered[i] * per_write_cpu[i] for i in measured]
+        db = [offered[i] * per_write_db[i] for i in measured]
+        a, b = (windows[i] for i in measured)
+        offered = [offered[i] for i in measured]
         print(
             f"\n{a.cadence} / {b.cadence} at the production cadence: status writes "
             f"{offered[0] / offered[1]:.1f}x, apiserver + etcd CPU {cpu[0] / cpu[1]:.1f}x, "
@@ -605,7 +622,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jitter", type=float, default=0.005)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--cadences", nargs="+", choices=("every", "dead-band"), default=["every", "dead-band"]
+        "--cadences",
+        nargs="+",
+        choices=("idle", "every", "dead-band"),
+        default=["idle", "every", "dead-band"],
+        help="idle: no agent writes (the servers' own CPU, taken off the others' per write)",
     )
     args = parser.parse_args(argv)
     found = binaries()
