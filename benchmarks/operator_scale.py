@@ -1251,15 +1251,21 @@ def report(results: Results) -> bool:
     results.nominal_cpu = nominal
 
     p99 = percentile(retarget, 0.99) if len(retarget) == len(reactions) else math.inf
-    # The same reaction counted in the agents' reports: they run on the same loop, so a
-    # machine too loaded to give the process its CPU delays both alike.
+    # The same reaction counted in the agents' reports (they share the loop with the
+    # operator, so a loaded machine delays both, though not quite alike).
     counted = [r.slow_reports for r in reactions if r.slow_reports is not None]
     most_reports = max(counted, default=0)
     late_p50 = percentile([t.late_s for t in ticks], 0.5)
     starved = late_p50 > STARVED_LATENESS_R * s.report_s
     reaction_ok: bool | None = p99 < TARGET_REACTION_R
-    if s.ci and starved and not reaction_ok:
-        reaction_ok = None  # not judged: the machine, not the operator, was slow
+    reports_ok: bool | None = (
+        bool(reactions)
+        and len(counted) == len(reactions)
+        and most_reports <= PERSISTENCE_REPORTS + 2
+    )
+    if s.ci and starved:  # not judged: the machine, not the operator, was slow
+        reaction_ok = reaction_ok or None
+        reports_ok = reports_ok or (None if len(counted) == len(reactions) else False)
     checks = [
         (
             f"straggler reaction p99 < {TARGET_REACTION_R:g} report intervals",
@@ -1269,9 +1275,7 @@ def report(results: Results) -> bool:
         (
             f"re-targeted by the first slow node's report {PERSISTENCE_REPORTS + 2}",
             f"{most_reports} reports" if counted else "-",
-            bool(reactions)
-            and len(counted) == len(reactions)
-            and most_reports <= PERSISTENCE_REPORTS + 2,
+            reports_ok,
         ),
         (
             "every injected straggler re-targeted",
@@ -1287,7 +1291,7 @@ def report(results: Results) -> bool:
             [[c, m, RESULT[ok]] for c, m, ok in checks],
         )
     )
-    if reaction_ok is None:
+    if reaction_ok is None or reports_ok is None:
         print(
             f"The reaction was not judged: timers ran {late_p50 * 1e3:.0f} ms late at the median "
             f"(over {STARVED_LATENESS_R:g} R): the process did not get its CPU "
