@@ -115,7 +115,10 @@ from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: 
 
 ESTIMATES: Final = {"Instruction": "instruction_estimate", "Stage": "stage_estimate"}
 STARVED_LATENESS_R: Final = 0.1
-"""--ci: timers later than this at the median mean the machine starved the process."""
+STARVED_LATENESS_P99_R: Final = 0.25
+"""--ci: timers later than these at the median or the p99 mean the machine starved the
+process (measured on a loaded VM: a p50 of 23 ms and a p99 of 760 ms, with the process at
+16 % of a core, came with a reaction p99 of 3.4 R)."""
 RESULT: Final = {True: "PASS", False: "FAIL", None: "not judged"}
 PRODUCTION_REPORT_S: Final = 10.0
 PRODUCTION_RECONCILE_S: Final = 5.0
@@ -1256,7 +1259,10 @@ def report(results: Results) -> bool:
     counted = [r.slow_reports for r in reactions if r.slow_reports is not None]
     most_reports = max(counted, default=0)
     late_p50 = percentile([t.late_s for t in ticks], 0.5)
-    starved = late_p50 > STARVED_LATENESS_R * s.report_s
+    late_p99 = percentile([t.late_s for t in ticks], 0.99)
+    starved = (
+        late_p50 > STARVED_LATENESS_R * s.report_s or late_p99 > STARVED_LATENESS_P99_R * s.report_s
+    )
     reaction_ok: bool | None = p99 < TARGET_REACTION_R
     reports_ok: bool | None = (
         bool(reactions)
@@ -1294,7 +1300,8 @@ def report(results: Results) -> bool:
     if reaction_ok is None or reports_ok is None:
         print(
             f"The reaction was not judged: timers ran {late_p50 * 1e3:.0f} ms late at the median "
-            f"(over {STARVED_LATENESS_R:g} R): the process did not get its CPU "
+            f"and {late_p99 * 1e3:.0f} ms at the p99 (over {STARVED_LATENESS_R:g} or "
+            f"{STARVED_LATENESS_P99_R:g} R): the process did not get its CPU "
             f"({100 * results.cpu_s / window:.0f} % of one core; load average "
             f"{os.getloadavg()[0]:.1f})."
         )
@@ -1366,9 +1373,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument(
         "--ci",
         action="store_true",
-        help="--quick for CI (make bench): the wall-clock reaction is not judged when the "
-        "machine starved the process (timers over 0.1 R late at the median); the reaction in "
-        "reports, the re-targets and false positives always are",
+        help="--quick for CI (make bench): the reaction is not judged when the machine "
+        "starved the process (timers over 0.1 R late at the median or 0.25 R at the p99); "
+        "missed stragglers and false positives always are",
     )
     args = parser.parse_args(argv)
     args.quick = args.quick or args.ci

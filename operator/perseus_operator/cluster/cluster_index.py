@@ -98,7 +98,7 @@ def indexed(obj: Mapping[str, Any]) -> IndexedObject:
     )
 
 
-def _marshalled(obj: Mapping[str, Any]) -> bytes:
+def _marshalled(obj: dict[str, Any]) -> bytes:
     try:
         return marshal.dumps(obj)
     except ValueError:
