@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test docs lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-schedules reproduce clean
+.PHONY: demo test docs lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-apiserver bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -99,10 +99,12 @@ images: $(STAMP)
 
 ## Side-by-side benchmark against lowtime 0.3.0 (8 stages x 24 microbatches), then how the
 ## solve time grows from 24 to 192 microbatches (benchmarks/planner_scale.py). Then the power
-## budget allocation, quick form (200 jobs x 200 points; the full 1,000 x 1,000 without --quick).
+## budget allocation, quick form (200 jobs x 200 points; the full 1,000 x 1,000 without --quick),
+## and the operator at scale's quick form with its target (20 jobs, ~45 s; benchmarks/README.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner_vs_lowtime.py
 	$(BIN)/python benchmarks/power_allocation.py --quick
+	$(BIN)/python benchmarks/operator_scale.py --ci
 
 ## The large cases: A40, 96 microbatches, 0.1 ms (~65,000 frontier points, within 15 s), and
 ## 16 stages x 128 microbatches (within the planner's 600 s limit, memory reported, checked
@@ -123,6 +125,13 @@ bench-agent: $(STAMP)
 ## Operator at scale: 200 jobs, 1,000 simulated nodes; reconcile latency, straggler reaction.
 bench-operator: $(STAMP)
 	$(BIN)/python benchmarks/operator_scale.py
+
+## The API server's side of the agents' reports: real etcd + kube-apiserver of the e2e tests,
+## 1,000 nodes at the production cadence, every report vs the agents' dead-band (~6 min; builds
+## or reuses etcd and kube-apiserver in ~/.cache/perseus-k8s).
+bench-apiserver: $(STAMP)
+	eval "$$(scripts/build_test_control_plane.sh --env --only etcd,kube-apiserver)" && \
+	  $(BIN)/python benchmarks/apiserver_load.py
 
 ## The paper's Figure 7 (1,024 GPUs, one straggler at T'/T = 1.2): ours beside the published
 ## numbers, and savings vs. T'/T for every method in docs/figure7-savings-vs-straggler.png (~5 min).

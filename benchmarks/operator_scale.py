@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import importlib.util
 import json
@@ -91,7 +92,10 @@ REPO = Path(__file__).resolve().parents[1]
 OPERATOR_ROOT = REPO / "operator"
 if importlib.util.find_spec("perseus_operator") is None:
     sys.path.insert(0, str(OPERATOR_ROOT))
+if importlib.util.find_spec("perseus_agent") is None:
+    sys.path.insert(0, str(REPO / "node_agent"))
 
+from perseus_agent.kube.report_cadence import ReportCadence, write_due  # noqa: E402
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import Phase, WorkloadKind  # noqa: E402
 from perseus_operator.cluster.cluster_index import (  # noqa: E402
@@ -109,6 +113,13 @@ from perseus_operator.jobs.planning import RETARGETED_PLAN, PlanningInput  # noq
 from perseus_operator.metrics import OperatorMetrics  # noqa: E402
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
 
+ESTIMATES: Final = {"Instruction": "instruction_estimate", "Stage": "stage_estimate"}
+STARVED_LATENESS_R: Final = 0.1
+STARVED_LATENESS_P99_R: Final = 0.25
+"""--ci: timers later than these at the median or the p99 mean the machine starved the
+process (measured on a loaded VM: a p50 of 23 ms and a p99 of 760 ms, with the process at
+16 % of a core, came with a reaction p99 of 3.4 R)."""
+RESULT: Final = {True: "PASS", False: "FAIL", None: "not judged"}
 PRODUCTION_REPORT_S: Final = 10.0
 PRODUCTION_RECONCILE_S: Final = 5.0
 TARGET_REACTION_R: Final = 2.0
@@ -191,10 +202,15 @@ class StoredPlan:
     granularity: str
     assignments: list[dict[str, Any]]
     base_s: float
-    """The plans' T_min: the pace the simulated ranks report."""
+    """The plans' T_min."""
+    pace_s: dict[str, float]
+    """Per pipeline plan: its expected iteration time, the pace its ranks report (a replica
+    re-targeted to a straggler's T' runs at T', as a real one does)."""
     status_json: str = "{}"
     resource_version: int = 0
     """Changes with every write, spec or status, as the API server's."""
+    generation: int = 1
+    """Changes with every spec write, as the API server's."""
 
     def text(self) -> str:
         metadata = f'{self.metadata_json[:-1]},"resourceVersion":"{self.resource_version}"}}'
@@ -268,6 +284,8 @@ class Cluster:
         self.pod_index = WatchIndex(pod_entries)
         self.plan_index = WatchIndex(node_plan_entries)
         self.watch_events = 0
+        self.watch_cpu_s = 0.0
+        """CPU time (this thread) of the watch events: parsing (kopf's) and filing them."""
 
     def _count(self, method: str) -> None:
         self.calls += 1
@@ -284,11 +302,13 @@ class Cluster:
         """A watch event of node plan ``ref`` (None: deleted), one loop turn from now."""
 
         def arrived() -> None:
+            c0 = time.thread_time()
             self.watch_events += 1
             if plan is None:
                 self.plan_index.discard(ref)
             else:
                 self.plan_index.put(json.loads(plan.text()))
+            self.watch_cpu_s += time.thread_time() - c0
 
         asyncio.get_running_loop().call_soon(arrived)
 
@@ -355,11 +375,18 @@ class Cluster:
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
         self._count("put_node_plan")
         namespace, name = resources.object_key(body)
-        metadata = {**body["metadata"], "ownerReferences": [dict(owner)]}
-        job = str(metadata["labels"][resources.JOB_LABEL])
+        job = str(body["metadata"]["labels"][resources.JOB_LABEL])
         spec = body["spec"]
         by_name = self.plans.setdefault((namespace, job), {})
         previous = by_name.get(name)
+        # As the API server: a uid for the object's life, a generation bumped by spec writes.
+        generation = previous.generation + 1 if previous else 1
+        metadata = {
+            **body["metadata"],
+            "ownerReferences": [dict(owner)],
+            "uid": f"plan-{namespace}-{name}",
+            "generation": generation,
+        }
         plan = StoredPlan(
             namespace=namespace,
             name=name,
@@ -374,8 +401,13 @@ class Cluster:
                 for a in spec["assignments"]
             ],
             base_s=min(float(p["t_min_s"]) for p in spec["plans"].values()),
+            pace_s={
+                name: float(p[f"{ESTIMATES[str(spec['granularity'])]}"]["iteration_time_s"])
+                for name, p in spec["plans"].items()
+            },
             status_json=previous.status_json if previous else "{}",  # status is a subresource
             resource_version=self._next_version(),
+            generation=generation,
         )
         by_name[name] = plan
         self.on_node[plan.node] = plan
@@ -458,6 +490,7 @@ class Tick(NamedTuple):
     reconcile_s: float
     handler_s: float  # the work, without waiting for the loop
     handler_wall_s: float
+    handler_cpu_s: float  # CPU time of the event loop's thread: what the load does not inflate
     late_s: float
     wrote: bool  # the tick wrote node plans
     status_patched: bool
@@ -477,6 +510,15 @@ class Settings:
     jitter: float
     planner: str
     seed: int
+    cadence: str = "dead-band"
+    """``every``: every report is written; ``dead-band``: as the agent writes them
+    (:mod:`perseus_agent.kube.report_cadence`)."""
+    heartbeat_r: float = 3.0
+    dead_band: float = 0.01
+    profile: str = ""
+    ci: bool = False
+    """The quick form for CI: the wall-clock reaction is not judged on a starved process."""
+    """cProfile the measured window into this file (the figures then include its cost)."""
 
 
 def job_body(
@@ -517,7 +559,14 @@ def pod(job: str, namespace: str, index: int, node: str, gpus: int) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"{job}-{index}", "namespace": namespace, "labels": {"app": job}},
+        "metadata": {
+            "name": f"{job}-{index}",
+            "namespace": namespace,
+            "labels": {"app": job},
+            # As the API server gives them: reconciles resolve ranks once per pod version.
+            "uid": f"pod-{namespace}-{job}-{index}",
+            "resourceVersion": "1",
+        },
         "spec": {
             "nodeName": node,
             "containers": [
@@ -548,16 +597,25 @@ class Simulation:
         self.jobs: list[SimJob] = []
         self.by_key: dict[tuple[str, str], SimJob] = {}
         self.ticks: list[Tick] = []
-        self.reports: list[tuple[float, float, float]] = []
-        """Per agent report: when it was written, how late, and what writing it cost (s)."""
+        self.reports: list[tuple[float, float, float, bool]] = []
+        """Per agent report: when it was made, how late, what making (and writing) it cost
+        (s), and whether it was written."""
         self.errors: list[str] = []
         self.stop = asyncio.Event()
         self.gc = GcWatch()
         self.iterations: dict[str, int] = {}
+        self.cadence: ReportCadence | None = None
+        if settings.cadence == "dead-band":
+            self.cadence = ReportCadence(
+                settings.report_s, settings.heartbeat_r * settings.report_s, settings.dead_band
+            )
+        self.written: dict[str, tuple[float, dict[str, Any]]] = {}
+        """Per node: when its status was last written (loop time), and what."""
         self.calls_by: Counter[str] = Counter()
         """API calls in the window, by JobIO method."""
         self.watch_events = 0
         """Node plan watch events delivered to the index in the window."""
+        self.watch_cpu_s = 0.0
 
     # -- set-up --
 
@@ -615,6 +673,7 @@ class Simulation:
 
     async def handle(self, job: SimJob, start: float, late: float) -> Tick:
         """What handlers._reconcile does with one timer tick of the job."""
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         raw: dict[str, Any] = json.loads(json.dumps(job.body))  # kopf.Body -> plain dict
         writes = len(self.cluster.writes.get((job.namespace, job.name), ()))
@@ -658,6 +717,7 @@ class Simulation:
             reconcile_s=timed[0],
             handler_s=(w0 - t0) + timed[0] + (t1 - w1),
             handler_wall_s=t1 - t0,
+            handler_cpu_s=time.thread_time() - c0,
             late_s=late,
             wrote=wrote,
             status_patched=status_patched,
@@ -697,17 +757,19 @@ class Simulation:
             await asyncio.sleep(max(0.0, due - loop.time()))
             now = loop.time()
             t0 = time.perf_counter()
-            if self.report(node, now):
-                self.reports.append((now, now - due, time.perf_counter() - t0))
+            written = self.report(node, now)
+            if written is not None:
+                self.reports.append((now, now - due, time.perf_counter() - t0, written))
             due += period
             if due < now:  # fell behind by a whole period: skip, as a real agent would
                 due = now + period
 
-    def report(self, node: str, now: float) -> bool:
-        """Write the node's status (False: the node has no plan yet)."""
+    def report(self, node: str, now: float) -> bool | None:
+        """Report the node's status: True when written, False when the dead-band held it
+        back, None when the node has no plan yet."""
         plan = self.cluster.on_node.get(node)
         if plan is None:
-            return False
+            return None
         job = self.by_key[(plan.namespace, plan.job)]
         revision, base = plan.revision, plan.base_s
         slow_dp = job.slow_dp(now)
@@ -742,8 +804,8 @@ class Simulation:
                     "dp_rank": a["dp_rank"],
                     "pp_rank": a["stage"],
                     "iterations": iterations,
-                    "last_iteration_s": base * factor,
-                    "mean_iteration_s": base * factor,
+                    "last_iteration_s": plan.pace_s[a["plan"]] * factor,
+                    "mean_iteration_s": plan.pace_s[a["plan"]] * factor,
                 }
             )
         status = {
@@ -766,8 +828,17 @@ class Simulation:
                 }
             ],
         }
-        self.cluster.write_status(plan, status)
         self.note_report(job, node, now, slow)
+        cadence = self.cadence
+        if cadence is not None:
+            status = cadence.stamp(status)
+            last = self.written.get(node)
+            since_s = math.inf if last is None else now - last[0]
+            previous = None if last is None else last[1]
+            if write_due(previous, status, since_written_s=since_s, cadence=cadence) is None:
+                return False
+            self.written[node] = (now, status)
+        self.cluster.write_status(plan, status)
         return True
 
     @staticmethod
@@ -806,6 +877,7 @@ class Simulation:
         s = self.s
         loop = asyncio.get_running_loop()
         self.populate()
+        gc.freeze()  # as the operator's start-up handler does (perseus_operator.handlers)
         stack.enter_context(self.gc)
         started = loop.time()
         tasks = [asyncio.create_task(self.timer(job)) for job in self.jobs]
@@ -830,11 +902,19 @@ class Simulation:
             self.inject(window_start)
             cpu0, calls0 = cpu_seconds(), self.cluster.calls
             by0, events0 = Counter(self.cluster.calls_by), self.cluster.watch_events
+            watch_cpu0 = self.cluster.watch_cpu_s
+            profiler = cProfile.Profile() if s.profile else None
+            if profiler is not None:
+                profiler.enable()
             await asyncio.sleep(s.duration_s)
             window_end = loop.time()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(s.profile)
             cpu, calls = cpu_seconds() - cpu0, self.cluster.calls - calls0
             self.calls_by = self.cluster.calls_by - by0
             self.watch_events = self.cluster.watch_events - events0
+            self.watch_cpu_s = self.cluster.watch_cpu_s - watch_cpu0
         finally:
             self.stop.set()
             for task in tasks:
@@ -944,6 +1024,7 @@ class Results:
         self.reports = [r for r in sim.reports if start <= r[0] < end]
         self.reactions = [self.reaction(j) for j in sim.jobs if j.injection is not None]
         self.false_positives = self.count_false_positives()
+        self.nominal_cpu = math.nan
 
     def reaction(self, job: SimJob) -> Reaction:
         i = job.injection
@@ -1108,6 +1189,10 @@ def report(results: Results) -> bool:
     print("\n== Load (information)")
     rows = [
         ["node reports / s", reports / window],
+        [
+            f"  status writes / s (cadence: {s.cadence})",
+            sum(r[3] for r in results.reports) / window,
+        ],
         ["process CPU, % of one core", 100 * results.cpu_s / window],
         ["process CPU per node report (agents + operator), µs", 1e6 * results.cpu_s / reports],
         ["  simulated agent's own share (wall time of the write), µs", 1e6 * agents_s / reports],
@@ -1144,12 +1229,59 @@ def report(results: Results) -> bool:
     ]
     print(table(["", "value"], rows))
 
+    # CPU time per unit of work, which a loaded machine inflates far less than wall times, and
+    # what the operator would need at the nominal cadence (every timer on time).
+    quiet = [t.handler_cpu_s for t in ticks if not t.wrote]
+    tick_cpu_s = sum(quiet) / len(quiet) if quiet else math.nan
+    event_cpu_s = sim.watch_cpu_s / sim.watch_events if sim.watch_events else 0.0
+    written = sum(r[3] for r in results.reports) / reports if reports else math.nan
+    nodes = s.jobs * s.nodes_per_job
+    nominal_events = written * nodes / s.report_s
+    nominal = tick_cpu_s * s.jobs / s.reconcile_s + event_cpu_s * nominal_events
+    print("\n== Operator CPU per unit of work (thread CPU time; information)")
+    rows = [
+        ["handler step without plan writes, mean, µs", 1e6 * tick_cpu_s],
+        ["  p50, µs", 1e6 * percentile(quiet, 0.5)],
+        ["watch event (parse + file in the index), µs", 1e6 * event_cpu_s],
+        ["reports written (of those made)", written],
+        [
+            f"needed at the nominal cadence ({s.jobs / s.reconcile_s:.0f} steps/s, "
+            f"{nominal_events:.0f} events/s), % of one core",
+            100 * nominal,
+        ],
+    ]
+    print(table(["", "value"], rows))
+    results.nominal_cpu = nominal
+
     p99 = percentile(retarget, 0.99) if len(retarget) == len(reactions) else math.inf
+    # The same reaction counted in the agents' reports (they share the loop with the
+    # operator, so a loaded machine delays both, though not quite alike).
+    counted = [r.slow_reports for r in reactions if r.slow_reports is not None]
+    most_reports = max(counted, default=0)
+    late_p50 = percentile([t.late_s for t in ticks], 0.5)
+    late_p99 = percentile([t.late_s for t in ticks], 0.99)
+    starved = (
+        late_p50 > STARVED_LATENESS_R * s.report_s or late_p99 > STARVED_LATENESS_P99_R * s.report_s
+    )
+    reaction_ok: bool | None = p99 < TARGET_REACTION_R
+    reports_ok: bool | None = (
+        bool(reactions)
+        and len(counted) == len(reactions)
+        and most_reports <= PERSISTENCE_REPORTS + 2
+    )
+    if s.ci and starved:  # not judged: the machine, not the operator, was slow
+        reaction_ok = reaction_ok or None
+        reports_ok = reports_ok or (None if len(counted) == len(reactions) else False)
     checks = [
         (
             f"straggler reaction p99 < {TARGET_REACTION_R:g} report intervals",
             f"{p99:.2f} R",
-            p99 < TARGET_REACTION_R,
+            reaction_ok,
+        ),
+        (
+            f"re-targeted by the first slow node's report {PERSISTENCE_REPORTS + 2}",
+            f"{most_reports} reports" if counted else "-",
+            reports_ok,
         ),
         (
             "every injected straggler re-targeted",
@@ -1162,10 +1294,18 @@ def report(results: Results) -> bool:
     print(
         table(
             ["check", "measured", "result"],
-            [[c, m, "PASS" if ok else "FAIL"] for c, m, ok in checks],
+            [[c, m, RESULT[ok]] for c, m, ok in checks],
         )
     )
-    return all(ok for _, _, ok in checks)
+    if reaction_ok is None or reports_ok is None:
+        print(
+            f"The reaction was not judged: timers ran {late_p50 * 1e3:.0f} ms late at the median "
+            f"and {late_p99 * 1e3:.0f} ms at the p99 (over {STARVED_LATENESS_R:g} or "
+            f"{STARVED_LATENESS_P99_R:g} R): the process did not get its CPU "
+            f"({100 * results.cpu_s / window:.0f} % of one core; load average "
+            f"{os.getloadavg()[0]:.1f})."
+        )
+    return all(ok is not False for _, _, ok in checks)
 
 
 # --------------------------------------------------------------------------- main
@@ -1204,11 +1344,41 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--planner", choices=("pool", "inline"), default="pool")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--cadence",
+        choices=("dead-band", "every"),
+        default="dead-band",
+        help="agents write a report only when it says something new, plus a heartbeat "
+        "(dead-band, as the agent does), or every report (every, as agents did before)",
+    )
+    parser.add_argument(
+        "--heartbeat-r",
+        type=float,
+        default=3.0,
+        help="dead-band cadence: report intervals between writes of an unchanged report",
+    )
+    parser.add_argument(
+        "--dead-band", type=float, default=0.01, help="relative change of a mean written at once"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        default="",
+        help="cProfile the measured window (not the start-up) into FILE (pstats format)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
     )
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="--quick for CI (make bench): the reaction is not judged when the machine "
+        "starved the process (timers over 0.1 R late at the median or 0.25 R at the p99); "
+        "missed stragglers and false positives always are",
+    )
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.ci
     if args.quick:
         args.jobs, args.stragglers = min(args.jobs, 20), min(args.stragglers, 4)
     report_s = args.report_interval_s
@@ -1233,18 +1403,27 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         jitter=args.jitter,
         planner=args.planner,
         seed=args.seed,
+        cadence=args.cadence,
+        heartbeat_r=args.heartbeat_r,
+        dead_band=args.dead_band,
+        profile=args.profile,
+        ci=args.ci,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     s = settings
+    cadence = s.cadence
+    if cadence == "dead-band":
+        cadence += f" {s.dead_band:g}, heartbeat {s.heartbeat_r:g} R"
     print(
         f"perseus operator at scale: {s.jobs} jobs on {s.jobs * s.nodes_per_job:,} nodes "
         f"({s.nodes_per_job} per job); agents report every {s.report_s:g} s, operator "
         f"reconciles every {s.reconcile_s:g} s (production {PRODUCTION_REPORT_S:g} s / "
         f"{PRODUCTION_RECONCILE_S:g} s); planner {s.planner}; window {s.duration_s:g} s; "
-        f"seed {s.seed}; Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+        f"reports written: {cadence}; seed {s.seed}; Python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs"
     )
     started = time.monotonic()
     try:

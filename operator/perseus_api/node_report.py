@@ -240,6 +240,19 @@ class NodePlanStatus(_Wire):
         description="When the agent wrote this report (RFC 3339); rewritten every report "
         "interval while the agent lives, so a stale one means a dead or cut-off agent.",
     )
+    report_interval_s: float | None = Field(
+        default=None,
+        description="The agent's report interval. An agent that says it writes only reports "
+        "that say something new (iteration times out of its dead-band, anything else changed) "
+        "plus a heartbeat: a report not rewritten for this long is one more report of the "
+        "same times. Null: every report is written.",
+    )
+    heartbeat_s: float | None = Field(
+        default=None,
+        description="Longest time between two writes of a live agent's report (null: the "
+        "report interval). The operator takes telemetry for stale only when it is older than "
+        "twice this, or staleAfterSeconds if longer.",
+    )
     conditions: list[StatusCondition] = Field(default_factory=list)
     node: str | None = None
     job: str | None = None

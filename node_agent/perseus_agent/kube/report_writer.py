@@ -1,6 +1,8 @@
 """Node plan statuses out: :class:`ReportWriter` patches each object's ``status`` subresource.
 
-From a background thread: latest report wins, unchanged reports are not re-sent, conflicts,
+From a background thread: latest report wins, reports that say nothing new are not sent
+(:mod:`perseus_agent.kube.report_cadence`: a dead-band on the iteration times and a heartbeat,
+when the writer is given a cadence; else only unchanged ones are held back), conflicts,
 throttling, server errors and connection errors are retried a bounded number of times, and
 nothing raises into the agent loop. Needs RBAC: ``patch`` on ``perseusnodeplans/status``. The
 documents it writes are :mod:`perseus_agent.plans.plan_status`'s.
@@ -9,12 +11,14 @@ documents it writes are :mod:`perseus_agent.plans.plan_status`'s.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from perseus_agent.kube import ObjectKey
+from perseus_agent.kube.report_cadence import ReportCadence, write_due
 from perseus_api import resources
 from perseus_api.conventions import now_rfc3339, transition_time
 from perseus_api.kube_client import describe_api_error, http_status
@@ -31,8 +35,10 @@ class ReportWriter:
 
     :meth:`submit` queues a status for a background thread (the latest one per object wins);
     :meth:`write` patches at once. A status equal to the last one written for the object is
-    not sent again (:meth:`forget` an object when it is deleted). Each condition keeps its
-    ``lastTransitionTime`` while its status stays the same.
+    not sent again (:meth:`forget` an object when it is deleted); with a ``cadence``, neither
+    is one that differs only by iteration times within the dead-band, until the heartbeat is
+    due (:func:`~perseus_agent.kube.report_cadence.write_due`), and every report says the
+    cadence. Each condition keeps its ``lastTransitionTime`` while its status stays the same.
 
     Args:
         api: A ``kubernetes.client.CustomObjectsApi``.
@@ -40,6 +46,7 @@ class ReportWriter:
         on_gone: Called with (namespace, name) when the object turns out not to exist.
         retry_delay_s: Delay before the second try; doubles with each further try.
         request_timeout_s: Timeout of each request.
+        cadence: When reports are worth writing (None: whenever they change at all).
     """
 
     def __init__(
@@ -50,8 +57,15 @@ class ReportWriter:
         retry_delay_s: float = 0.5,
         request_timeout_s: float = 10.0,
         on_gone: Callable[[str, str], None] | None = None,
+        cadence: ReportCadence | None = None,
     ) -> None:
         self._api = api
+        self._cadence = cadence
+        self._written_at: dict[ObjectKey, float] = {}  # monotonic seconds
+        self.sent = 0
+        """Statuses written (for the logs and the tests)."""
+        self.held = 0
+        """Statuses not written: nothing new in them."""
         self._on_gone = on_gone
         self._attempts = max(1, attempts)
         self._retry_delay_s = retry_delay_s
@@ -88,6 +102,7 @@ class ReportWriter:
         with self._lock:
             self._pending.pop((namespace, name), None)
             self._written.pop((namespace, name), None)
+            self._written_at.pop((namespace, name), None)
             self._epochs[(namespace, name)] = self._epochs.get((namespace, name), 0) + 1
 
     def flush(self, timeout_s: float) -> bool:
@@ -123,9 +138,21 @@ class ReportWriter:
         key = (namespace, name)
         with self._lock:
             previous = self._written.get(key)
+            written_at = self._written_at.get(key)
             epoch = self._epochs.get(key, 0)
         document = _with_transition_times(status, previous)
-        if document == previous:
+        cadence = self._cadence
+        if cadence is None:
+            due = document != previous
+        else:
+            document = cadence.stamp(document)
+            since_s = math.inf if written_at is None else time.monotonic() - written_at
+            due = (
+                write_due(previous, document, since_written_s=since_s, cadence=cadence) is not None
+            )
+        if not due:
+            with self._lock:
+                self.held += 1
             return True
         delay = self._retry_delay_s
         for attempt in range(1, self._attempts + 1):
@@ -165,8 +192,10 @@ class ReportWriter:
                 delay *= 2
                 continue
             with self._lock:
+                self.sent += 1
                 if self._epochs.get(key, 0) == epoch:  # not forgotten meanwhile
                     self._written[key] = document
+                    self._written_at[key] = time.monotonic()
             return True
         return False  # pragma: no cover - the loop always returns
 

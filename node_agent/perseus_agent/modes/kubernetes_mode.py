@@ -2,12 +2,13 @@
 
 The plans are read and reported through the API (:mod:`perseus_agent.kube`) with the pod's
 service account (or ``--kubeconfig``) and applied by
-:class:`~perseus_agent.plans.job_plans.JobPlans`, one applier per plan object. The API events arrive
-on the source's thread and are handled one at a time on the agent loop, with every status written
-after every change and every ``--report-interval`` seconds; the GPUs are let go while the node's GPU
-driver is upgraded (:mod:`perseus_agent.modes.driver_release`). An API that cannot be reached is
-retried (with backoff) while the agent keeps running; only a configuration that cannot be loaded at
-all is fatal.
+:class:`~perseus_agent.plans.job_plans.JobPlans`, one applier per plan object. The API events
+arrive on the source's thread and are handled one at a time on the agent loop, with every status
+reported after every change and every ``--report-interval`` seconds (and written when it says
+something new, or as a heartbeat: :mod:`perseus_agent.kube.report_cadence`); the GPUs are let go
+while the node's GPU driver is upgraded (:mod:`perseus_agent.modes.driver_release`). An API
+that cannot be reached is retried (with backoff) while the agent keeps running; only a
+configuration that cannot be loaded at all is fatal.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from perseus_agent.kube import (
 from perseus_agent.kube.node import NodeLabelSource
 from perseus_agent.kube.plan_source import NodePlanSource
 from perseus_agent.kube.pod_watch import NodePodWatch
+from perseus_agent.kube.report_cadence import ReportCadence
 from perseus_agent.kube.report_writer import ReportWriter
 from perseus_agent.modes.agent_config import Config, StartupError
 from perseus_agent.modes.agent_lifecycle import Server
@@ -112,7 +114,11 @@ class KubernetesMode:
         ownership = choose_ownership(config, pods)
         jobs = JobPlans(guard, reset_state, config.node_name, metrics, ownership)
         # Lives until the shutdown has reset the clocks, to report that.
-        writer = ReportWriter(custom_objects_api(self._api_client), on_gone=gone)
+        writer = ReportWriter(
+            custom_objects_api(self._api_client),
+            on_gone=gone,
+            cadence=ReportCadence.every(config.report_interval_s),
+        )
         writer.start()
         return KubernetesRunner(
             config, self._api_client, gpus, guard, jobs, writer, events, pods, watch

@@ -40,6 +40,7 @@ from perseus_operator.jobs.job_decisions import (
     ReplaceNodePlans,
     StoreProfile,
     TargetFor,
+    copy_status,
     decide_conflict,
     decide_generation,
     decide_workload,
@@ -181,7 +182,7 @@ class _Step:
         saved_detector: str | None,
     ) -> None:
         self.ref = ref
-        self.status = status.model_copy(deep=True)
+        self.status = copy_status(status)
         self.before = status
         self.io = io
         self.planner = planner

@@ -141,7 +141,9 @@ def rank_samples(
 ) -> list[RankSample]:
     """The straggler detector's input from the agents' reports in the node plans' status.
 
-    A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``. A report measured
+    A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``; with it, the agent's
+    cadence when it says it writes only what changed (``reportIntervalSeconds``,
+    ``heartbeatSeconds``: see :mod:`perseus_operator.jobs.straggler_samples`). A report measured
     under an older revision of its node plan than the one written is left out (agents say which
     revision their mean covers). Each rank's mean is given at the pace of the job's fastest
     plan: times the fastest plan's expected iteration time over that of the rank's own plan.
@@ -178,6 +180,8 @@ def rank_samples(
                     iterations=iterations,
                     mean_iteration_s=mean_s,
                     reported_at_s=reported_at,
+                    report_interval_s=_positive(status.report_interval_s),
+                    heartbeat_s=_positive(status.heartbeat_s),
                 )
             )
     return samples
@@ -233,3 +237,10 @@ def _reported_at_s(status: NodePlanStatus, now_s: float) -> float:
         return now_s
     when = parse_rfc3339(stamp)
     return now_s if when is None else when.timestamp()
+
+
+def _positive(seconds: float | None) -> float | None:
+    """A cadence from a status, None unless a finite positive number of seconds."""
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        return None
+    return seconds

@@ -16,62 +16,42 @@ A round that measures fewer than two replicas (right after plans change, no agen
 under the new plan yet) is no evidence: the verdict and the last reference stand.
 Decisions need ``persistenceReports`` rounds in a row on the same side of a threshold, and the
 thresholds differ for entering and leaving the straggler state (hysteresis), so noise,
-checkpoint spikes and restarts do not make plans flap.
+checkpoint spikes and restarts do not make plans flap. A report round is a report interval of
+the agents: an agent that writes only changes (and a heartbeat) stands for a report every
+interval it stays silent, and is stale only when its heartbeat is overdue
+(:mod:`perseus_operator.jobs.straggler_samples`). What it remembers between rounds, and its
+saved form: :mod:`perseus_operator.jobs.straggler_state`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Final
+from typing import Any
 
 from perseus_api.job import Stragglers
+from perseus_operator.jobs.straggler_samples import RankSample
+from perseus_operator.jobs.straggler_state import (
+    STATE_VERSION,
+    DetectorMemory,
+    Published,
+    ReplicaMemory,
+    memory_from_saved,
+    memory_from_state,
+    state_to_save,
+    to_state,
+)
 
-STATE_VERSION: Final = 1
-
-
-@dataclass(frozen=True, slots=True)
-class RankSample:
-    """One rank's latest telemetry, as reported by the agent of its node.
-
-    ``iterations`` counts iterations since the rank (re)started; ``mean_iteration_s`` is the
-    agent's mean iteration time over its last few iterations, in seconds; ``reported_at_s`` is
-    when the agent measured it, in seconds on the same clock as the detector's ``now_s``.
-    """
-
-    rank: int
-    dp_rank: int
-    pp_rank: int
-    node: str
-    iterations: int
-    mean_iteration_s: float
-    reported_at_s: float
-
-    def __post_init__(self) -> None:
-        for name, value in (
-            ("rank", self.rank),
-            ("dp_rank", self.dp_rank),
-            ("pp_rank", self.pp_rank),
-            ("iterations", self.iterations),
-        ):
-            if value < 0:
-                raise ValueError(f"rank sample: {name} must be >= 0, got {value}")
-        if not self.node:
-            raise ValueError(f"rank sample of rank {self.rank}: node must not be empty")
-        if not (math.isfinite(self.mean_iteration_s) and self.mean_iteration_s >= 0):
-            raise ValueError(
-                f"rank sample of rank {self.rank}: mean_iteration_s must be finite and >= 0, "
-                f"got {self.mean_iteration_s}"
-            )
-        if not math.isfinite(self.reported_at_s):
-            raise ValueError(
-                f"rank sample of rank {self.rank}: reported_at_s must be finite, "
-                f"got {self.reported_at_s}"
-            )
+__all__ = [
+    "STATE_VERSION",
+    "RankSample",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerVerdict",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +91,6 @@ class StragglerVerdict:
 
 
 @dataclass(frozen=True, slots=True)
-class _Replica:
-    """What the detector remembers about one replica between rounds."""
-
-    slow_streak: int = 0
-    fast_streak: int = 0
-    recent_s: tuple[float, ...] = ()
-    flagged: bool = False
-    since_s: float | None = None
-    node: str | None = None
-    last_report_s: float | None = None
-    """Newest report time folded into the streaks: a round without a newer one is no evidence."""
-
-
-@dataclass(frozen=True, slots=True)
 class _ReplicaRound:
     """One round's view of a replica: ``time_s`` is None when no rank is past warm-up."""
 
@@ -140,14 +106,6 @@ class _Side(Enum):
     FAST = "fast"
 
 
-@dataclass(slots=True)
-class _Published:
-    """The straggler set and target of the last verdict that changed plans."""
-
-    dp_ranks: frozenset[int] = field(default_factory=frozenset)
-    target_s: float | None = None
-
-
 # -- pure helpers ----------------------------------------------------------------------------------
 
 
@@ -161,10 +119,6 @@ def _check_round(samples: Sequence[RankSample], now_s: float) -> None:
         seen.add(sample.rank)
 
 
-def _is_stale(sample: RankSample, now_s: float, stale_after_s: float) -> bool:
-    return now_s - sample.reported_at_s > stale_after_s
-
-
 def _summarize(
     samples: Sequence[RankSample], now_s: float, settings: Stragglers
 ) -> tuple[dict[int, _ReplicaRound], frozenset[str]]:
@@ -172,12 +126,11 @@ def _summarize(
     by_replica: dict[int, list[RankSample]] = {}
     for sample in samples:
         by_replica.setdefault(sample.dp_rank, []).append(sample)
-    degraded = frozenset(
-        s.node for s in samples if _is_stale(s, now_s, settings.stale_after_seconds)
-    )
+    stale_after_s = settings.stale_after_seconds
+    degraded = frozenset(s.node for s in samples if s.stale(now_s, stale_after_s))
     rounds: dict[int, _ReplicaRound] = {}
     for dp_rank, ranks in sorted(by_replica.items()):
-        if any(_is_stale(s, now_s, settings.stale_after_seconds) for s in ranks):
+        if any(s.stale(now_s, stale_after_s) for s in ranks):
             rounds[dp_rank] = _ReplicaRound(stale=True)
             continue
         warm = [s for s in ranks if s.iterations > settings.warmup_iterations]
@@ -190,7 +143,7 @@ def _summarize(
             stale=False,
             time_s=slowest.mean_iteration_s,
             node=slowest.node,
-            reported_s=max(s.reported_at_s for s in ranks),
+            reported_s=max(s.evidence_s(now_s) for s in ranks),
         )
     return rounds, degraded
 
@@ -212,12 +165,12 @@ def _side(time_s: float, baseline_s: float, settings: Stragglers) -> _Side:
 
 
 def _advance(
-    replica: _Replica,
+    replica: ReplicaMemory,
     round_: _ReplicaRound,
     baseline_s: float,
     now_s: float,
     settings: Stragglers,
-) -> _Replica:
+) -> ReplicaMemory:
     """The replica's memory after a round that measured it at ``round_.time_s`` seconds.
 
     Only a newer report than the last one folded in counts: the operator may look more often
@@ -246,7 +199,7 @@ def _advance(
     # them into T' would rewrite plans on the way out, just before recovery rewrites them again.
     pending_recovery = flagged and side is _Side.FAST
     recent_s = replica.recent_s if pending_recovery else (*replica.recent_s, time_s)[-persistence:]
-    return _Replica(
+    return ReplicaMemory(
         slow_streak=slow,
         fast_streak=fast,
         recent_s=recent_s,
@@ -257,12 +210,12 @@ def _advance(
     )
 
 
-def _smoothed_s(replica: _Replica) -> float:
+def _smoothed_s(replica: ReplicaMemory) -> float:
     return statistics.fmean(replica.recent_s)
 
 
 def _plans_change(
-    published: _Published, dp_ranks: frozenset[int], target_s: float | None, tolerance: float
+    published: Published, dp_ranks: frozenset[int], target_s: float | None, tolerance: float
 ) -> bool:
     if dp_ranks != published.dp_ranks:
         return True
@@ -290,10 +243,10 @@ class StragglerDetector:
         self._settings = settings
         self._tolerance = retarget_tolerance
         self._iterations: dict[int, int] = {}
-        self._replicas: dict[int, _Replica] = {}
+        self._replicas: dict[int, ReplicaMemory] = {}
         self._baseline_s: float | None = None
         """The last reference time measured, for rounds that measure no reference."""
-        self._published = _Published()
+        self._published = Published()
 
     @property
     def settings(self) -> Stragglers:
@@ -309,12 +262,12 @@ class StragglerDetector:
 
         # A replica without a report this round (e.g. none measured under its new plan yet) is
         # no evidence either way: it keeps what is known about it.
-        replicas: dict[int, _Replica] = dict(self._replicas)
+        replicas: dict[int, ReplicaMemory] = dict(self._replicas)
         for dp_rank, round_ in rounds.items():
-            previous = self._replicas.get(dp_rank, _Replica())
+            previous = self._replicas.get(dp_rank, ReplicaMemory())
             if round_.stale:
                 # Nothing known about it can be trusted any more, including a straggler flag.
-                previous = _Replica()
+                previous = ReplicaMemory()
             elif dp_rank in restarted:
                 # Evidence from before a restart says nothing about the new process.
                 previous = replace(previous, slow_streak=0, fast_streak=0)
@@ -356,7 +309,7 @@ class StragglerDetector:
         dp_ranks = frozenset(stragglers)
         changed = _plans_change(self._published, dp_ranks, target_s, self._tolerance)
         if changed:
-            self._published = _Published(dp_ranks=dp_ranks, target_s=target_s)
+            self._published = Published(dp_ranks=dp_ranks, target_s=target_s)
         return StragglerVerdict(
             stragglers=stragglers,
             target_s=target_s,
@@ -375,31 +328,26 @@ class StragglerDetector:
         """``target_s`` of the last verdict that changed plans (None: no straggler)."""
         return self._published.target_s
 
-    # -- persistence -------------------------------------------------------------------------------
+    # -- persistence (:mod:`perseus_operator.jobs.straggler_state`) -----------------------------
+
+    def _memory(self) -> DetectorMemory:
+        return DetectorMemory(
+            iterations=self._iterations,
+            replicas=self._replicas,
+            baseline_s=self._baseline_s,
+            published=self._published,
+        )
+
+    def _resume(self, memory: DetectorMemory) -> StragglerDetector:
+        self._iterations = memory.iterations
+        self._replicas = memory.replicas
+        self._baseline_s = memory.baseline_s
+        self._published = memory.published
+        return self
 
     def to_state(self) -> dict[str, Any]:
         """The detector's memory as a JSON-serializable dict (settings are not included)."""
-        return {
-            "version": STATE_VERSION,
-            "iterations": {str(rank): n for rank, n in sorted(self._iterations.items())},
-            "replicas": {
-                str(dp_rank): {
-                    "slowStreak": r.slow_streak,
-                    "fastStreak": r.fast_streak,
-                    "recentSeconds": list(r.recent_s),
-                    "flagged": r.flagged,
-                    "sinceSeconds": r.since_s,
-                    "node": r.node,
-                    "lastReportSeconds": r.last_report_s,
-                }
-                for dp_rank, r in sorted(self._replicas.items())
-            },
-            "published": {
-                "dpRanks": sorted(self._published.dp_ranks),
-                "targetSeconds": self._published.target_s,
-            },
-            "baselineSeconds": self._baseline_s,
-        }
+        return to_state(self._memory())
 
     @classmethod
     def from_state(
@@ -410,125 +358,16 @@ class StragglerDetector:
         retarget_tolerance: float = 0.02,
     ) -> StragglerDetector:
         """A detector that resumes where the one that wrote ``state`` left off."""
-        detector = cls(settings, retarget_tolerance=retarget_tolerance)
-        try:
-            if state["version"] != STATE_VERSION:
-                raise ValueError(f"unsupported state version {state['version']!r}")
-            detector._iterations = {
-                _index(k): _count(v) for k, v in _mapping(state["iterations"]).items()
-            }
-            detector._replicas = {
-                _index(k): _replica_from_state(v, settings.persistence_reports)
-                for k, v in _mapping(state["replicas"]).items()
-            }
-            published = _mapping(state["published"])
-            detector._published = _Published(
-                dp_ranks=frozenset(_index(v) for v in _sequence(published["dpRanks"])),
-                target_s=_optional_seconds(published["targetSeconds"]),
-            )
-            # Absent from states written before it was kept.
-            detector._baseline_s = _optional_seconds(state.get("baselineSeconds"))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed straggler detector state: {error!r}") from error
-        return detector
+        memory = memory_from_state(state, settings.persistence_reports)
+        return cls(settings, retarget_tolerance=retarget_tolerance)._resume(memory)
 
     def state_to_save(self, saved: str | None) -> str | None:
-        """:meth:`to_state` as JSON when it differs from ``saved`` (the JSON saved last; None:
-        none) in what decides verdicts: the streaks, the flags, the published target. None:
-        keep ``saved``; per-report details (iteration counts, recent times) wait for the next
-        such change, so that the state is not written at every report."""
-        state = self.to_state()
-        if saved is not None and _decisive(state) == _decisive_json(saved):
-            return None
-        return json.dumps(state, separators=(",", ":"))
+        """:meth:`to_state` as JSON when it differs from ``saved`` in what decides verdicts
+        (:func:`~perseus_operator.jobs.straggler_state.state_to_save`); None: keep ``saved``."""
+        return state_to_save(self._memory(), saved)
 
     @classmethod
     def from_saved(cls, settings: Stragglers, saved: str) -> StragglerDetector | None:
         """The detector that :meth:`state_to_save` wrote ``saved`` for (None: unreadable)."""
-        try:
-            return cls.from_state(settings, json.loads(saved))
-        except (ValueError, TypeError, KeyError):
-            return None
-
-
-def _decisive(state: Mapping[str, Any]) -> Any:
-    replicas = state.get("replicas") or {}
-    return (
-        state.get("published"),
-        {
-            dp: {k: v for k, v in r.items() if k in ("slowStreak", "fastStreak", "flagged")}
-            for dp, r in replicas.items()
-            if isinstance(r, Mapping)
-        },
-    )
-
-
-def _decisive_json(text: str) -> Any:
-    try:
-        state = json.loads(text)
-    except ValueError:
-        return None
-    return _decisive(state) if isinstance(state, Mapping) else None
-
-
-# -- state parsing -----------------------------------------------------------------------------
-
-
-def _mapping(value: object) -> Mapping[str, object]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"expected a mapping in straggler state, got {value!r}")
-    return value
-
-
-def _sequence(value: object) -> Sequence[object]:
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"expected a list in straggler state, got {value!r}")
-    return value
-
-
-def _index(value: object) -> int:
-    number = int(value) if isinstance(value, str) and value.isdigit() else value
-    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
-        raise ValueError(f"expected a non-negative index in straggler state, got {value!r}")
-    return number
-
-
-def _count(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"expected a non-negative count in straggler state, got {value!r}")
-    return value
-
-
-def _seconds(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"expected finite seconds in straggler state, got {value!r}")
-    return float(value)
-
-
-def _optional_seconds(value: object) -> float | None:
-    return None if value is None else _seconds(value)
-
-
-def _replica_from_state(value: object, persistence: int) -> _Replica:
-    raw = _mapping(value)
-    node = raw["node"]
-    if node is not None and not isinstance(node, str):
-        raise ValueError(f"expected a node name in straggler state, got {node!r}")
-    flagged = raw["flagged"]
-    if not isinstance(flagged, bool):
-        raise ValueError(f"expected a boolean flag in straggler state, got {flagged!r}")
-    replica = _Replica(
-        slow_streak=_count(raw["slowStreak"]),
-        fast_streak=_count(raw["fastStreak"]),
-        # Settings may have shrunk persistenceReports since the state was written.
-        recent_s=tuple(_seconds(v) for v in _sequence(raw["recentSeconds"]))[-persistence:],
-        flagged=flagged,
-        since_s=_optional_seconds(raw["sinceSeconds"]),
-        node=node,
-        last_report_s=_optional_seconds(raw.get("lastReportSeconds")),
-    )
-    if replica.flagged and (
-        replica.node is None or replica.since_s is None or not replica.recent_s
-    ):
-        raise ValueError("straggler state: a flagged replica needs node, since and recent times")
-    return replica
+        memory = memory_from_saved(saved, settings.persistence_reports)
+        return None if memory is None else cls(settings)._resume(memory)

@@ -242,6 +242,20 @@ def test_the_index_leaves_managed_fields_out_and_hands_out_fresh_copies() -> Non
     assert obj["metadata"]["managedFields"]  # the watched object itself is left alone
 
 
+def test_an_object_of_the_watchers_own_types_is_read_as_plain_data() -> None:
+    """kopf hands indexes its own Mapping types: they are read back as plain dicts."""
+    from types import MappingProxyType
+
+    spec = MappingProxyType({"nodeName": "n", "containers": ({"name": "c"},)})
+    obj = {"metadata": {"name": "a", "namespace": "ml"}, "spec": spec}
+    read = indexed(obj).read()
+    assert read == {
+        "metadata": {"name": "a", "namespace": "ml"},
+        "spec": {"nodeName": "n", "containers": [{"name": "c"}]},
+    }
+    assert type(read["spec"]) is dict
+
+
 def test_pods_are_selected_in_the_index_as_the_api_server_selects_them() -> None:
     def labelled(name: str, namespace: str = "ml", **labels: str) -> dict[str, Any]:
         return {"metadata": {"name": name, "namespace": namespace, "labels": labels}}

@@ -125,3 +125,36 @@ def test_the_detector_state_is_saved_only_when_what_decides_changed() -> None:
     assert resumed is not None and resumed.state_to_save(changed) is None
     assert StragglerDetector.from_saved(settings, "not json") is None
     assert StragglerDetector.from_saved(settings, '{"version": 99}') is None
+
+
+def test_ranks_are_resolved_once_per_pod_version(monkeypatch: Any) -> None:
+    """Every reconcile of a running job sees the same pods: resolved again only when a pod
+    changes (its resourceVersion), or when they carry no version to tell."""
+    from perseus_operator.jobs import job_decisions
+
+    calls: list[int] = []
+    real = job_decisions.resolve_ranks
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_decisions, "resolve_ranks", counting)
+
+    def versioned(index: int, version: str) -> dict[str, Any]:
+        p = pod(index)
+        p["metadata"] = {**p["metadata"], "uid": f"u-{index}", "resourceVersion": version}
+        return p
+
+    def ranks(pods: list[dict[str, Any]]) -> Any:
+        return decide_workload(SPEC, PerseusJobStatus(), REF, WorkloadView(None, pods)).ranks
+
+    first = ranks([versioned(0, "7"), versioned(1, "7")])
+    assert ranks([versioned(0, "7"), versioned(1, "7")]) == first and len(calls) == 1
+    moved = versioned(1, "8")
+    moved["spec"] = {**moved["spec"], "nodeName": "node-9"}
+    assert [r.node for r in ranks([versioned(0, "7"), moved])] != [r.node for r in first]
+    assert len(calls) == 2
+    ranks([pod(0), pod(1)])
+    ranks([pod(0), pod(1)])
+    assert len(calls) == 4
