@@ -25,7 +25,7 @@ import pytest
 from perseus_api import resources
 from perseus_api.conventions import rfc3339
 from perseus_api.power_budget import BUDGET_PLURAL
-from perseus_operator.cluster.kube import KubeClient, load_api_client
+from perseus_operator.cluster.kube.client import KubeClient, load_api_client
 from perseus_operator.jobs.job_decisions import power_target_s
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.power.budget_controller import BudgetController, JobFrontier
@@ -79,7 +79,7 @@ class Cluster:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self.now_s = START_S
-        self.energy_j = {job: 0.0 for job in JOBS}
+        self.energy_j = dict.fromkeys(JOBS, 0.0)
         self.kube = KubeClient(load_api_client(str(kubeconfig)))
         self.metrics = OperatorMetrics()
         self.controller = BudgetController(

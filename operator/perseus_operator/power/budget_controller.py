@@ -155,8 +155,7 @@ class BudgetController:
             return None
         self._crd_missing_logged = False
         nodes = await kube.list_nodes() if budgets else []
-        node_plans = [p for p in await kube.list_all_node_plans() if self._manages(p)]
-        jobs = [j for j in await kube.list_jobs(None) if self._manages(j)]
+        node_plans, jobs = await self._read_namespaced()
         self._meter.record(node_plans)
         self._meter.forget_except(node_plans)
 
@@ -308,8 +307,16 @@ class BudgetController:
             log.info("PerseusJob %s/%s re-targeted for its power budget: %s", key[0], key[1],
                      "T_min" if value is None else f"{value} s")  # fmt: skip
 
-    def _manages(self, obj: Mapping[str, Any]) -> bool:
-        return not self._namespaces or object_key(obj)[0] in self._namespaces
+    async def _read_namespaced(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every node plan and PerseusJob the operator manages (namespace by namespace when it
+        watches some only: its account may list no others)."""
+        if not self._namespaces:
+            return await self._kube.list_all_node_plans(), await self._kube.list_jobs(None)
+        plans, jobs = [], []
+        for namespace in sorted(self._namespaces):
+            plans += await self._kube.list_all_node_plans(namespace)
+            jobs += await self._kube.list_jobs(namespace)
+        return plans, jobs
 
 
 def _status(body: Mapping[str, Any]) -> PerseusPowerBudgetStatus | None:

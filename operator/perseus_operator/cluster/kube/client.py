@@ -300,8 +300,11 @@ class KubeClient:
             if ((p.get("metadata") or {}).get("labels") or {}).get(resources.NODE_LABEL) in wanted
         ]
 
-    async def list_all_node_plans(self) -> list[dict[str, Any]]:
-        """Every PerseusNodePlan of the cluster (a power domain's GPUs and their reports)."""
+    async def list_all_node_plans(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every PerseusNodePlan of ``namespace`` (None: of the cluster): a power domain's GPUs
+        and their reports."""
+        if namespace is not None:
+            return await self._node_plans(namespace)
         return await self._items(
             lambda: self._custom.list_cluster_custom_object(
                 resources.GROUP,
