@@ -25,7 +25,7 @@ from perseus_api.job import LabelSelector
 from perseus_api.resources import JOB_LABEL, object_key
 from perseus_operator.jobs.node_status import node_plan_status
 from perseus_operator.power.budget_decisions import JobKey
-from perseus_operator.workloads.ranks import matches
+from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "DomainGpus",
