@@ -215,6 +215,52 @@ CLUSTER: list[Panel | Row] = [
         "its maximum clock.",
         min_value=0,
     ),
+    Row("Power budgets"),
+    Panel(
+        "timeseries",
+        "Power domain draw vs. budget",
+        [
+            Target("max by (budget) (perseus_power_budget_measured_watts)", "{{budget}} measured"),
+            Target("max by (budget) (perseus_power_budget_watts)", "{{budget}} budget"),
+        ],
+        12,
+        unit="watt",
+        description="Each PerseusPowerBudget's GPU draw, averaged over its window from the "
+        "agents' energy counters, and its budget. The PerseusPowerBudgetExceeded alert fires "
+        "when the draw stays above the budget.",
+        min_value=0,
+    ),
+    Panel(
+        "timeseries",
+        "Allocated watts per job",
+        [
+            Target(
+                "max by (budget, job_namespace, job_name) "
+                "(perseus_power_budget_job_allocated_watts)",
+                "{{budget}}: {{job_namespace}}/{{job_name}}",
+            )
+        ],
+        6,
+        unit="watt",
+        description="Average draw of the frontier point each budget chose for each job.",
+        min_value=0,
+    ),
+    Panel(
+        "timeseries",
+        "Slowdown per job",
+        [
+            Target(
+                "max by (budget, job_namespace, job_name) "
+                "(perseus_power_budget_job_slowdown_ratio)",
+                "{{budget}}: {{job_namespace}}/{{job_name}}",
+            )
+        ],
+        6,
+        unit="percentunit",
+        description="Each job's iteration time at its chosen point over its T_min, less 1: "
+        "what meeting the budget costs it (0: none).",
+        min_value=0,
+    ),
 ]
 
 # -- Job ---------------------------------------------------------------------------------------

@@ -104,6 +104,13 @@ class GpuReport(_Wire):
     applied_mhz: int | None = Field(default=None, description="Clock locked by the agent, if any.")
     status: GpuStatus
     message: str = ""
+    energy_j: float | None = Field(
+        default=None,
+        ge=0,
+        description="The GPU's energy counter (NVML total energy since the driver loaded), "
+        "read when the report was written; the operator derives each power domain's draw from "
+        "two reports' counters and times. Null from agents that do not read it.",
+    )
 
 
 class RankReport(_Wire):

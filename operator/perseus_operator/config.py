@@ -36,6 +36,9 @@ class OperatorConfig:
     policy_interval_s: float = 15.0
     """Longest time before a new workload gets its PerseusJob from a PerseusPolicy (a change
     of a policy itself is acted on at once)."""
+    budget_interval_s: float = 10.0
+    """Between two rounds of the PerseusPowerBudgets (measure the draw, re-solve when needed;
+    a change of a budget itself is acted on at once)."""
     metrics_port: int = 8080
     """Port of ``/metrics``; 0 disables it."""
     metrics_address: str = "0.0.0.0"
@@ -85,6 +88,7 @@ class OperatorConfig:
             "planner_timeout_s",
             "release_timeout_s",
             "policy_interval_s",
+            "budget_interval_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:

@@ -25,6 +25,7 @@ from perseus_api import resources
 from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from perseus_api.power_budget import BUDGET_PLURAL
 from perseus_operator.cluster.cluster_index import (
     IndexedJobIO,
     IndexedObject,
@@ -41,12 +42,14 @@ from perseus_operator.jobs.lifecycle import JobMemo, Outcome, force_release, rec
 from perseus_operator.jobs.planner_pool import CachingPlanner, PoolPlanner
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.policies.policy_controller import PolicyController
+from perseus_operator.power.budget_controller import BudgetController, JobFrontier
 from perseus_operator.workloads.objects import owner_reference
 
 CONFIG: Final = OperatorConfig.from_env()
 DEFAULT_POLICY: Final = CONFIG.default_policy_fields()
 JOB: Final = (resources.GROUP, resources.VERSION, JOB_PLURAL)
 POLICY: Final = (resources.GROUP, resources.VERSION, POLICY_PLURAL)
+BUDGET: Final = (resources.GROUP, resources.VERSION, BUDGET_PLURAL)
 FINALIZER: Final = f"{resources.GROUP}/reset-gpus"
 RELEASE_POLL_S: Final = 1.0
 """Between two steps of a deletion that waits for the agents (a kopf retry, not a sleep)."""
@@ -87,9 +90,19 @@ class _Operator:
     planner: CachingPlanner
     metrics: OperatorMetrics
     policies: PolicyController
+    budgets: BudgetController | None = None
     jobs: dict[tuple[str, str], _Job] = field(default_factory=dict)
     stop_metrics: Any = None
     policy_rounds: asyncio.Task[None] | None = None
+    budget_rounds: asyncio.Task[None] | None = None
+
+    def frontiers(self) -> dict[tuple[str, str], JobFrontier]:
+        """The frontiers the jobs' reconciles hold (for the power budgets: none solved again)."""
+        return {
+            key: JobFrontier(job.memo.frontier, job.memo.retarget_s)
+            for key, job in self.jobs.items()
+            if job.memo.frontier is not None
+        }
 
 
 def _state(memo: kopf.Memo) -> _Operator:
@@ -127,6 +140,14 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         )
         state.stop_metrics = server.shutdown
     state.policy_rounds = asyncio.create_task(state.policies.run(), name="perseus-policies")
+    state.budgets = BudgetController(
+        kube,
+        state.frontiers,
+        interval_s=CONFIG.budget_interval_s,
+        metrics=metrics,
+        namespaces=_watched_namespaces,
+    )
+    state.budget_rounds = asyncio.create_task(state.budgets.run(), name="perseus-budgets")
     memo["perseus"] = state
     # What is loaded by now (kopf, the client, the planner's libraries: ~200,000 objects) lives
     # as long as the process: out of the garbage collector's way, so that a full collection
@@ -140,10 +161,11 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     state = memo.get("perseus")
     if state is None:
         return
-    if state.policy_rounds is not None:
-        state.policy_rounds.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await state.policy_rounds
+    for rounds in (state.policy_rounds, state.budget_rounds):
+        if rounds is not None:
+            rounds.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rounds
     state.planner.close()
     state.kube.close()
     if state.stop_metrics is not None:
@@ -250,6 +272,21 @@ async def policy_changed(memo: kopf.Memo, **kwargs: Any) -> None:
         # Filled: kopf calls handlers only then.
         state.policies.read_pods_from(_indexes(kwargs).pods)
         state.policies.wake()
+
+
+@kopf.on.event(*BUDGET)
+async def budget_changed(
+    event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    """A PerseusPowerBudget was created, changed or deleted: act on it now (not on the
+    controller's own status writes, which would make every write start another round)."""
+    state = memo.get("perseus")
+    if state is None or state.budgets is None:
+        return
+    generation = body.get("metadata", {}).get("generation")
+    observed = (body.get("status") or {}).get("observedGeneration")
+    if event.get("type") == "DELETED" or generation != observed:
+        state.budgets.wake()
 
 
 # -- adapters ----------------------------------------------------------------------------------

@@ -23,6 +23,11 @@ from prometheus_client import (
 
 from perseus_api.job import Phase
 from perseus_api.plan import PipelinePlan
+from perseus_api.power_budget import PerseusPowerBudgetStatus
+
+BUDGET_JOB_LABELS = ["budget", "job_namespace", "job_name"]
+"""A budget's job: ``job_namespace``/``job_name``, not ``namespace``/``job``, which Prometheus
+sets on every scraped series (the operator's own) and would rename to ``exported_*``."""
 
 JOB_LABELS = ["job_namespace", "job_name"]
 """A PerseusJob's series: its namespace and name, never Prometheus's target labels
@@ -97,6 +102,38 @@ class OperatorMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self.budget = Gauge(
+            "perseus_power_budget_watts",
+            "A PerseusPowerBudget's budget for its domain's GPUs, in watts.",
+            ["budget"],
+            registry=r,
+        )
+        self.budget_measured = Gauge(
+            "perseus_power_budget_measured_watts",
+            "The domain's GPU draw averaged over the budget's window, from the agents' energy "
+            "counters, in watts.",
+            ["budget"],
+            registry=r,
+        )
+        self.budget_missing = Gauge(
+            "perseus_power_budget_missing_watts",
+            "Watts the budget lacks even with every job at its least-power point (0: feasible).",
+            ["budget"],
+            registry=r,
+        )
+        self.budget_allocated = Gauge(
+            "perseus_power_budget_job_allocated_watts",
+            "Average draw of the frontier point the budget chose for a job, in watts.",
+            BUDGET_JOB_LABELS,
+            registry=r,
+        )
+        self.budget_slowdown = Gauge(
+            "perseus_power_budget_job_slowdown_ratio",
+            "Iteration time of the job's chosen point over its T_min, less 1.",
+            BUDGET_JOB_LABELS,
+            registry=r,
+        )
+        self._budget_jobs: dict[str, set[tuple[str, str]]] = {}
         self._seen: dict[tuple[str, str], _JobSeen] = {}
         for phase in Phase:
             self.jobs.labels(phase.value).set(0)
@@ -141,6 +178,34 @@ class OperatorMetrics:
         for metric in (self.savings, self.saved, self.stragglers):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, job)
+
+    def observe_budget(self, name: str, status: PerseusPowerBudgetStatus) -> None:
+        """Record one round of budget ``name`` (its status as written)."""
+        self.budget.labels(name).set(status.budget_watts or 0.0)
+        if status.measured_watts is None:
+            with contextlib.suppress(KeyError):
+                self.budget_measured.remove(name)
+        else:
+            self.budget_measured.labels(name).set(status.measured_watts)
+        self.budget_missing.labels(name).set(status.missing_watts or 0.0)
+        now = {(j.namespace, j.name) for j in status.jobs}
+        for namespace, job in self._budget_jobs.get(name, set()) - now:
+            for metric in (self.budget_allocated, self.budget_slowdown):
+                with contextlib.suppress(KeyError):
+                    metric.remove(name, namespace, job)
+        for j in status.jobs:
+            self.budget_allocated.labels(name, j.namespace, j.name).set(j.allocated_watts)
+            self.budget_slowdown.labels(name, j.namespace, j.name).set(j.slowdown_ratio)
+        self._budget_jobs[name] = now
+
+    def forget_budget(self, name: str) -> None:
+        for metric in (self.budget, self.budget_measured, self.budget_missing):
+            with contextlib.suppress(KeyError):
+                metric.remove(name)
+        for namespace, job in self._budget_jobs.pop(name, set()):
+            for job_metric in (self.budget_allocated, self.budget_slowdown):
+                with contextlib.suppress(KeyError):
+                    job_metric.remove(name, namespace, job)
 
 
 def saved_per_iteration_j(plan: PipelinePlan) -> float:

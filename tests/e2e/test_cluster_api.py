@@ -190,6 +190,7 @@ OPERATOR_MAY = [
     ("patch", "configmaps", "ml"),
     ("create", "events", "ml"),
     ("get", "nodes", None),  # their GPU product label
+    ("list", "nodes", None),  # the power budgets' domains, by node label
     ("get", "pytorchjobs.kubeflow.org", "ml"),
     ("get", "jobsets.jobset.x-k8s.io", "ml"),
     ("get", "trainjobs.trainer.kubeflow.org", "ml"),
@@ -225,7 +226,7 @@ OPERATOR_MAY_NOT = [
     ("list", "secrets", "ml"),
     ("delete", "configmaps", "ml"),
     ("patch", "nodes", None),
-    ("list", "nodes", None),
+    ("watch", "nodes", None),
     ("patch", "pytorchjobs.kubeflow.org", "ml"),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", None),
     ("create", "serviceaccounts/token", NAMESPACE),

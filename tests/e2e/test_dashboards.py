@@ -44,6 +44,7 @@ import kubernetes
 import pytest
 
 from perseus_api import resources
+from perseus_api.power_budget import BUDGET_PLURAL
 from support.agent_process import NODE, PROFILE, Agent, source_env, write_atomically
 from support.dashboard_queries import (
     PromClient,
@@ -64,6 +65,7 @@ from support.kmock_server import KmockServer
 from support.operator_harness import (
     JOBS,
     RESOURCES,
+    VERBS,
     OperatorProcess,
     SimulatedAgents,
     perseus_job,
@@ -76,6 +78,17 @@ STAGES, MICROBATCHES = 8, 4
 # The operator's jobs (2 pods x 4 GPUs = 2 replicas x 4 stages; their agents simulated).
 OPERATOR_STAGES, OPERATOR_MICROBATCHES, OPERATOR_GPUS = 4, 8, 4
 NUM_GPUS = 3
+BUDGET_RESOURCES: dict[str, dict[str, Any]] = {
+    **RESOURCES,
+    "v1/nodes": {"kind": "Node", "singular": "node", "namespaced": False, "verbs": VERBS},
+    f"{resources.GROUP}/{resources.VERSION}/{BUDGET_PLURAL}": {
+        "kind": "PerseusPowerBudget",
+        "singular": "perseuspowerbudget",
+        "namespaced": False,
+        "subresources": {"status"},
+        "verbs": VERBS,
+    },
+}
 DCGM_EXTRA_UUID = "GPU-00000000-dcgm-only"  # a GPU on a node without a Perseus agent
 
 
@@ -162,11 +175,30 @@ def running_operator(tmp_path: Path) -> Iterator[tuple[OperatorProcess, Callable
     Also yields ``replan()``: a spec change of ``ml/gpt3`` that needs a new frontier, so that a
     planner run happens while Prometheus scrapes (panels over ``$__range`` need one).
     """
-    with KmockServer(RESOURCES) as server:
+    with KmockServer(BUDGET_RESOURCES) as server:
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig", namespace="ml")
         client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
         core = kubernetes.client.CoreV1Api(client)
         custom = kubernetes.client.CustomObjectsApi(client)
+        # A power budget for the jobs' nodes, generous (nothing slowed): its panels have data.
+        for app in ("gpt3", "bert"):
+            for index in range(2):
+                labels = {"topology.example.com/rack": "a"}
+                core.create_node({"metadata": {"name": f"{app}-node-{index}", "labels": labels}})
+        custom.create_cluster_custom_object(
+            resources.GROUP,
+            resources.VERSION,
+            BUDGET_PLURAL,
+            {
+                "apiVersion": f"{resources.GROUP}/{resources.VERSION}",
+                "kind": "PerseusPowerBudget",
+                "metadata": {"name": "rack-a"},
+                "spec": {
+                    "budgetWatts": 1e6,
+                    "nodeSelector": {"matchLabels": {"topology.example.com/rack": "a"}},
+                },
+            },
+        )
         for app in ("gpt3", "bert"):
             for index in range(2):
                 core.create_namespaced_pod("ml", pod(app, index, "ml", gpus=OPERATOR_GPUS))
@@ -176,10 +208,13 @@ def running_operator(tmp_path: Path) -> Iterator[tuple[OperatorProcess, Callable
             custom.create_namespaced_custom_object(
                 resources.GROUP, resources.VERSION, "ml", "perseusjobs", body
             )
-        operator = OperatorProcess(kubeconfig)
+        operator = OperatorProcess(
+            kubeconfig, extra_env={"PERSEUS_OPERATOR_BUDGET_INTERVAL_S": "1"}
+        )
         try:
             profile = profile_of(OPERATOR_STAGES)
             with SimulatedAgents(custom, "ml", profile, jobs={"gpt3"}) as agents:
+                agents.gpu_watts = 250.0
 
                 def status() -> dict[str, Any]:
                     job = server.objects(JOBS).get(("ml", "gpt3")) or {}

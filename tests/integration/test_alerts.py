@@ -368,6 +368,47 @@ def locked_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def power_budget_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
+    """rack-a: its averaged draw goes over the budget at 3m and stays (fires after ``for``);
+    rack-b: over for one minute only, then under (quiet); rack-c: infeasible from 1m."""
+
+    def budget(name: str, metric: str, values: str) -> dict[str, str]:
+        operator = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080", "namespace": NAMESPACE}
+        return series(f"perseus_power_budget_{metric}", {**operator, "budget": name}, values)
+
+    return {
+        "interval": "1m",
+        "input_series": [
+            budget("rack-a", "watts", "40000x20"),
+            budget("rack-a", "measured_watts", "38000 39000 39500 41000x17"),
+            budget("rack-a", "missing_watts", "0x20"),
+            budget("rack-b", "watts", "40000x20"),
+            budget("rack-b", "measured_watts", "39000 41000 39000x18"),
+            budget("rack-b", "missing_watts", "0x20"),
+            budget("rack-c", "watts", "1000x20"),
+            budget("rack-c", "missing_watts", "0 2500x19"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "PerseusPowerBudgetExceeded", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "PerseusPowerBudgetExceeded",
+                "exp_alerts": [
+                    expected(rules, "PerseusPowerBudgetExceeded", {"budget": "rack-a"}, 41000)
+                ],
+            },
+            {"eval_time": "2m", "alertname": "PerseusPowerBudgetInfeasible", "exp_alerts": []},
+            {
+                "eval_time": "3m",
+                "alertname": "PerseusPowerBudgetInfeasible",
+                "exp_alerts": [
+                    expected(rules, "PerseusPowerBudgetInfeasible", {"budget": "rack-c"}, 2500)
+                ],
+            },
+        ],
+    }
+
+
 # -- tests ---------------------------------------------------------------------------------------
 
 
@@ -383,6 +424,8 @@ def test_default_alerts_pass_promtool_check_and_unit_tests(tmp_path: Path) -> No
         "PerseusOperatorDown",
         "PerseusOperatorAbsent",
         "PerseusOperatorNoLeader",
+        "PerseusPowerBudgetExceeded",
+        "PerseusPowerBudgetInfeasible",
     }
     tests = [
         operator_absent_cases(rules),
@@ -393,6 +436,7 @@ def test_default_alerts_pass_promtool_check_and_unit_tests(tmp_path: Path) -> No
         agent_unavailable_cases(rules),
         apply_error_cases(rules),
         locked_cases(rules),
+        power_budget_cases(rules),
     ]
     run_rule_tests(rules, tests, tmp_path)
 

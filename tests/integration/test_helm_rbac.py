@@ -23,6 +23,7 @@ import pytest
 from perseus_api import resources
 from perseus_api.job import JOB_PLURAL
 from perseus_api.policy import POLICY_PLURAL
+from perseus_api.power_budget import BUDGET_PLURAL
 from perseus_operator.cluster.kube.client import WORKLOAD_RESOURCES
 from support.helm_render import NAMESPACE, REPO_ROOT, Rendered, render
 
@@ -90,10 +91,22 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         Call("list", GROUP, POLICY_PLURAL, True, "KubeClient.list_policies"),
         # All namespaces in cluster-wide mode (a ClusterRoleBinding): not a cluster-scoped call.
         Call("list", GROUP, JOB_PLURAL, False, "KubeClient.list_jobs (policy-made, anywhere)"),
+        Call("list", GROUP, BUDGET_PLURAL, True, "KubeClient.list_power_budgets"),
+        Call(
+            "list",
+            GROUP,
+            resources.NODE_PLAN_PLURAL,
+            False,
+            "KubeClient.list_all_node_plans (power domains' jobs and draw)",
+        ),
     ],
     "patch_cluster_custom_object_status": [
-        Call("patch", GROUP, f"{POLICY_PLURAL}/status", True, "KubeClient.patch_policy_status")
+        Call("patch", GROUP, f"{POLICY_PLURAL}/status", True, "KubeClient.patch_policy_status"),
+        Call(
+            "patch", GROUP, f"{BUDGET_PLURAL}/status", True, "KubeClient.patch_power_budget_status"
+        ),
     ],
+    "list_node": [Call("list", "", "nodes", True, "KubeClient.list_nodes (power domains)")],
     "list_namespace": [
         Call("list", "", "namespaces", True, "KubeClient.list_namespaces (policy selectors)")
     ],
@@ -174,6 +187,9 @@ KOPF_CALLS = [
     # handlers.policy_changed (kopf.on.event): PerseusPolicies are cluster-scoped.
     Call("list", GROUP, POLICY_PLURAL, True, "kopf watcher: initial listing of the policies"),
     Call("watch", GROUP, POLICY_PLURAL, True, "kopf watcher: policies"),
+    # handlers.budget_changed (kopf.on.event): PerseusPowerBudgets are cluster-scoped.
+    Call("list", GROUP, BUDGET_PLURAL, True, "kopf watcher: initial listing of the budgets"),
+    Call("watch", GROUP, BUDGET_PLURAL, True, "kopf watcher: power budgets"),
 ]
 # Only when the operator runs with --namespace (observation.namespace_observer).
 KOPF_NAMESPACED_MODE_CALLS = [
@@ -398,7 +414,7 @@ def test_the_agent_can_read_plans_everywhere_and_write_only_their_status() -> No
         ("delete", "", "configmaps"),
         ("create", CRD_GROUP, "customresourcedefinitions"),
         ("patch", "kubeflow.org", "pytorchjobs"),
-        ("list", "", "nodes"),
+        ("watch", "", "nodes"),  # list only: the power domains select nodes by label
     ],
 )
 def test_the_operator_cannot(verb: str, group: str, resource: str) -> None:

@@ -33,6 +33,8 @@ import pytest
 from perseus_api import resources
 from perseus_api.node_report import (
     GpuProfilingReport,
+    GpuReport,
+    GpuStatus,
     NodePlanStatus,
     ProfileRow,
     RankReport,
@@ -268,6 +270,10 @@ class SimulatedAgents(ReportLoop):
         self.t_min_s: dict[str, float] = {}
         self.slow: dict[int, float] = {}
         self.iterations = 100
+        self.gpu_watts: float | None = None
+        """When set, each running plan's GPUs are reported too, every one drawing this many
+        watts (its energy counter grows with the wall clock), as the power budgets read it."""
+        self._started_s = time.monotonic()
         super().__init__()
 
     def _after_round(self) -> None:
@@ -309,6 +315,21 @@ class SimulatedAgents(ReportLoop):
                         )
                     )
             status = agent_status(spec["revision"], ranks=ranks, profiling=profiling)
+            if self.gpu_watts is not None and t_min_s is not None and not spec.get("profiling"):
+                energy_j = self.gpu_watts * (time.monotonic() - self._started_s)
+                status["gpus"] = [
+                    GpuReport(
+                        uuid=f"GPU-{spec['node']}-{position}",
+                        index=a.get("gpu_index"),
+                        plan=a["plan"],
+                        stage=a["stage"],
+                        dp_rank=a["dp_rank"],
+                        rank=a["rank"],
+                        status=GpuStatus.APPLIED,
+                        energy_j=energy_j,
+                    ).model_dump(mode="json", by_alias=True, exclude_none=True)
+                    for position, a in enumerate(spec["assignments"])
+                ]
             self.api.patch_namespaced_custom_object_status(
                 resources.GROUP,
                 resources.VERSION,

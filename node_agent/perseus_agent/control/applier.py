@@ -32,7 +32,7 @@ from perseus_agent.control.iteration_stats import IterationStats
 from perseus_agent.control.plan_state import GpuState, PlanState
 from perseus_agent.control.profiling_session import GpuProfiling, SamplerFactory, profiling_report
 from perseus_agent.control.training_requests import TrainingRequests
-from perseus_agent.errors import PlanError
+from perseus_agent.errors import GpuError, PlanError
 from perseus_agent.exporter import AgentMetrics, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_api.node_plan import GpuAssignment, NodePlan
@@ -90,6 +90,7 @@ class PlanApplier:
         self.node_name = node_name
         self.metrics = metrics if metrics is not None else AgentMetrics(node_name)
         self.devices: list[GpuInfo] = backend.devices()
+        self._backend = backend
         self._by_uuid = {g.uuid: g for g in self.devices}
         self._by_index = {g.index: g for g in self.devices}
         self._state = PlanState(node_name)
@@ -317,6 +318,15 @@ class PlanApplier:
                 g.stop_sampling()
             self._clocks.reset_clock(index)
 
+    def _energy_j(self, index: int) -> float | None:
+        """The GPU's energy counter for the report (the operator's power budgets derive the
+        draw from it); None when the GPU cannot say (the report goes on without it)."""
+        try:
+            energy_j = self._backend.energy_j(index)
+        except GpuError:
+            return None
+        return energy_j if energy_j >= 0 else None
+
     def _report_locked(self) -> NodeReport:
         plan = self._state.plan
         assert plan is not None
@@ -327,14 +337,18 @@ class PlanApplier:
             namespace=plan.namespace,
             revision=plan.revision,
             granularity=plan.granularity,
-            gpus=[*(_gpu_report(g) for _, g in gpus), *self._unresolved],
+            gpus=[
+                *(_gpu_report(g, self._energy_j(g.info.index)) for _, g in gpus),
+                *self._unresolved,
+            ],
             ranks=self._iterations.rank_reports(),
             profiling=[profiling_report(g, g.profiler) for _, g in gpus if g.profiler is not None],
         )
 
 
-def _gpu_report(g: GpuState) -> GpuReport:
+def _gpu_report(g: GpuState, energy_j: float | None) -> GpuReport:
     return GpuReport(
+        energy_j=energy_j,
         uuid=g.info.uuid,
         index=g.info.index,
         plan=g.assignment.plan,

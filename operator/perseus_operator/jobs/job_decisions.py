@@ -42,6 +42,7 @@ from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "POD_FAILED_REASON",
+    "POWER_TARGET_ANNOTATION",
     "STRAGGLER_STATE_ANNOTATION",
     "Action",
     "ConflictView",
@@ -69,6 +70,24 @@ __all__ = [
 
 STRAGGLER_STATE_ANNOTATION: Final = f"{resources.GROUP}/straggler-state"
 """The straggler detector's memory, so a restarted operator neither forgets nor re-detects."""
+POWER_TARGET_ANNOTATION: Final = f"{resources.GROUP}/power-target-seconds"
+"""Written by the operator's power budget controller only: the frontier iteration time the job
+is re-targeted to so that its power domain stays within its budget (absent: ``T_min``). The
+job's plans are rewritten from its frontier for it, as for a straggler's ``T'``."""
+
+
+def power_target_s(annotations: object) -> float | None:
+    """The job's power target from its annotations; None when absent or not a positive
+    number (the annotation is the operator's own; a bad one means no target)."""
+    if not isinstance(annotations, dict):
+        return None
+    try:
+        value = float(annotations.get(POWER_TARGET_ANNOTATION) or "nan")
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 and value != float("inf") else None
+
+
 POD_FAILED_REASON: Final = "PodFailed"
 """The Degraded reason while a pod of a workload object failed and its controller has not said
 whether it runs the pod again or ends the workload."""

@@ -46,6 +46,7 @@ from perseus_operator.jobs.job_decisions import (
     decide_workload,
     invalid_spec,
     phase_event,
+    power_target_s,
 )
 from perseus_operator.jobs.job_observation import (
     JobIO,
@@ -101,6 +102,8 @@ class JobMemo:
     detector_key: str = ""
     retarget_s: float | None = None
     """The straggler target the current plans were written for (None: T_min for all)."""
+    power_target_s: float | None = None
+    """The power budget's target the current plans were written for (None: none)."""
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
     gpu_products: GpuProducts = field(default_factory=GpuProducts)
@@ -153,6 +156,7 @@ async def reconcile(
     saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     now = time.time() if now_s is None else now_s
     step = _Step(ref, status, io, planner, memo, now, saved_detector)
+    step.power_target_s = power_target_s(metadata.get("annotations"))
     try:
         raw_spec = body.get("spec") or {}
         spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
@@ -192,6 +196,7 @@ class _Step:
         self.events: list[Event] = []
         self.iterations = 0
         self.new_stragglers = 0
+        self.power_target_s: float | None = None
 
     def outcome(self) -> Outcome:
         changed = phase_event(self.before, self.status)
@@ -372,8 +377,15 @@ class _Step:
         running = decide_running(spec, self.status, gen, plans, verdict, detector.reference_s)
         self.iterations, self.new_stragglers = running.iterations, running.new_stragglers
         await self.apply(running.decision)
-        if running.replan:
-            await self._write_plans(spec, ranks, frontier, running.retarget_s, verdict.stragglers)
+        power_changed = self.power_target_s != self.memo.power_target_s
+        if running.replan or power_changed:
+            # A power budget's target slows every healthy replica as a straggler's T' does;
+            # with both, the slower of the two.
+            self.memo.power_target_s = self.power_target_s
+            straggler_s = running.retarget_s if running.replan else self.memo.retarget_s
+            targets = [t for t in (straggler_s, self.power_target_s) if t is not None]
+            target_s = max(targets) if targets else None
+            await self._write_plans(spec, ranks, frontier, target_s, verdict.stragglers)
 
     def _detector(self, spec: PerseusJobSpec) -> StragglerDetector:
         memo, key = self.memo, spec.stragglers.model_dump_json()

@@ -82,6 +82,24 @@ def test_stage_granularity_locks_each_gpu_to_its_stage_clock(
     assert report.model_dump(mode="json")["gpus"][0]["status"] == "Applied"
 
 
+def test_the_report_carries_each_gpus_energy_counter(
+    applier: PlanApplier, backend: FakeBackend
+) -> None:
+    """The operator's power budgets derive the draw from it; a GPU that cannot read its
+    counter reports none, and the report goes on."""
+    applier.apply(node_plan([gpu(0, 0), gpu(1, 1)]))
+    backend.gpus[1].energy_j = 4321.5
+    report = applier.report()
+    assert report is not None
+    assert [g.energy_j for g in report.gpus] == [0.0, 4321.5]
+    assert report.model_dump(mode="json", by_alias=True)["gpus"][1]["energyJoules"] == 4321.5
+
+    backend.fail[("energy_j", 1)] = GpuLostError("fell off the bus", 1)
+    report = applier.report()
+    assert report is not None
+    assert [g.energy_j for g in report.gpus] == [0.0, None]
+
+
 def test_unsupported_clock_is_clamped_to_the_nearest_supported_one(
     applier: PlanApplier, backend: FakeBackend
 ) -> None:
@@ -159,7 +177,8 @@ def test_reapplying_the_same_plan_makes_no_gpu_calls(
     first = applier.apply(node_plan(assignments))
     second = applier.apply(node_plan(assignments, revision=2))
 
-    assert backend.calls == []
+    # Only the reports' reads of the energy counters (for the power budgets).
+    assert {c[0] for c in backend.calls} <= {"energy_j"}
     assert second.revision == 2
     assert [g.status for g in first.gpus] == [GpuStatus.APPLIED, GpuStatus.APPLIED]
     assert applier.metrics.clock_changes(0) == 1

@@ -15,7 +15,11 @@ import pytest
 from perseus_api import resources
 from perseus_api.node_plan import NodePlan
 from perseus_api.profile import parse_profile
-from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION
+from perseus_operator.jobs.job_decisions import (
+    POWER_TARGET_ANNOTATION,
+    STRAGGLER_STATE_ANNOTATION,
+    power_target_s,
+)
 from perseus_operator.jobs.job_release import (
     RELEASE_PENDING,
     Release,
@@ -929,3 +933,53 @@ def test_measured_blocking_power_beyond_the_planners_limit_fails_the_job_with_th
     assert "above the planner's limit of 7.04e+07 J" in op.status["message"]
     assert op.condition("Degraded")["reason"] == "PlanningFailed"
     assert cluster.node_plans == {}
+
+
+def test_a_power_target_rewrites_every_replicas_plan_and_its_removal_gives_t_min_back(
+    cluster: FakeCluster,
+) -> None:
+    """The budget controller's annotation re-targets the job as a straggler's T' does (every
+    healthy replica, from the stored frontier, no re-solve); removing it writes T_min again;
+    with a straggler the slower of the two targets wins."""
+    op = running(cluster)
+    t_min = op.status["frontier"]["tMinSeconds"]
+    revision = op.status["revision"]
+    frontier = op.memo.frontier
+    annotations = op.body["metadata"].setdefault("annotations", {})
+    annotations[POWER_TARGET_ANNOTATION] = f"{1.05 * t_min:.9g}"
+    report_iterations(cluster, {}, t_min)
+    op.step()
+    assert op.memo.frontier is frontier  # not solved again
+    assert op.status["revision"] == revision + 1
+    assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {RETARGETED_PLAN}}
+    retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
+    assert t_min < retargeted["instruction_estimate"]["iteration_time_s"] <= 1.05 * t_min * 1.01
+    assert op.status["plan"]["targetIterationSeconds"] == pytest.approx(1.05 * t_min, rel=1e-3)
+
+    report_iterations(cluster, {}, 1.05 * t_min)
+    op.step()
+    assert op.status["revision"] == revision + 1  # the same target: nothing rewritten
+
+    # A straggler slower than the power target: its T' wins for the healthy replica.
+    for _ in range(2):
+        report_iterations(cluster, {1: 1.12}, 1.05 * t_min)
+        op.step()
+    assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
+    assert op.memo.retarget_s is not None and op.memo.retarget_s > 1.1 * t_min
+    assert op.status["plan"]["targetIterationSeconds"] == pytest.approx(
+        op.memo.retarget_s, rel=1e-3
+    )
+
+    del annotations[POWER_TARGET_ANNOTATION]
+    for _ in range(3):
+        report_iterations(cluster, {}, t_min)
+        op.step()
+    assert op.memo.power_target_s is None
+    assert plan_of_replicas(cluster) == {0: {TMIN_PLAN}, 1: {TMIN_PLAN}}
+
+
+@pytest.mark.parametrize("value", ["", "x", "-1", "0", "inf", "nan"])
+def test_a_power_target_that_is_not_a_positive_time_means_none(value: str) -> None:
+    assert power_target_s({POWER_TARGET_ANNOTATION: value}) is None
+    assert power_target_s({POWER_TARGET_ANNOTATION: "2.5"}) == 2.5
+    assert power_target_s(None) is None

@@ -18,6 +18,7 @@ from perseus_api import kube_client, resources
 from perseus_api.job import JOB_PLURAL, WorkloadKind
 from perseus_api.kube_client import describe_api_error
 from perseus_api.policy import POLICY_PLURAL
+from perseus_api.power_budget import BUDGET_PLURAL
 
 T = TypeVar("T")
 
@@ -298,6 +299,58 @@ class KubeClient:
             for p in await self._node_plans(namespace)
             if ((p.get("metadata") or {}).get("labels") or {}).get(resources.NODE_LABEL) in wanted
         ]
+
+    async def list_all_node_plans(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every PerseusNodePlan of ``namespace`` (None: of the cluster): a power domain's GPUs
+        and their reports."""
+        if namespace is not None:
+            return await self._node_plans(namespace)
+        return await self._items(
+            lambda: self._custom.list_cluster_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                resources.NODE_PLAN_PLURAL,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    # -- power budgets --
+
+    async def list_power_budgets(self) -> list[dict[str, Any]] | None:
+        """Every PerseusPowerBudget; None when their CRD is not installed."""
+        try:
+            return await self._items(
+                lambda: self._custom.list_cluster_custom_object(
+                    resources.GROUP,
+                    resources.VERSION,
+                    BUDGET_PLURAL,
+                    _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT_S,
+                )
+            )
+        except KubeError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def patch_power_budget_status(self, name: str, status: Mapping[str, Any]) -> None:
+        await self._call(
+            lambda: self._custom.patch_cluster_custom_object_status(
+                resources.GROUP,
+                resources.VERSION,
+                BUDGET_PLURAL,
+                name,
+                {"status": dict(status)},
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        )
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        """Every Node (power domains select theirs by label)."""
+        return await self._items(
+            lambda: self._core.list_node(_preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+        )
 
     async def _node_plans(self, namespace: str, **selector: str) -> list[dict[str, Any]]:
         return await self._items(
