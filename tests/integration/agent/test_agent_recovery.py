@@ -77,18 +77,15 @@ def kill_with_locked_clocks(agent: Agent) -> None:
     ("plan_text", "message"),
     [
         ("{not json", "invalid plan file"),
-        (None, "cannot read plan file"),
         (json.dumps(plan_document(node="other-node")), "is for node 'other-node'"),
     ],
-    ids=["invalid", "missing", "other-node"],
+    ids=["invalid", "other-node"],
 )
 def test_restart_with_a_bad_plan_file_still_resets_the_killed_agents_clocks(
-    agent: Agent, plan_text: str | None, message: str
+    agent: Agent, plan_text: str, message: str
 ) -> None:
     kill_with_locked_clocks(agent)
-    agent.plan_file.unlink()
-    if plan_text is not None:
-        agent.plan_file.write_text(plan_text)
+    agent.plan_file.write_text(plan_text)
 
     done = run_to_exit(agent, ["--standalone", f"--plan-file={agent.plan_file}"])
 
@@ -97,6 +94,21 @@ def test_restart_with_a_bad_plan_file_still_resets_the_killed_agents_clocks(
     assert RESET_LINE in done.stderr
     assert agent.clocks() == [None, None]
     assert record(agent) == []
+
+
+def test_restart_without_its_plan_file_resets_the_killed_agents_clocks_and_waits(
+    agent: Agent,
+) -> None:
+    """A standalone agent starts without its plan file (it applies one when it appears): the
+    killed agent's locks are undone at start-up all the same, and no clock is set meanwhile."""
+    kill_with_locked_clocks(agent)
+    agent.plan_file.unlink()
+    agent.start()
+    wait_for(lambda: RESET_LINE in agent.log, "the reset of the killed agent's clocks", agent)
+    assert agent.clocks() == [None, None]
+    assert record(agent) == []
+    assert agent.stop() == 0
+    assert agent.clocks() == [None, None]
 
 
 def test_restart_with_an_unloadable_kubeconfig_still_resets_the_killed_agents_clocks(
