@@ -10,7 +10,9 @@ OUT    ?= out/plan
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	# setuptools >= 77 reads the SPDX license field; the packaging test builds the client with
+	# the venv's own (no build isolation), and a fresh venv comes with 65.5.
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
