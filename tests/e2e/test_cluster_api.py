@@ -344,7 +344,7 @@ def test_an_oversized_node_plan_is_refused_by_the_api_server(
     )
     body = resources.node_plan_object(plan)
     one = body["spec"]["assignments"][0]
-    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(MAX_ASSIGNMENTS + 1)]
+    body["spec"]["assignments"] = [{**one, "gpuIndex": i} for i in range(MAX_ASSIGNMENTS + 1)]
     done = cluster.plane.kubectl(
         "create", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False
     )

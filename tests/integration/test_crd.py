@@ -391,11 +391,11 @@ def test_node_plan_objects_validate_against_the_crd() -> None:
     )
     body = node_plan_object(plan)
     # The operator writes unset optional fields as null: the schema must take them.
-    assert body["spec"]["assignments"][0]["gpu_uuid"] is None
+    assert body["spec"]["assignments"][0]["gpuUuid"] is None
     schema = _open_api_schema(crd.get_node_plan_crd())
     assert not _schema_errors(schema, body)
-    body["spec"]["plans"]["tmin"]["num_stages"] = 0
-    assert _schema_errors(schema, body) == [("spec.plans.tmin.num_stages", "minimum")]
+    body["spec"]["plans"]["tmin"]["numStages"] = 0
+    assert _schema_errors(schema, body) == [("spec.plans.tmin.numStages", "minimum")]
 
 
 # -- malformed specs -------------------------------------------------------------------------------

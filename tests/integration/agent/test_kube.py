@@ -96,7 +96,7 @@ def test_node_plan_object_round_trips() -> None:
         "namespace": "ml",
         "labels": {"perseus.energy/node": "n1", "perseus.energy/job": "gpt3"},
     }
-    assert body["spec"]["node"] == "n1" and body["spec"]["assignments"][0]["gpu_index"] == 0
+    assert body["spec"]["node"] == "n1" and body["spec"]["assignments"][0]["gpuIndex"] == 0
     assert resources.parse_node_plan_object(json.loads(json.dumps(body))) == plan
     assert resources.node_label_selector("n1") == "perseus.energy/node=n1"
 
@@ -274,7 +274,7 @@ def test_a_plan_assigns_a_bounded_number_of_gpus() -> None:
 
     body = resources.node_plan_object(node_plan())
     one = body["spec"]["assignments"][0]
-    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(20_000)]
+    body["spec"]["assignments"] = [{**one, "gpuIndex": i} for i in range(20_000)]
     with pytest.raises(resources.NodePlanObjectError, match=f"at most {MAX_ASSIGNMENTS} items"):
         resources.parse_node_plan_object(body)
     crd = yaml.safe_load((REPO_ROOT / "crds" / "perseus.energy_perseusnodeplans.yaml").read_text())
