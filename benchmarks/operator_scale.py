@@ -397,7 +397,7 @@ class Cluster:
             revision=int(spec["revision"]),
             granularity=str(spec["granularity"]),
             assignments=[
-                {k: a[k] for k in ("gpu_index", "plan", "stage", "dp_rank", "rank")}
+                {k: a[k] for k in ("gpuIndex", "plan", "stage", "dpRank", "rank")}
                 for a in spec["assignments"]
             ],
             base_s=min(float(p["tMinSeconds"]) for p in spec["plans"].values()),
