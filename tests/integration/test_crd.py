@@ -259,7 +259,15 @@ def test_conversions() -> None:
     plans = _at(node_plan, "plans")
     assert plans["type"] == "object"
     assert plans["additionalProperties"]["properties"]["kind"]["enum"] == ["PipelinePlan"]
-    assert "num_stages" in plans["additionalProperties"]["required"]
+    # camelCase keys, none of several words required: objects of the snake_case spec of older
+    # operators stay valid (see tests/unit/test_node_plan_upgrade.py).
+    assert "numStages" in plans["additionalProperties"]["properties"]
+    assert plans["additionalProperties"]["required"] == [
+        "schedule",
+        "granularity",
+        "objective",
+        "stages",
+    ]
     assert _at(node_plan, "profiling")["nullable"] is True
 
 
