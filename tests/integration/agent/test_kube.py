@@ -637,7 +637,7 @@ def test_report_writer_patches_the_status_subresource(
         assert writer.write("ml", "gpt3-n1", _status(ok=False))
         assert writer.write("ml", "gpt3-n1", _status())
         obj = api_server.objects(RESOURCE)[("ml", "gpt3-n1")]
-        assert obj["spec"] == node_plan().model_dump(mode="json")
+        assert obj["spec"] == node_plan().model_dump(mode="json", by_alias=True)
         assert obj["status"]["conditions"][0]["reason"] == "Applied"
         assert obj["status"]["gpus"] == [] and obj["status"]["job"] == "gpt3"
         assert writer.write("ml", "missing", _status()) is False
@@ -759,7 +759,7 @@ def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
     create(api, resources.node_plan_object(node_plan(job="other", node="n2", gpus=(0,))))
 
     # A new revision is applied and reported.
-    new = node_plan(revision=2, stage_mhz=(900, 1005)).model_dump(mode="json")
+    new = node_plan(revision=2, stage_mhz=(900, 1005)).model_dump(mode="json", by_alias=True)
     patch(api, "ml", "gpt3-n1", {"spec": new})
     wait_for(lambda: agent.clocks() == [900, 1005], "the new revision's clocks", agent)
     wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 2, "a report", agent)
