@@ -320,10 +320,10 @@ class SimulatedAgents(ReportLoop):
                 status["gpus"] = [
                     GpuReport(
                         uuid=f"GPU-{spec['node']}-{position}",
-                        index=a.get("gpu_index"),
+                        index=a.get("gpuIndex"),
                         plan=a["plan"],
                         stage=a["stage"],
-                        dp_rank=a["dp_rank"],
+                        dp_rank=a["dpRank"],
                         rank=a["rank"],
                         status=GpuStatus.APPLIED,
                         energy_j=energy_j,

@@ -179,8 +179,12 @@ def test_the_operator_reads_old_and_new_objects_alike() -> None:
 
     plan = _plan()
     old, new = _old_object(plan), resources.node_plan_object(plan)
-    assert planned_gpus([old]) == planned_gpus([new]) == {
-        ("gpu-node-1", "gpt3-worker-0#0"),
-        ("gpu-node-1", "gpt3-worker-0#1"),
-    }
+    assert (
+        planned_gpus([old])
+        == planned_gpus([new])
+        == {
+            ("gpu-node-1", "gpt3-worker-0#0"),
+            ("gpu-node-1", "gpt3-worker-0#1"),
+        }
+    )
     assert expected_iteration_s(old) == expected_iteration_s(new) == {2: 1.0, 3: 1.0}

@@ -951,7 +951,7 @@ def test_a_power_target_rewrites_every_replicas_plan_and_its_removal_gives_t_min
     assert op.status["revision"] == revision + 1
     assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {RETARGETED_PLAN}}
     retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
-    assert t_min < retargeted["instruction_estimate"]["iteration_time_s"] <= 1.05 * t_min * 1.01
+    assert t_min < retargeted["instructionEstimate"]["iterationTimeSeconds"] <= 1.05 * t_min * 1.01
     assert op.status["plan"]["targetIterationSeconds"] == pytest.approx(1.05 * t_min, rel=1e-3)
 
     report_iterations(cluster, {}, 1.05 * t_min)
