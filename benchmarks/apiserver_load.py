@@ -192,7 +192,7 @@ def nodes_for(templates: list[list[dict[str, Any]]], jobs: int) -> list[Node]:
                 },
                 "spec": spec,
             }
-            pace = {p: float(v[estimate]["iteration_time_s"]) for p, v in spec["plans"].items()}
+            pace = {p: float(v[estimate]["iterationTimeSeconds"]) for p, v in spec["plans"].items()}
             nodes.append(Node(namespace, name, j, obj, pace))
     return nodes
 
@@ -204,14 +204,14 @@ def status_of(node: Node, slow_dp: int | None, jitter: float, rng: random.Random
     node.iterations += 5
     gpus, ranks = [], []
     for a in spec["assignments"]:
-        factor = (1.0 + rng.uniform(-jitter, jitter)) * (SLOWDOWN if a["dp_rank"] == slow_dp else 1)
+        factor = (1.0 + rng.uniform(-jitter, jitter)) * (SLOWDOWN if a["dpRank"] == slow_dp else 1)
         gpus.append(
             {
-                "uuid": f"GPU-{node.name}-{a['gpu_index']}",
-                "index": a["gpu_index"],
+                "uuid": f"GPU-{node.name}-{a['gpuIndex']}",
+                "index": a["gpuIndex"],
                 "plan": a["plan"],
                 "stage": a["stage"],
-                "dpRank": a["dp_rank"],
+                "dpRank": a["dpRank"],
                 "rank": a["rank"],
                 "targetMHz": 1410,
                 "appliedMHz": 1410,
@@ -223,7 +223,7 @@ def status_of(node: Node, slow_dp: int | None, jitter: float, rng: random.Random
         ranks.append(
             {
                 "rank": a["rank"],
-                "dpRank": a["dp_rank"],
+                "dpRank": a["dpRank"],
                 "ppRank": a["stage"],
                 "iterations": node.iterations,
                 "lastIterationSeconds": mean_s,

@@ -113,7 +113,7 @@ from perseus_operator.jobs.planning import RETARGETED_PLAN, PlanningInput  # noq
 from perseus_operator.metrics import OperatorMetrics  # noqa: E402
 from perseus_planner import DEFAULT_PROFILE, Frontier, bundled_profile  # noqa: E402
 
-ESTIMATES: Final = {"Instruction": "instruction_estimate", "Stage": "stage_estimate"}
+ESTIMATES: Final = {"Instruction": "instructionEstimate", "Stage": "stageEstimate"}
 STARVED_LATENESS_R: Final = 0.1
 STARVED_LATENESS_P99_R: Final = 0.25
 """--ci: timers later than these at the median or the p99 mean the machine starved the
@@ -397,12 +397,12 @@ class Cluster:
             revision=int(spec["revision"]),
             granularity=str(spec["granularity"]),
             assignments=[
-                {k: a[k] for k in ("gpu_index", "plan", "stage", "dp_rank", "rank")}
+                {k: a[k] for k in ("gpuIndex", "plan", "stage", "dpRank", "rank")}
                 for a in spec["assignments"]
             ],
-            base_s=min(float(p["t_min_s"]) for p in spec["plans"].values()),
+            base_s=min(float(p["tMinSeconds"]) for p in spec["plans"].values()),
             pace_s={
-                name: float(p[f"{ESTIMATES[str(spec['granularity'])]}"]["iteration_time_s"])
+                name: float(p[f"{ESTIMATES[str(spec['granularity'])]}"]["iterationTimeSeconds"])
                 for name, p in spec["plans"].items()
             },
             status_json=previous.status_json if previous else "{}",  # status is a subresource
@@ -781,16 +781,16 @@ class Simulation:
         slow = False
         for a in plan.assignments:
             factor = 1.0 + self.rng.uniform(-jitter, jitter)
-            if a["dp_rank"] == slow_dp:
+            if a["dpRank"] == slow_dp:
                 factor *= self.s.slowdown
                 slow = True
             gpus.append(
                 {
-                    "uuid": f"GPU-{node}-{a['gpu_index']}",
-                    "index": a["gpu_index"],
+                    "uuid": f"GPU-{node}-{a['gpuIndex']}",
+                    "index": a["gpuIndex"],
                     "plan": a["plan"],
                     "stage": a["stage"],
-                    "dp_rank": a["dp_rank"],
+                    "dp_rank": a["dpRank"],
                     "rank": a["rank"],
                     "target_mhz": APPLIED_MHZ,
                     "applied_mhz": APPLIED_MHZ,
@@ -801,7 +801,7 @@ class Simulation:
             ranks.append(
                 {
                     "rank": a["rank"],
-                    "dp_rank": a["dp_rank"],
+                    "dp_rank": a["dpRank"],
                     "pp_rank": a["stage"],
                     "iterations": iterations,
                     "last_iteration_s": plan.pace_s[a["plan"]] * factor,

@@ -1,6 +1,6 @@
 """Kubernetes API conventions that the operator and the node agents both follow: times as
-RFC 3339 strings, when a condition's ``lastTransitionTime`` moves, and ratios as the percents
-``kubectl get`` shows.
+RFC 3339 strings, when a condition's ``lastTransitionTime`` moves, ratios as the percents
+``kubectl get`` shows, and camelCase keys with their unit spelled out (``unitTimeSeconds``).
 
 One module, so that a job's conditions, a policy's and a node plan's report move alike, and
 every reader takes the same times (``metav1.Time`` writes whole seconds, UTC, with a ``Z``;
@@ -10,8 +10,40 @@ every reader takes the same times (``metav1.Time`` writes whole seconds, UTC, wi
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Final
 
-__all__ = ["now_rfc3339", "parse_rfc3339", "percent", "rfc3339", "transition_time"]
+from pydantic.alias_generators import to_camel, to_snake
+
+__all__ = [
+    "now_rfc3339",
+    "parse_rfc3339",
+    "percent",
+    "rfc3339",
+    "snake_name",
+    "transition_time",
+    "wire_name",
+]
+
+_UNITS: Final = (("_mhz", "MHz"), ("_s", "Seconds"), ("_w", "Watts"), ("_j", "Joules"))
+
+
+def wire_name(field: str) -> str:
+    """The camelCase key of a snake_case field, its unit spelled out as in the rest of the API
+    (``unit_time_s`` -> ``unitTimeSeconds``, ``frequency_mhz`` -> ``frequencyMHz``)."""
+    for suffix, unit in _UNITS:
+        if field.endswith(suffix) and len(field) > len(suffix):
+            return to_camel(field.removesuffix(suffix)) + unit
+    return to_camel(field)
+
+
+def snake_name(key: str) -> str:
+    """The snake_case field of a :func:`wire_name` key (``tMinSeconds`` -> ``t_min_s``): the
+    key an older writer used where it spelled a wire format in snake_case."""
+    for suffix, unit in _UNITS:
+        if key.endswith(unit) and len(key) > len(unit):
+            return to_snake(key.removesuffix(unit)) + suffix
+    return to_snake(key)
+
 
 _FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 

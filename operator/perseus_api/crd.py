@@ -117,6 +117,11 @@ _BUDGET_DESCRIPTION: Final = (
     "managed job's point on its frontier so that the domain's draw stays within it at the "
     "least weighted slowdown (spec); the measured draw and each job's allocation (status)."
 )
+_NODE_PLAN_SPEC_DESCRIPTION: Final = (
+    "Written by the operator only: the job's pipeline plans and which GPU of the node follows "
+    "which plan and stage. Unknown fields are kept: operators of an older version wrote the "
+    "spec's keys in snake_case, which node agents still read."
+)
 _NODE_PLAN_STATUS_DESCRIPTION: Final = (
     "Written by the node agent only: the revision it acted on, its Applied condition, and its "
     "report of the plan's GPUs and ranks (absent when nothing is applied). Unknown fields are "
@@ -389,6 +394,10 @@ def _tolerate_older_agents(node: Mapping[str, Any]) -> dict[str, Any]:
     """``node`` with every object in it keeping unknown fields, requiring only the fields whose
     name has no capital letter, and with no defaults.
 
+    The same holds for the spec (:class:`NodePlan`): operators older than the camelCase spec
+    wrote ``assignments[].dp_rank`` and ``plans.*.num_stages``, and such objects stay stored
+    until the new operator rewrites them; the agents read both spellings.
+
     During a rolling upgrade agents older than :class:`NodePlanStatus` still write the report
     in snake_case (``gpus[].dp_rank``, ``ranks[].mean_iteration_s``): the API server must
     neither prune those keys (the operator reads both spellings) nor reject the report for
@@ -419,9 +428,9 @@ def _tolerate_older_agents(node: Mapping[str, Any]) -> dict[str, Any]:
 
 def get_node_plan_crd() -> dict[str, Any]:
     """The ``perseusnodeplans.perseus.energy`` CRD."""
-    schema = _resource_schema(
-        _NODE_PLAN_DESCRIPTION, structural_schema(NodePlan), _node_plan_status_schema()
-    )
+    spec = _tolerate_older_agents(structural_schema(NodePlan))
+    spec["description"] = _NODE_PLAN_SPEC_DESCRIPTION
+    schema = _resource_schema(_NODE_PLAN_DESCRIPTION, spec, _node_plan_status_schema())
     return _crd(
         kind=NODE_PLAN_KIND,
         plural=NODE_PLAN_PLURAL,

@@ -30,15 +30,21 @@ class GpuAssignment(_Model):
     """One GPU of the node and the plan (and stage) it follows."""
 
     gpu_uuid: str | None = Field(default=None, min_length=1)
+    """UUID of the GPU (GPU-...), for a plan written by hand; the operator names the pod and
+    local rank instead."""
     gpu_index: int | None = Field(default=None, ge=0)
+    """Index of the GPU on the node (as nvidia-smi lists it), for a plan written by hand."""
     plan: str = Field(min_length=1, description="Key of the plan in NodePlan.plans.")
     stage: int = Field(ge=0, description="Pipeline stage (pp rank) this GPU runs.")
     dp_rank: int = Field(default=0, ge=0)
+    """Data-parallel rank (pipeline replica) of the process on this GPU."""
     tp_rank: int = Field(default=0, ge=0)
+    """Tensor-parallel rank of the process on this GPU."""
     rank: int | None = Field(
         default=None, ge=0, description="Global rank of the training process on this GPU."
     )
     pod: str | None = None
+    """Name of the pod whose process runs on this GPU (in the plan's namespace)."""
     pod_uid: str | None = Field(
         default=None,
         min_length=1,
@@ -126,8 +132,11 @@ class NodePlan(_Model):
     """
 
     api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
+    """Version of the plan format: perseus.energy/v1alpha1."""
     kind: Literal["NodePlan"] = "NodePlan"
+    """Always NodePlan."""
     node: str = Field(min_length=1)
+    """Name of the node whose agent applies this plan."""
     namespace: str = Field(
         default="default",
         min_length=1,
@@ -135,10 +144,15 @@ class NodePlan(_Model):
         "(the node agent refuses a plan naming another).",
     )
     job: str = Field(min_length=1)
+    """Name of the PerseusJob this plan belongs to."""
     revision: int = Field(ge=0, description="Increases with every change; agents report it.")
     granularity: Granularity
+    """How finely the agent controls clocks: Stage (one locked clock per GPU) or Instruction
+    (the clock changes at every forward and backward)."""
     plans: dict[str, PipelinePlan] = Field(max_length=MAX_PLANS)
+    """The pipeline plans, by name (usually one; a straggler's replica keeps its own)."""
     assignments: list[GpuAssignment] = Field(max_length=MAX_ASSIGNMENTS)
+    """The GPUs of the node this plan controls, each with its plan and stage."""
     profiling: ProfilingSpec | None = Field(
         default=None,
         description="Profile the assigned GPUs instead of applying the plans (see ProfilingSpec).",

@@ -70,7 +70,12 @@ class _Wire(BaseModel):
     null fields of the objects in a merge patch's lists, so a null is stored as absent."""
 
     model_config = ConfigDict(
-        alias_generator=wire_name, populate_by_name=True, extra="ignore", frozen=True
+        alias_generator=wire_name,
+        populate_by_name=True,
+        extra="ignore",
+        frozen=True,
+        # A field's docstring is its description in the CRD (kubectl explain).
+        use_attribute_docstrings=True,
     )
 
 
@@ -95,15 +100,22 @@ class GpuReport(_Wire):
         default=None, description="The GPU's index; null if the GPU was not found."
     )
     plan: str
+    """The plan (key of spec.plans) the GPU follows."""
     stage: int
+    """The pipeline stage the GPU runs."""
     dp_rank: int = 0
+    """Data-parallel rank (pipeline replica) of the process on the GPU."""
     rank: int | None = None
+    """Global rank of the training process on the GPU, if the plan names it."""
     target_mhz: int | None = Field(
         default=None, description="Clock the plan asks for (now, for Instruction)."
     )
     applied_mhz: int | None = Field(default=None, description="Clock locked by the agent, if any.")
     status: GpuStatus
+    """Applied, Clamped (nearest supported clock), Failed (see message) or Waiting (for the
+    training process to call in)."""
     message: str = ""
+    """Why the plan could not be applied as written; empty when it was."""
     energy_j: float | None = Field(
         default=None,
         ge=0,
@@ -117,10 +129,14 @@ class RankReport(_Wire):
     """Iteration times of one training rank on this node, measured by the agent."""
 
     rank: int
+    """Global rank of the training process."""
     dp_rank: int | None = None
+    """Its data-parallel rank (pipeline replica), if known."""
     pp_rank: int | None = None
+    """Its pipeline stage, if known."""
     iterations: int = Field(description="Iterations measured since the rank called in.")
     last_iteration_s: float
+    """Time of its last iteration (seconds)."""
     mean_iteration_s: float = Field(
         description=f"Over the last {ITERATION_WINDOW} iterations under ``revision``."
     )
@@ -140,6 +156,7 @@ class ProfileRow(_Wire):
         "GPU runs several (virtual) stages.",
     )
     instruction: InstructionName
+    """The computation: forward, backward, backward_input or backward_weight."""
     frequency_mhz: int = Field(gt=0, description="The SM clock in effect while measured.")
     time_s: float = Field(description="Median time of one computation.")
     energy_j: float = Field(description="Median energy of one computation.")
@@ -150,8 +167,11 @@ class GpuProfilingReport(_Wire):
     """Progress and, once done, results of profiling one GPU (one stage)."""
 
     uuid: str
+    """The GPU's UUID."""
     index: int
+    """The GPU's index on the node."""
     stage: int
+    """The pipeline stage the GPU runs."""
     rank: int | None = Field(
         default=None, description="Global rank of the training process the plan put here."
     )
@@ -204,12 +224,19 @@ class NodeReport(_Wire):
     """The state of one node plan on this node, for the operator."""
 
     node: str
+    """The node the agent runs on."""
     job: str
+    """The PerseusJob of the plan."""
     namespace: str
+    """The namespace of the job's pods."""
     revision: int
+    """The spec.revision applied."""
     granularity: Granularity
+    """The granularity applied: Stage or Instruction."""
     gpus: list[GpuReport]
+    """What was applied to each GPU of the plan."""
     ranks: list[RankReport] = Field(default_factory=list)
+    """Iteration times of the training ranks on this node."""
     profiling: list[GpuProfilingReport] = Field(
         default_factory=list, description="Per profiled GPU, when the plan profiles."
     )
@@ -220,11 +247,13 @@ class StatusCondition(_Wire):
 
     type: str = Field(description="Condition type: Applied.")
     status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
     reason: str = Field(
         default="",
         description="One of Applied, Failed, InvalidSpec, AgentStopped, DriverUpgrade.",
     )
     message: str = ""
+    """Human-readable details of the reason."""
     last_transition_time: str | None = Field(default=None, description="RFC 3339.")
 
 
@@ -261,13 +290,21 @@ class NodePlanStatus(_Wire):
         "twice this, or staleAfterSeconds if longer.",
     )
     conditions: list[StatusCondition] = Field(default_factory=list)
+    """The agent's Applied condition."""
     node: str | None = None
+    """The node the agent runs on."""
     job: str | None = None
+    """The PerseusJob of the plan."""
     namespace: str | None = None
+    """The namespace of the job's pods."""
     revision: int | None = None
+    """The spec.revision applied."""
     granularity: Granularity | None = None
+    """The granularity applied: Stage or Instruction."""
     gpus: list[GpuReport] = Field(default_factory=list)
+    """What was applied to each GPU of the plan."""
     ranks: list[RankReport] = Field(default_factory=list)
+    """Iteration times of the training ranks on this node, measured by the agent."""
     profiling: list[GpuProfilingReport] = Field(
         default_factory=list, description="Per profiled GPU, when the plan profiles."
     )

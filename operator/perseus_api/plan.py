@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from perseus_api.conventions import wire_name
 from perseus_api.schedule import Step, gpu_computation_order
 
 API_VERSION: Final = "perseus.energy/v1alpha1"
@@ -47,15 +48,33 @@ class PlanObjective(StrEnum):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """camelCase on the wire with units spelled out (``numStages``, ``unitTimeSeconds``), as
+    in a node plan's status; snake_case in Python; unknown fields are errors.
+
+    The snake_case keys are read too: node plans and plan files written before the wire
+    format was camelCase (``num_stages``) stay valid (see docs/operations/install.md).
+    """
+
+    model_config = ConfigDict(
+        alias_generator=wire_name,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        # A field's docstring is its description in the CRD (kubectl explain).
+        use_attribute_docstrings=True,
+    )
 
 
 class InstructionClock(_Model):
     """Clock of one computation, in the stage's execution order."""
 
     instruction: Literal["forward", "backward", "backward_input", "backward_weight"]
+    """The computation: forward, backward, or (zero-bubble schedules) backward_input and
+    backward_weight."""
     microbatch: int = Field(ge=0)
+    """The microbatch the computation works on, from 0."""
     frequency_mhz: int = Field(gt=0)
+    """SM clock for this computation (MHz)."""
     virtual_stage: int | None = Field(
         default=None,
         ge=0,
@@ -66,8 +85,9 @@ class InstructionClock(_Model):
     def _omit_no_virtual_stage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Plans without virtual stages serialize exactly as before the field existed.
         data: dict[str, Any] = handler(self)
-        if data.get("virtual_stage") is None:
-            data.pop("virtual_stage", None)
+        for key in ("virtual_stage", "virtualStage"):  # by field name or by alias
+            if key in data and data[key] is None:
+                del data[key]
         return data
 
 
@@ -75,6 +95,7 @@ class StagePlan(_Model):
     """Clocks for every GPU of one pipeline stage."""
 
     stage: int = Field(ge=0)
+    """Pipeline stage (pp rank) these clocks are for, from 0."""
     frequency_mhz: int = Field(gt=0, description="Stage granularity: one locked SM clock.")
     instructions: list[InstructionClock] = Field(
         description="Instruction granularity: clock per computation, in schedule order."
@@ -102,24 +123,36 @@ class PipelinePlan(_Model):
     """Per-GPU frequency plan of one pipeline."""
 
     api_version: Literal["perseus.energy/v1alpha1"] = API_VERSION
+    """Version of the plan format: perseus.energy/v1alpha1."""
     kind: Literal["PipelinePlan"] = "PipelinePlan"
+    """Always PipelinePlan."""
     schedule: Literal["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"]
+    """Pipeline schedule the training runs: it fixes the order of each stage's computations."""
     num_stages: int = Field(ge=1)
+    """Pipeline stages (GPUs per pipeline)."""
     num_microbatches: int = Field(ge=1)
+    """Microbatches per iteration."""
     virtual_stages: int = Field(default=1, ge=1, description="Model stages per GPU.")
     granularity: Granularity = Field(description="Which part of each StagePlan to apply.")
     objective: PlanObjective
+    """Why this point of the time-energy frontier was chosen: MinTime (no slowdown),
+    Straggler (as slow as the slowest replica) or MaxSlowdown (within a slowdown budget)."""
     target_iteration_time_s: float | None = Field(
         default=None, gt=0, description="T' of a straggler or the slowdown deadline, if any."
     )
     unit_time_s: float = Field(gt=0)
+    """The planner's time quantum (seconds): its iteration times are multiples of it."""
     blocking_power_w: float = Field(ge=0)
+    """Power of one GPU while it waits for another stage (watts), from the profile."""
     t_min_s: float = Field(gt=0, description="Fastest iteration time on the frontier.")
     t_star_s: float = Field(gt=0, description="Iteration time of the minimum-energy point.")
     baseline_iteration_time_s: float = Field(gt=0, description="All GPUs at max clock.")
     instruction_estimate: PlanEstimate
+    """Predicted time and energy when the clocks change at every computation (Instruction)."""
     stage_estimate: PlanEstimate
+    """Predicted time and energy with one clock per stage (Stage)."""
     stages: list[StagePlan]
+    """The clocks of every stage, stage 0 first."""
 
     @property
     def estimate(self) -> PlanEstimate:

@@ -50,6 +50,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from perseus_api.conventions import snake_name
 from perseus_api.errors import ApiError, validation_summary
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import NodePlanStatus
@@ -74,6 +75,7 @@ __all__ = [
     "STATUS_REPORTED_AT",
     "VERSION",
     "NodePlanObjectError",
+    "either",
     "label_value",
     "node_label_selector",
     "node_plan_name",
@@ -82,6 +84,7 @@ __all__ = [
     "object_name",
     "parse_node_plan_object",
     "parse_node_plan_status",
+    "without_snake_case_keys",
 ]
 
 GROUP: Final = "perseus.energy"
@@ -182,8 +185,40 @@ def node_plan_object(plan: NodePlan) -> dict[str, Any]:
             "namespace": plan.namespace,
             "labels": {NODE_LABEL: label_value(plan.node), JOB_LABEL: label_value(plan.job)},
         },
-        "spec": plan.model_dump(mode="json"),
+        "spec": plan.model_dump(mode="json", by_alias=True),
     }
+
+
+def either(obj: Mapping[str, Any], *keys: str) -> Any:
+    """``obj``'s value under the first of ``keys`` it has (a node plan's spec key in camelCase,
+    then in the snake_case of an older operator).
+
+    Raises:
+        KeyError: ``obj`` has none of ``keys``.
+    """
+    for key in keys:
+        if key in obj:
+            return obj[key]
+    raise KeyError(keys[0])
+
+
+def without_snake_case_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch writing the camelCase ``spec`` over a stored one that an operator of an
+    older version wrote in snake_case: every snake_case twin of a key is set to null (removed).
+
+    The API server keeps unknown keys of a node plan's spec (the CRD preserves them while
+    agents of either spelling run), and a merge patch merges objects (``plans``, their
+    estimates) key by key, so without this the stored plan would hold ``num_stages`` beside
+    ``numStages``. Lists are replaced whole by a merge patch and need nothing.
+    """
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        out[key] = without_snake_case_keys(value) if isinstance(value, Mapping) else value
+    for key in spec:
+        snake = snake_name(key)
+        if snake != key and snake not in out:
+            out[snake] = None
+    return out
 
 
 def object_key(body: Mapping[str, Any]) -> tuple[str, str]:

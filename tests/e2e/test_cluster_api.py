@@ -6,9 +6,11 @@
 - The operator's and the node agents' service accounts can do what they need and nothing
   else (``kubectl auth can-i``, asked as each identity).
 - An agent may write the status of its own node's plans only.
-- Every sample in ``crds/samples`` is accepted as it is, and every field of the PerseusJob and
-  PerseusPolicy CRDs has a description in the API server's own OpenAPI document (what
-  ``kubectl explain`` shows).
+- Every sample in ``crds/samples`` is accepted as it is, and every field of the PerseusJob,
+  PerseusPolicy, PerseusPowerBudget and PerseusNodePlan CRDs has a description in the API
+  server's own OpenAPI document (what ``kubectl explain`` shows).
+- A node plan stored in snake_case under the CRD of an older version survives the CRD's
+  upgrade, is read by the new agent and rewritten in camelCase by the new operator's patch.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def _undescribed(schema: Mapping[str, Any], path: str) -> Iterator[str]:
         ("PerseusJob", "perseusjobs", "spec.policy.mode", "StragglerAware"),
         ("PerseusPolicy", "perseuspolicies", "spec.policy.mode", "StragglerAware"),
         ("PerseusPowerBudget", "perseuspowerbudgets", "spec.enforcement", "PlansAndPowerLimits"),
+        ("PerseusNodePlan", "perseusnodeplans", "spec.assignments.dpRank", "Data-parallel"),
     ],
 )
 def test_kubectl_explain_describes_every_field(
@@ -344,7 +347,7 @@ def test_an_oversized_node_plan_is_refused_by_the_api_server(
     )
     body = resources.node_plan_object(plan)
     one = body["spec"]["assignments"][0]
-    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(MAX_ASSIGNMENTS + 1)]
+    body["spec"]["assignments"] = [{**one, "gpuIndex": i} for i in range(MAX_ASSIGNMENTS + 1)]
     done = cluster.plane.kubectl(
         "create", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False
     )
@@ -393,3 +396,80 @@ def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
         write(bad)
     assert refused.value.status == 422
     assert "meanIterationSeconds" in str(refused.value.body)
+
+
+OLD_NODE_PLAN_CRD = (
+    Path(__file__).resolve().parents[1] / "data/crds/perseusnodeplans-snake-case-spec.yaml"
+)
+
+
+def _install_node_plan_crd(cluster: Cluster, crd: dict[str, Any], camel_case_valid: bool) -> None:
+    """Apply ``crd`` and wait until the API server validates with it: until a camelCase-only
+    plan (which the older CRD refuses) is accepted or refused."""
+    import time
+
+    cluster.plane.apply([crd])
+    plan = NodePlan(
+        node="api-node-crd",
+        namespace=JOB_NAMESPACE,
+        job="probe",
+        revision=1,
+        granularity="Stage",
+        plans={"p": pipeline_plan_fields()},
+        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0}],
+    )
+    probe = json.dumps(resources.node_plan_object(plan))
+    deadline = time.monotonic() + 60
+    while True:
+        done = cluster.plane.kubectl(
+            "create", "-n", JOB_NAMESPACE, "--dry-run=server", "-f", "-", stdin=probe, check=False
+        )
+        # The older CRD: kubectl's strict field validation names the camelCase keys unknown.
+        refused_as_old = done.returncode != 0 and "numStages" in done.stderr
+        if (done.returncode == 0) if camel_case_valid else refused_as_old:
+            return
+        assert time.monotonic() < deadline, done.stderr
+        time.sleep(0.2)
+
+
+def test_an_old_operators_node_plan_survives_the_upgrade(cluster: Cluster, namespace: str) -> None:
+    """Upgrade from the snake_case spec on the real API server: an object stored under the
+    older CRD keeps every key under the new one (nothing pruned, no camelCase default added
+    beside a snake_case value), the new agent reads it as written, and the new operator's
+    merge patch leaves it in camelCase only."""
+    from perseus_api.crd import get_node_plan_crd
+    from support.factories import merge_patch
+
+    new_crd = get_node_plan_crd()
+    old_crd = yaml.safe_load(OLD_NODE_PLAN_CRD.read_text(encoding="utf-8"))
+    plan = NodePlan(
+        node="api-node-upgrade",
+        namespace=namespace,
+        job="upgraded",
+        revision=1,
+        granularity="Instruction",
+        plans={"p": pipeline_plan_fields()},
+        assignments=[{"gpu_index": 0, "plan": "p", "stage": 1, "dp_rank": 1, "rank": 3}],
+    )
+    old = {**resources.node_plan_object(plan), "spec": plan.model_dump(mode="json")}
+    name = resources.node_plan_name(plan.job, plan.node)
+    where = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+    _install_node_plan_crd(cluster, old_crd, camel_case_valid=False)
+    try:
+        cluster.custom.create_namespaced_custom_object(*where[:4], old)
+    finally:
+        _install_node_plan_crd(cluster, new_crd, camel_case_valid=True)
+
+    stored = cluster.custom.get_namespaced_custom_object(*where)
+    assert stored["spec"] == old["spec"]  # as written: nothing pruned, no default added
+    assert resources.parse_node_plan_object(stored) == plan
+
+    wanted = plan.model_copy(update={"revision": 2})
+    spec = resources.node_plan_object(wanted)["spec"]
+    cluster.custom.patch_namespaced_custom_object(
+        *where, {"spec": resources.without_snake_case_keys(spec)}
+    )
+    rewritten = cluster.custom.get_namespaced_custom_object(*where)
+    assert rewritten["spec"] == merge_patch({}, spec)
+    assert resources.parse_node_plan_object(rewritten) == wanted
+    cluster.custom.delete_namespaced_custom_object(*where)

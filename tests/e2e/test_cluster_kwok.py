@@ -161,7 +161,7 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
         for name, node in on.items():
             assignments = sorted(by_node[node]["assignments"], key=lambda a: a["rank"])
             assert {a["pod"] for a in assignments} == {name}, (node, assignments)
-            assert {a["pod_uid"] for a in assignments} == {pods[name].metadata.uid}
+            assert {a["podUid"] for a in assignments} == {pods[name].metadata.uid}
             assert {a["container"] for a in assignments} == {PYTORCH_CONTAINER}
             got = [
                 {k: a[k] for k in ("rank", "local_rank", "tp_rank", "dp_rank", "stage")}

@@ -575,7 +575,7 @@ def test_stage_granularity_from_a_stored_profile_needs_no_client_hooks(
         [agent] = [a for a in s.agents if a.node == spec["node"]]
         # One pod per node holding all its GPUs: local rank r runs on the node's r-th GPU.
         stage_clock = {
-            a["local_rank"]: spec["plans"][a["plan"]]["stages"][a["stage"]]["frequency_mhz"]
+            a["localRank"]: spec["plans"][a["plan"]]["stages"][a["stage"]]["frequencyMHz"]
             for a in spec["assignments"]
         }
         assert agent.clocks() == [stage_clock[i] for i in range(GPUS)], spec["node"]

@@ -259,7 +259,15 @@ def test_conversions() -> None:
     plans = _at(node_plan, "plans")
     assert plans["type"] == "object"
     assert plans["additionalProperties"]["properties"]["kind"]["enum"] == ["PipelinePlan"]
-    assert "num_stages" in plans["additionalProperties"]["required"]
+    # camelCase keys, none of several words required: objects of the snake_case spec of older
+    # operators stay valid (see tests/unit/test_node_plan_upgrade.py).
+    assert "numStages" in plans["additionalProperties"]["properties"]
+    assert plans["additionalProperties"]["required"] == [
+        "schedule",
+        "granularity",
+        "objective",
+        "stages",
+    ]
     assert _at(node_plan, "profiling")["nullable"] is True
 
 
@@ -391,11 +399,11 @@ def test_node_plan_objects_validate_against_the_crd() -> None:
     )
     body = node_plan_object(plan)
     # The operator writes unset optional fields as null: the schema must take them.
-    assert body["spec"]["assignments"][0]["gpu_uuid"] is None
+    assert body["spec"]["assignments"][0]["gpuUuid"] is None
     schema = _open_api_schema(crd.get_node_plan_crd())
     assert not _schema_errors(schema, body)
-    body["spec"]["plans"]["tmin"]["num_stages"] = 0
-    assert _schema_errors(schema, body) == [("spec.plans.tmin.num_stages", "minimum")]
+    body["spec"]["plans"]["tmin"]["numStages"] = 0
+    assert _schema_errors(schema, body) == [("spec.plans.tmin.numStages", "minimum")]
 
 
 # -- malformed specs -------------------------------------------------------------------------------

@@ -569,7 +569,7 @@ def test_the_agent_process_makes_exactly_the_listed_calls(tmp_path: Path) -> Non
                 assert b"not the address of a live pod" in line or b"not listed the pods" in line
             api.create_namespaced_custom_object(*args, resources.node_plan_object(plan(1, 1005)))
             wait_for(lambda: status().get("observedRevision") == 1, "a report", agent)
-            new = plan(2, 1200).model_dump(mode="json")
+            new = plan(2, 1200).model_dump(mode="json", by_alias=True)
             api.patch_namespaced_custom_object(*args, f"gpt3-{NODE}", {"spec": new})
             wait_for(lambda: status().get("observedRevision") == 2, "a report", agent)
             assert agent.stop() == 0  # reports "stopped" on its way out

@@ -88,7 +88,7 @@ def test_operator_runs_a_job_through_its_life(
         out: dict[int, set[str]] = {}
         for spec in plans().values():
             for a in spec["assignments"]:
-                out.setdefault(a["dp_rank"], set()).add(a["plan"])
+                out.setdefault(a["dpRank"], set()).add(a["plan"])
         return out
 
     def saved_joules() -> float:

@@ -88,7 +88,7 @@ def listed(stage_plan: dict[str, Any], stage: int) -> list[Step]:
     """A node plan's per-GPU instruction list as computations (model stage: the GPU's own
     when the plan names none)."""
     return [
-        Step(i["instruction"], i["microbatch"], i.get("virtual_stage", stage))
+        Step(i["instruction"], i["microbatch"], i.get("virtualStage", stage))
         for i in stage_plan["instructions"]
     ]
 
@@ -196,14 +196,14 @@ def test_a_job_of_the_schedule_profiles_and_runs(
             assert spec["granularity"] == "Instruction"
             for a in spec["assignments"]:
                 pipeline = spec["plans"][a["plan"]]
-                assert (pipeline["schedule"], pipeline.get("virtual_stages", 1)) == (
+                assert (pipeline["schedule"], pipeline.get("virtualStages", 1)) == (
                     sched.value,
                     virtual_stages,
                 )
                 stage_plan = pipeline["stages"][a["stage"]]
                 assert listed(stage_plan, a["stage"]) == order_of(a["stage"]), a["stage"]
                 if virtual_stages == 1:
-                    assert all("virtual_stage" not in i for i in stage_plan["instructions"])
+                    assert all("virtualStage" not in i for i in stage_plan["instructions"])
         wait_for(
             "PlanApplied",
             lambda: any(
@@ -217,7 +217,7 @@ def test_a_job_of_the_schedule_profiles_and_runs(
             assert node.applier.metrics.error_count("schedule_mismatch") == 0
             for a in spec["assignments"]:
                 planned = spec["plans"][a["plan"]]["stages"][a["stage"]]["instructions"]
-                clocks = [i["frequency_mhz"] for i in planned]
+                clocks = [i["frequencyMHz"] for i in planned]
                 # The last iteration: every computation at its own planned clock.
                 assert node.clocks[a["rank"]] == clocks, a["stage"]
                 slowed += sum(c < CLAMP["maxMHz"] for c in clocks)

@@ -161,11 +161,11 @@ def report_iterations(
         spec = cluster.spec(node)
         ranks = []
         for a in spec["assignments"]:
-            time_s = t_s * slow_dp.get(a["dp_rank"], 1.0) * expected[node][a["rank"]] / fastest_s
+            time_s = t_s * slow_dp.get(a["dpRank"], 1.0) * expected[node][a["rank"]] / fastest_s
             ranks.append(
                 RankReport(
                     rank=a["rank"],
-                    dp_rank=a["dp_rank"],
+                    dp_rank=a["dpRank"],
                     pp_rank=a["stage"],
                     iterations=50,
                     last_iteration_s=time_s,

@@ -300,13 +300,13 @@ class SimulatedAgents(ReportLoop):
             elif t_min_s is not None:
                 expected = expected_iteration_s(obj)
                 for a in spec["assignments"]:
-                    time_s = t_min_s * self.slow.get(a["dp_rank"], 1.0)
+                    time_s = t_min_s * self.slow.get(a["dpRank"], 1.0)
                     if a["rank"] in expected:
                         time_s *= expected[a["rank"]] / fastest_s[spec["job"]]
                     ranks.append(
                         RankReport(
                             rank=a["rank"],
-                            dp_rank=a["dp_rank"],
+                            dp_rank=a["dpRank"],
                             pp_rank=a["stage"],
                             iterations=self.iterations,
                             last_iteration_s=time_s,
@@ -320,10 +320,10 @@ class SimulatedAgents(ReportLoop):
                 status["gpus"] = [
                     GpuReport(
                         uuid=f"GPU-{spec['node']}-{position}",
-                        index=a.get("gpu_index"),
+                        index=a.get("gpuIndex"),
                         plan=a["plan"],
                         stage=a["stage"],
-                        dp_rank=a["dp_rank"],
+                        dp_rank=a["dpRank"],
                         rank=a["rank"],
                         status=GpuStatus.APPLIED,
                         energy_j=energy_j,
@@ -387,7 +387,7 @@ def profiled_report(assignment: Mapping[str, Any], profile: Profile) -> GpuProfi
                 )
             )
     clocks = sorted({r.frequency_mhz for r in rows}, reverse=True)
-    index = assignment["local_rank"]  # as if the kubelet gave each pod GPUs 0..n-1
+    index = assignment["localRank"]  # as if the kubelet gave each pod GPUs 0..n-1
     return GpuProfilingReport(
         uuid=f"GPU-{assignment.get('pod')}-{index}",
         index=index,

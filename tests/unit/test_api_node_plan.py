@@ -112,5 +112,5 @@ def test_invalid_profiling_specs_are_rejected(spec: dict[str, Any], message: str
 def test_profiling_spec_needs_its_fields() -> None:
     plan = _profiling()
     del plan["profiling"]["iterations_per_frequency"]
-    with pytest.raises(ValidationError, match="iterations_per_frequency\n  Field required"):
+    with pytest.raises(ValidationError, match="iterationsPerFrequency\n  Field required"):
         NodePlan.model_validate(plan)

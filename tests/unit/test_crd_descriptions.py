@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 from perseus_api import crd_reference
-from perseus_api.crd import get_job_crd, get_policy_crd, get_power_budget_crd
+from perseus_api.crd import (
+    get_job_crd,
+    get_node_plan_crd,
+    get_policy_crd,
+    get_power_budget_crd,
+)
 
 
 def undescribed(schema: Mapping[str, Any], path: str, root: bool = False) -> Iterator[str]:
@@ -45,6 +50,7 @@ def descriptions(schema: Mapping[str, Any]) -> Iterator[str]:
 
 CRDS = {
     "PerseusJob": get_job_crd,
+    "PerseusNodePlan": get_node_plan_crd,
     "PerseusPolicy": get_policy_crd,
     "PerseusPowerBudget": get_power_budget_crd,
 }

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from perseus_api.conventions import parse_rfc3339
+from perseus_api.resources import either
 
 __all__ = [
     "CONFLICT_REASON",
@@ -127,7 +128,8 @@ def planned_gpus(node_plans: Iterable[Mapping[str, Any]]) -> frozenset[Gpu]:
         node = str(spec.get("node") or "")
         for assignment in spec.get("assignments") or ():
             try:
-                gpus.add((node, f"{assignment['pod']}#{int(assignment['local_rank'])}"))
+                local_rank = int(either(assignment, "localRank", "local_rank"))
+                gpus.add((node, f"{assignment['pod']}#{local_rank}"))
             except (KeyError, TypeError, ValueError):
                 continue
     return frozenset(gpus)

@@ -20,6 +20,7 @@ from perseus_api.job import ConditionType, Mode, PerseusJobSpec, StragglerStatus
 from perseus_api.job import PerseusJobStatus as Status
 from perseus_api.node_report import NodePlanStatus
 from perseus_api.plan import Granularity
+from perseus_api.resources import either
 from perseus_operator.jobs.job_decisions import Decision, StatusDraft, TargetFor
 from perseus_operator.jobs.node_status import max_iterations, node_plan_status
 from perseus_operator.jobs.planning import applies_clocks
@@ -215,13 +216,16 @@ def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
     """Expected iteration time (seconds) of each rank's plan in a node plan's spec."""
     spec = plan.get("spec") or {}
     pipelines = spec.get("plans") or {}
-    estimate_key = (
-        "stage_estimate" if spec.get("granularity") == Granularity.STAGE else "instruction_estimate"
-    )
+    # camelCase, or snake_case in a plan written by an operator of an older version.
+    if spec.get("granularity") == Granularity.STAGE:
+        estimate_keys = ("stageEstimate", "stage_estimate")
+    else:
+        estimate_keys = ("instructionEstimate", "instruction_estimate")
     out: dict[int, float] = {}
     for assignment in spec.get("assignments") or ():
         try:
-            seconds = float(pipelines[assignment["plan"]][estimate_key]["iteration_time_s"])
+            estimate = either(pipelines[assignment["plan"]], *estimate_keys)
+            seconds = float(either(estimate, "iterationTimeSeconds", "iteration_time_s"))
             rank = int(assignment["rank"])
         except (KeyError, TypeError, ValueError):
             continue

@@ -245,7 +245,7 @@ def test_the_agent_lets_go_of_nvml_during_a_driver_upgrade_and_takes_the_gpus_ba
             # While released: NVML stays shut (no GPU call at all), and a new revision is only
             # recorded.
             label("pod-restart-required")
-            new = _plan(2, 1005).model_dump(mode="json")
+            new = _plan(2, 1005).model_dump(mode="json", by_alias=True)
             custom.patch_namespaced_custom_object(*args, name, {"spec": new})
             _wait(lambda: status().get("observedRevision") == 2, "the held revision", proc, log)
             calls_before = {k: v for k, v in read_state(nvml).items() if k.startswith("calls.")}

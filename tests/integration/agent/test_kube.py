@@ -96,7 +96,7 @@ def test_node_plan_object_round_trips() -> None:
         "namespace": "ml",
         "labels": {"perseus.energy/node": "n1", "perseus.energy/job": "gpt3"},
     }
-    assert body["spec"]["node"] == "n1" and body["spec"]["assignments"][0]["gpu_index"] == 0
+    assert body["spec"]["node"] == "n1" and body["spec"]["assignments"][0]["gpuIndex"] == 0
     assert resources.parse_node_plan_object(json.loads(json.dumps(body))) == plan
     assert resources.node_label_selector("n1") == "perseus.energy/node=n1"
 
@@ -274,7 +274,7 @@ def test_a_plan_assigns_a_bounded_number_of_gpus() -> None:
 
     body = resources.node_plan_object(node_plan())
     one = body["spec"]["assignments"][0]
-    body["spec"]["assignments"] = [{**one, "gpu_index": i} for i in range(20_000)]
+    body["spec"]["assignments"] = [{**one, "gpuIndex": i} for i in range(20_000)]
     with pytest.raises(resources.NodePlanObjectError, match=f"at most {MAX_ASSIGNMENTS} items"):
         resources.parse_node_plan_object(body)
     crd = yaml.safe_load((REPO_ROOT / "crds" / "perseus.energy_perseusnodeplans.yaml").read_text())
@@ -637,7 +637,7 @@ def test_report_writer_patches_the_status_subresource(
         assert writer.write("ml", "gpt3-n1", _status(ok=False))
         assert writer.write("ml", "gpt3-n1", _status())
         obj = api_server.objects(RESOURCE)[("ml", "gpt3-n1")]
-        assert obj["spec"] == node_plan().model_dump(mode="json")
+        assert obj["spec"] == node_plan().model_dump(mode="json", by_alias=True)
         assert obj["status"]["conditions"][0]["reason"] == "Applied"
         assert obj["status"]["gpus"] == [] and obj["status"]["job"] == "gpt3"
         assert writer.write("ml", "missing", _status()) is False
@@ -759,7 +759,7 @@ def _drive_agent(agent: Agent, api: Any, server: KmockServer) -> None:
     create(api, resources.node_plan_object(node_plan(job="other", node="n2", gpus=(0,))))
 
     # A new revision is applied and reported.
-    new = node_plan(revision=2, stage_mhz=(900, 1005)).model_dump(mode="json")
+    new = node_plan(revision=2, stage_mhz=(900, 1005)).model_dump(mode="json", by_alias=True)
     patch(api, "ml", "gpt3-n1", {"spec": new})
     wait_for(lambda: agent.clocks() == [900, 1005], "the new revision's clocks", agent)
     wait_for(lambda: _status_of(server, "gpt3-n1").get("observedRevision") == 2, "a report", agent)

@@ -130,7 +130,7 @@ def replicas(cluster: FakeCluster) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for p in cluster.node_plans.values():
         for a in p["spec"]["assignments"]:
-            out.setdefault(a["dp_rank"], set()).add(a["plan"])
+            out.setdefault(a["dpRank"], set()).add(a["plan"])
     return out
 
 

@@ -217,8 +217,8 @@ def silent_gpu(assignment: dict[str, Any], frequencies_mhz: list[int]) -> dict[s
     """An agent's report of a profiled GPU whose training process never began an iteration
     (the fields the agent's GpuProfilingReport has then)."""
     return {
-        "uuid": f"GPU-{assignment['local_rank']}",
-        "index": assignment["local_rank"],
+        "uuid": f"GPU-{assignment['localRank']}",
+        "index": assignment["localRank"],
         "stage": assignment["stage"],
         "rank": assignment["rank"],
         "frequencies_mhz": frequencies_mhz,
@@ -249,7 +249,7 @@ def test_stage_without_client_hooks_ends_with_no_training_process_naming_the_pod
     # node-0's processes call in and finish; node-1's agent sees its plan, nobody calls in.
     for (_, _), plan in cluster.node_plans.items():
         spec = plan["spec"]
-        clocks = spec["profiling"]["frequencies_mhz"]
+        clocks = spec["profiling"]["frequenciesMHz"]
         if spec["node"] == "node-0":
             plan["status"] = {"profiling": profiling_reports(spec)}
         else:
@@ -320,7 +320,7 @@ def test_a_long_sweep_is_never_timed_out_but_one_that_stops_moving_is(
     reports = {}
     for key, plan in cluster.node_plans.items():
         spec = plan["spec"]
-        clocks = spec["profiling"]["frequencies_mhz"]
+        clocks = spec["profiling"]["frequenciesMHz"]
         reports[key] = [silent_gpu(a, clocks) for a in spec["assignments"]]
         for r in reports[key]:
             r["applied_mhz"][0] = clocks[0]  # the first clock is locked: it called in

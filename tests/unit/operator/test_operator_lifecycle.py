@@ -80,7 +80,7 @@ def plan_of_replicas(cluster: FakeCluster) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for node in ("node-0", "node-1"):
         for a in cluster.spec(node)["assignments"]:
-            out.setdefault(a["dp_rank"], set()).add(a["plan"])
+            out.setdefault(a["dpRank"], set()).add(a["plan"])
     return out
 
 
@@ -93,13 +93,11 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
     assert op.status["nodes"] == ["node-0", "node-1"]
     specs = {node: cluster.spec(node) for node in ("node-0", "node-1")}
     for spec in specs.values():
-        assert spec["profiling"]["iterations_per_frequency"] == 2
-        assert spec["profiling"]["frequencies_mhz"][0] == 2100
+        assert spec["profiling"]["iterationsPerFrequency"] == 2
+        assert spec["profiling"]["frequenciesMHz"][0] == 2100
         assert len(spec["assignments"]) == GPUS_PER_POD
     # Ranks 0..3 on node-0: tp-dp-pp order with dp=2: (dp, pp) = (0,0) (1,0) (0,1) (1,1).
-    assert [
-        (a["local_rank"], a["dp_rank"], a["stage"]) for a in specs["node-0"]["assignments"]
-    ] == [
+    assert [(a["localRank"], a["dpRank"], a["stage"]) for a in specs["node-0"]["assignments"]] == [
         (0, 0, 0),
         (1, 1, 0),
         (2, 0, 1),
@@ -152,7 +150,7 @@ def test_whole_life_profile_optimize_straggler_recover_complete(cluster: FakeClu
     assert op.status["revision"] == revision + 1
     assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
     retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
-    assert t_min < retargeted["instruction_estimate"]["iteration_time_s"] <= 1.2 * t_min * 1.01
+    assert t_min < retargeted["instructionEstimate"]["iterationTimeSeconds"] <= 1.2 * t_min * 1.01
     assert op.status["plan"]["expectedSavingsRatio"] > plan["expectedSavingsRatio"]
     detected = [m for reason, m in op.events if reason == "StragglerDetected"]
     assert detected == [
@@ -291,7 +289,7 @@ def test_the_target_is_the_stragglers_slowdown_in_planned_time(cluster: FakeClus
     assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {TMIN_PLAN}}
     assert op.memo.retarget_s == pytest.approx(1.2 * t_min, rel=1e-3)
     retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
-    assert retargeted["instruction_estimate"]["iteration_time_s"] <= 1.2 * t_min * 1.01
+    assert retargeted["instructionEstimate"]["iterationTimeSeconds"] <= 1.2 * t_min * 1.01
     assert [s["slowdown"] for s in op.status["stragglers"]] == [pytest.approx(1.2, rel=1e-3)]
 
     restarted = Operator(cluster, copy.deepcopy(op.body))
@@ -953,7 +951,7 @@ def test_a_power_target_rewrites_every_replicas_plan_and_its_removal_gives_t_min
     assert op.status["revision"] == revision + 1
     assert plan_of_replicas(cluster) == {0: {RETARGETED_PLAN}, 1: {RETARGETED_PLAN}}
     retargeted = cluster.spec("node-0")["plans"][RETARGETED_PLAN]
-    assert t_min < retargeted["instruction_estimate"]["iteration_time_s"] <= 1.05 * t_min * 1.01
+    assert t_min < retargeted["instructionEstimate"]["iterationTimeSeconds"] <= 1.05 * t_min * 1.01
     assert op.status["plan"]["targetIterationSeconds"] == pytest.approx(1.05 * t_min, rel=1e-3)
 
     report_iterations(cluster, {}, 1.05 * t_min)

@@ -379,7 +379,9 @@ class KubeClient:
         except KubeError as exc:
             if exc.status != 409:
                 raise
-            patch = {"metadata": {"labels": obj["metadata"]["labels"]}, "spec": obj["spec"]}
+            # Nulls remove the keys an operator of an older version wrote in snake_case.
+            spec = resources.without_snake_case_keys(obj["spec"])
+            patch = {"metadata": {"labels": obj["metadata"]["labels"]}, "spec": spec}
             await self._call(
                 lambda: self._custom.patch_namespaced_custom_object(
                     *args, name, patch, _request_timeout=REQUEST_TIMEOUT_S
