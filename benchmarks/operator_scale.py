@@ -97,7 +97,8 @@ if importlib.util.find_spec("perseus_agent") is None:
 
 from perseus_agent.kube.report_cadence import ReportCadence, write_due  # noqa: E402
 from perseus_api import resources  # noqa: E402
-from perseus_api.job import Phase, WorkloadKind  # noqa: E402
+from perseus_api.job import WorkloadKind  # noqa: E402
+from perseus_api.job_status import Phase  # noqa: E402
 from perseus_operator.cluster.cluster_index import (  # noqa: E402
     IndexedJobIO,
     IndexedObject,

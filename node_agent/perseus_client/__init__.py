@@ -40,11 +40,10 @@ log one warning (logger ``perseus_client``) and do nothing, retrying the
 connection every 30 s. This package uses the standard library only.
 """
 
-from perseus_client.client import (
-    PerseusClient,
+from perseus_client.client import PerseusClient
+from perseus_client.default_client import (
     configure,
     get_client,
-    gpu_uuids_from_env,
     instruction,
     on_instruction_begin,
     on_instruction_end,
@@ -52,6 +51,7 @@ from perseus_client.client import (
     on_step_end,
     step,
 )
+from perseus_client.identity import gpu_uuids_from_env
 from perseus_client.protocol import DEFAULT_SOCKET_PATH, PROTOCOL_VERSION, SOCKET_ENV
 
 __all__ = [

@@ -29,6 +29,11 @@ version-1 hello on the same connection, unless the client was made with
 agent counts as unavailable, with a warning saying to upgrade it, and is tried again every
 ``retry_interval_s``. On a version-1 connection, a hook naming a chunk other than 0 or a split
 backward is not sent (one warning): version 1 cannot say it.
+
+This module owns one connection's state and the hooks' methods. The bytes of one exchange are
+in :mod:`perseus_client.wire`, the identity read from the environment in
+:mod:`perseus_client.identity`, and the process-wide client behind the module-level hooks in
+:mod:`perseus_client.default_client`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from types import TracebackType
 from typing import Any, Final
 
 from perseus_client import protocol, transport
+from perseus_client.identity import env_int, env_str, gpu_uuids_from_env
 from perseus_client.protocol import ProtocolError, Reply
+from perseus_client.wire import MSG_NOSIGNAL, failure_reason, refuses_version, roundtrip
 
 logger = logging.getLogger("perseus_client")
 
@@ -56,36 +63,6 @@ DEFAULT_RETRY_INTERVAL_S: Final = 30.0
 _CONNECT_RETRY_S: Final = 0.002
 """Pause between connection attempts while the agent's backlog is full (within the timeout)."""
 DEFAULT_MAX_OUTSTANDING: Final = 64
-
-_UUID_PREFIXES: Final = ("GPU-", "MIG-")
-_MSG_NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, not SIGPIPE, on a dead agent
-
-
-def _env_int(env: Mapping[str, str], key: str) -> int | None:
-    value = env.get(key, "").strip()
-    try:
-        number = int(value)
-    except ValueError:
-        return None
-    return number if number >= 0 else None
-
-
-def _env_str(env: Mapping[str, str], key: str) -> str | None:
-    return env.get(key) or None
-
-
-def gpu_uuids_from_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """GPU UUIDs of this container: ``NVIDIA_VISIBLE_DEVICES``, else ``CUDA_VISIBLE_DEVICES``.
-
-    A variable counts only when every entry is a UUID (``GPU-...`` or ``MIG-...``),
-    as the NVIDIA device plugin sets it; indices, ``all`` or ``none`` give nothing.
-    """
-    env = os.environ if env is None else env
-    for key in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
-        entries = [e.strip() for e in env.get(key, "").split(",") if e.strip()]
-        if entries and all(e.startswith(_UUID_PREFIXES) for e in entries):
-            return entries
-    return []
 
 
 class PerseusClient:
@@ -147,12 +124,12 @@ class PerseusClient:
             else transport.parse_address(os.fspath(socket_path))
         )
         self.socket_path: str = str(self.address)
-        self.rank = rank if rank is not None else _env_int(env, "RANK")
-        self.local_rank = local_rank if local_rank is not None else _env_int(env, "LOCAL_RANK")
+        self.rank = rank if rank is not None else env_int(env, "RANK")
+        self.local_rank = local_rank if local_rank is not None else env_int(env, "LOCAL_RANK")
         self.gpu_uuids = list(gpu_uuids) if gpu_uuids is not None else gpu_uuids_from_env(env)
-        self.job = job if job is not None else _env_str(env, "PERSEUS_JOB")
-        self.namespace = namespace if namespace is not None else _env_str(env, "POD_NAMESPACE")
-        self.pod = pod if pod is not None else _env_str(env, "POD_NAME")
+        self.job = job if job is not None else env_str(env, "PERSEUS_JOB")
+        self.namespace = namespace if namespace is not None else env_str(env, "POD_NAMESPACE")
+        self.pod = pod if pod is not None else env_str(env, "POD_NAME")
         self.connect_timeout_s = connect_timeout_s
         self.reply_timeout_s = reply_timeout_s
         self.retry_interval_s = retry_interval_s
@@ -265,7 +242,7 @@ class PerseusClient:
             while self._pending_ops:
                 self._read_replies(self._sock, block=True)
         except Exception as exc:
-            self._fail(f"waiting for replies failed: {_reason(exc)}")
+            self._fail(f"waiting for replies failed: {failure_reason(exc)}")
             return False
         return True
 
@@ -335,9 +312,9 @@ class PerseusClient:
             if self.pipelined:
                 self._send_pipelined(sock, protocol.encode_request(request), op)
                 return None
-            reply = self._roundtrip(sock, protocol.encode_request(request), op)
+            reply = roundtrip(sock, self.reply_timeout_s, protocol.encode_request(request), op)
         except Exception as exc:  # OSError, ProtocolError, or anything leaving the stream unsure
-            self._fail(f"{op} failed: {_reason(exc)}")
+            self._fail(f"{op} failed: {failure_reason(exc)}")
             return None
         self._check_reply(reply, op)
         return reply
@@ -357,7 +334,7 @@ class PerseusClient:
         if len(self._pending_ops) >= self.max_outstanding:
             self._read_replies(sock, block=True)
         sock.settimeout(self.reply_timeout_s)
-        sock.sendall(data, _MSG_NOSIGNAL)
+        sock.sendall(data, MSG_NOSIGNAL)
         self._pending_ops.append(op)
 
     def _read_replies(self, sock: socket.socket, *, block: bool) -> None:
@@ -400,24 +377,6 @@ class PerseusClient:
         if self._received:
             raise ProtocolError("reply without a request")
 
-    def _roundtrip(self, sock: socket.socket, data: bytes, op: str) -> Reply:
-        deadline = time.monotonic() + self.reply_timeout_s
-        sock.settimeout(self.reply_timeout_s)
-        sock.sendall(data, _MSG_NOSIGNAL)
-        buf = b""
-        while not buf.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no reply within {self.reply_timeout_s * 1000:.0f} ms")
-            sock.settimeout(remaining)
-            chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
-            if not chunk:
-                raise ConnectionResetError("agent closed the connection")
-            buf += chunk
-            if len(buf) > protocol.MAX_MESSAGE_BYTES:
-                raise ProtocolError("reply too long")
-        return protocol.decode_reply(buf, op)
-
     def _connect(self) -> bool:
         """Connect and say hello, unless the last attempt was too recent. Lock held."""
         now = time.monotonic()
@@ -436,26 +395,26 @@ class PerseusClient:
                 # connections; that passes in milliseconds, a retry interval is 30 s.
                 sock.close()
                 if time.monotonic() + _CONNECT_RETRY_S >= deadline:
-                    self._fail(f"cannot connect: {_reason(exc)}")
+                    self._fail(f"cannot connect: {failure_reason(exc)}")
                     return False
                 time.sleep(_CONNECT_RETRY_S)
             except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
                 sock.close()
-                self._fail(f"cannot connect: {_reason(exc)}")
+                self._fail(f"cannot connect: {failure_reason(exc)}")
                 return False
         version = protocol.PROTOCOL_VERSION
         try:
             reply = self._hello(sock, version)
-            if _refuses_version(reply) and self.needs_protocol_version < version:
+            if refuses_version(reply) and self.needs_protocol_version < version:
                 version = 1  # an older agent: its version, on the same connection
                 reply = self._hello(sock, version)
         except Exception as exc:
             sock.close()
-            self._fail(f"hello failed: {_reason(exc)}")
+            self._fail(f"hello failed: {failure_reason(exc)}")
             return False
         if not reply["ok"]:
             sock.close()
-            if _refuses_version(reply):
+            if refuses_version(reply):
                 self._fail(
                     f"the agent does not speak protocol version {version} ({reply['error']}), "
                     "which this training process's pipeline schedule needs (chunks of "
@@ -488,7 +447,9 @@ class PerseusClient:
             pod=self.pod,
             version=version,
         )
-        return self._roundtrip(sock, protocol.encode_request(hello), protocol.OP_HELLO)
+        return roundtrip(
+            sock, self.reply_timeout_s, protocol.encode_request(hello), protocol.OP_HELLO
+        )
 
     def _fail(self, reason: str) -> None:
         """Drop the connection; warn once per outage. Lock held."""
@@ -541,19 +502,6 @@ class PerseusClient:
         self._next_attempt = 0.0
 
 
-def _refuses_version(reply: Reply) -> bool:
-    """Whether a hello's error reply refuses its protocol version (old agents say so too)."""
-    return not reply["ok"] and str(reply["error"]).startswith(protocol.UNSUPPORTED_VERSION_ERROR)
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return str(exc) or "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
-
-
 _clients: weakref.WeakSet[PerseusClient] = weakref.WeakSet()
 
 
@@ -563,65 +511,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# ---------------------------------------------------------------------------
-# Process-wide client
-
-
-_default: PerseusClient | None = None
-_default_lock = threading.Lock()
-
-
-def get_client() -> PerseusClient:
-    """The process-wide client, created from the environment on first use."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = PerseusClient()
-        return _default
-
-
-def configure(socket_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> PerseusClient:
-    """Replace the process-wide client with ``PerseusClient(socket_path, **kwargs)``."""
-    global _default
-    client = PerseusClient(socket_path, **kwargs)
-    with _default_lock:
-        old, _default = _default, client
-    if old is not None:
-        old.close()
-    return client
-
-
-def on_step_begin(step: int) -> None:
-    get_client().on_step_begin(step)
-
-
-def on_step_end(step: int) -> None:
-    get_client().on_step_end(step)
-
-
-def on_instruction_begin(
-    name: str, microbatch: int | None = None, chunk: int | None = None
-) -> int | None:
-    return get_client().on_instruction_begin(name, microbatch, chunk)
-
-
-def on_instruction_end(name: str, chunk: int | None = None) -> None:
-    get_client().on_instruction_end(name, chunk)
-
-
-@contextmanager
-def step(step: int) -> Iterator[None]:
-    """The process-wide client's :meth:`PerseusClient.step`."""
-    with get_client().step(step):
-        yield
-
-
-@contextmanager
-def instruction(
-    name: str, microbatch: int | None = None, chunk: int | None = None
-) -> Iterator[int | None]:
-    """The process-wide client's :meth:`PerseusClient.instruction`; yields the SM clock."""
-    with get_client().instruction(name, microbatch, chunk) as clock:
-        yield clock

@@ -49,7 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from perseus_client.client import PerseusClient, configure
+from perseus_client.client import PerseusClient
+from perseus_client.default_client import configure
 from perseus_client.torch import _device_sync, _gpu_uuid
 
 logger = logging.getLogger("perseus_client")

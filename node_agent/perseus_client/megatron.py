@@ -65,7 +65,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from perseus_client.client import PerseusClient, configure, gpu_uuids_from_env
+from perseus_client.client import PerseusClient
+from perseus_client.default_client import configure
+from perseus_client.identity import gpu_uuids_from_env
 
 logger = logging.getLogger("perseus_client")
 

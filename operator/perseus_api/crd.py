@@ -29,15 +29,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel
 
-from perseus_api.job import (
-    JOB_KIND,
-    JOB_PLURAL,
-    JOB_SHORT_NAMES,
-    JOB_SINGULAR,
-    PRINTER_COLUMNS,
-    PerseusJobSpec,
-    PerseusJobStatus,
-)
+from perseus_api.job import JOB_KIND, JOB_PLURAL, JOB_SHORT_NAMES, JOB_SINGULAR, PerseusJobSpec
+from perseus_api.job_status import PRINTER_COLUMNS, PerseusJobStatus
 from perseus_api.node_plan import NodePlan
 from perseus_api.node_report import NodePlanStatus
 from perseus_api.policy import (

@@ -55,8 +55,8 @@ from perseus_api.job import (
     WorkloadKind,
     _rules,
     _Spec,
-    _Status,
 )
+from perseus_api.job_status import _Status
 from perseus_api.plan import API_VERSION
 from perseus_api.resources import GROUP, object_key
 

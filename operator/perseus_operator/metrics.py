@@ -21,7 +21,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from perseus_api.job import Phase
+from perseus_api.job_status import Phase
 from perseus_api.plan import PipelinePlan
 from perseus_api.power_budget import PerseusPowerBudgetStatus
 

@@ -26,11 +26,11 @@ from perseus_api.job import (
     WORKLOAD_RULES,
     Mode,
     PerseusJobSpec,
-    PerseusJobStatus,
     Policy,
     Profiling,
     Stragglers,
 )
+from perseus_api.job_status import PerseusJobStatus
 from perseus_api.node_plan import NodePlan
 from perseus_api.plan import Granularity
 from perseus_api.resources import node_plan_object

@@ -81,6 +81,7 @@ def test_perseus_client_builds_and_runs_alone_in_a_bare_environment(tmp_path: Pa
         """
         import sys
         import perseus_client, perseus_client.client, perseus_client.protocol
+        import perseus_client.default_client, perseus_client.identity, perseus_client.wire
         import perseus_client.torch, perseus_client.torch.ddp
         import perseus_client.deepspeed, perseus_client.megatron
         ours = {"perseus_client", "__main__"}

@@ -11,6 +11,8 @@ profile or idle/blocked:
 
 The energy counter integrates that piecewise-constant power exactly over ``clock()`` time: the
 energy so far is banked at every state change (activity, SM clock lock or reset).
+The profile's times and powers by clock are read through
+:class:`~perseus_agent.gpu.emulated_profile.ProfileModel`; this module owns the GPUs' state.
 
 The workload side (an emulated training rank) drives the activity with :meth:`set_activity`
 and asks :meth:`instruction_time_s` how long an instruction takes at the current clock; the
@@ -32,14 +34,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from perseus_agent.errors import (
     GpuError,
@@ -47,37 +46,11 @@ from perseus_agent.errors import (
     GpuNotFoundError,
 )
 from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
+from perseus_agent.gpu.emulated_profile import ProfileModel, finite_number, slowdown_factor
 from perseus_agent.gpu.emulated_state import Activity, GpuState, SharedGpuStates, Transaction
 from perseus_api.profile import INSTRUCTIONS, Profile, load_profile
 
 __all__ = ["EmulatedBackend"]
-
-# Numeric-format suffix of bundled profile names (``gpt3-175b+a100_sxm_bf16``).
-_DTYPE_SUFFIX_RE = re.compile(r"_(?:bf16|fp16|fp32|tf32|fp8|int8)$", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class _Measurement:
-    time_s: float
-    energy_j: float
-
-    @property
-    def power_w(self) -> float:
-        return self.energy_j / self.time_s
-
-
-@dataclass(frozen=True)
-class _Table:
-    """Measurements of one (stage, instruction) by clock."""
-
-    by_clock_mhz: dict[int, _Measurement] = field(default_factory=dict)
-
-    def at(self, clock_mhz: int) -> _Measurement:
-        row = self.by_clock_mhz.get(clock_mhz)
-        if row is None:
-            nearest = min(self.by_clock_mhz, key=lambda c: (abs(c - clock_mhz), -c))
-            row = self.by_clock_mhz[nearest]
-        return row
 
 
 class EmulatedBackend(GpuBackend):
@@ -109,10 +82,7 @@ class EmulatedBackend(GpuBackend):
     ) -> None:
         if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
             raise ValueError(f"num_gpus must be an integer >= 1, got {num_gpus!r}")
-        if not isinstance(profile, Profile):
-            raise ValueError(f"profile must be a Profile, got {type(profile).__name__}")
-        if not profile.measurements:
-            raise ValueError(f"profile {profile.source!r} has no measurements")
+        model = ProfileModel(profile)  # raises ValueError for a bad profile
         if (
             isinstance(blocking_power_w, bool)
             or not isinstance(blocking_power_w, int | float)
@@ -135,21 +105,13 @@ class EmulatedBackend(GpuBackend):
         self._clock = clock
         self._lock = threading.Lock()
 
-        self._clocks_mhz = [int(f) for f in profile.frequencies_mhz]
-        self._clock_set = frozenset(self._clocks_mhz)
-        self._max_clock_mhz = self._clocks_mhz[0]
-        self._tables: dict[Activity, _Table] = {}
-        for (stage, instruction), m in profile.measurements.items():
-            self._tables[(stage, instruction)] = _Table(
-                {
-                    int(f): _Measurement(float(t), float(e))
-                    for f, t, e in zip(m.frequencies_mhz, m.times_s, m.energies_j, strict=True)
-                }
-            )
+        self._model = model
+        self._clocks_mhz = model.clocks_mhz
+        self._clock_set = model.clock_set
+        self._max_clock_mhz = model.max_clock_mhz
 
-        gpu_name = f"Emulated {_gpu_model(profile.source)} ({Path(profile.source).stem})"
         self._infos = [
-            GpuInfo(index=i, uuid=f"GPU-emu-{node_name}-{i}", name=gpu_name)
+            GpuInfo(index=i, uuid=f"GPU-emu-{node_name}-{i}", name=model.gpu_name)
             for i in range(num_gpus)
         ]
 
@@ -337,7 +299,7 @@ class EmulatedBackend(GpuBackend):
             GpuNotFoundError: no GPU ``index``.
             ValueError: ``stage``/``instruction`` is not in the profile, or only one is None.
         """
-        activity = self._activity_arg(stage, instruction)
+        activity = self._model.activity(stage, instruction)
         with self._transaction(write=True) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
             if gpu.activity == activity:
@@ -369,21 +331,21 @@ class EmulatedBackend(GpuBackend):
 
         The profile's measured time times the GPU's :meth:`slowdown`.
         """
-        activity = self._activity_arg(stage, instruction)
+        activity = self._model.activity(stage, instruction)
         assert activity is not None
         with self._transaction(write=False) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
-            return self._tables[activity].at(self._current_clock_mhz(gpu)).time_s * gpu.slowdown
+            return self._model.time_s(activity, self._current_clock_mhz(gpu)) * gpu.slowdown
 
     def instruction_rate(self, index: int, stage: int, instruction: str) -> tuple[float, float]:
         """:meth:`instruction_time_s`, and how many seconds ago the GPU's clock or activity
         last changed: a rank that finds a new rate learns when it began (a slowdown's change
         is not timed: it reads as the last other change)."""
-        activity = self._activity_arg(stage, instruction)
+        activity = self._model.activity(stage, instruction)
         assert activity is not None
         with self._transaction(write=False) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
-            time_s = self._tables[activity].at(self._current_clock_mhz(gpu)).time_s * gpu.slowdown
+            time_s = self._model.time_s(activity, self._current_clock_mhz(gpu)) * gpu.slowdown
             return time_s, max(0.0, self._clock() - gpu.last_change_s)
 
     def set_slowdown(self, index: int, factor: float) -> bool:
@@ -397,7 +359,7 @@ class EmulatedBackend(GpuBackend):
             GpuNotFoundError: no GPU ``index``.
             ValueError: ``factor`` is not a finite number ``>= 1``.
         """
-        factor = _slowdown_arg(factor)
+        factor = slowdown_factor(factor)
         with self._transaction(write=True) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
             if gpu.slowdown == factor:
@@ -439,26 +401,6 @@ class EmulatedBackend(GpuBackend):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _activity_arg(self, stage: int | None, instruction: str | None) -> Activity | None:
-        if stage is None and instruction is None:
-            return None
-        if stage is None or instruction is None:
-            raise ValueError(
-                f"stage and instruction must both be given or both be None, "
-                f"got {stage!r} and {instruction!r}"
-            )
-        if isinstance(stage, bool) or not isinstance(stage, int):
-            raise ValueError(f"stage must be an integer, got {stage!r}")
-        if not 0 <= stage < self._profile.num_stages:
-            raise ValueError(
-                f"stage {stage} is not in the profile (stages 0..{self._profile.num_stages - 1})"
-            )
-        if not isinstance(instruction, str) or instruction.lower() not in INSTRUCTIONS:
-            raise ValueError(
-                f"unknown instruction {instruction!r}; expected one of {', '.join(INSTRUCTIONS)}"
-            )
-        return (stage, instruction.lower())
-
     def _gpu(self, txn: Transaction, index: int, *, check_fault: bool = True) -> GpuState:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(txn.gpus):
             raise GpuNotFoundError(
@@ -476,7 +418,7 @@ class EmulatedBackend(GpuBackend):
     def _power_w(self, gpu: GpuState) -> float:
         if gpu.activity is None:
             return self._blocking_power_w
-        return self._tables[gpu.activity].at(self._current_clock_mhz(gpu)).power_w
+        return self._model.power_w(gpu.activity, self._current_clock_mhz(gpu))
 
     def _energy_j(self, gpu: GpuState) -> float:
         elapsed_s = max(0.0, self._clock() - gpu.last_change_s)
@@ -509,33 +451,7 @@ class EmulatedBackend(GpuBackend):
         if locked is not None and locked not in self._clock_set:
             raise ValueError(f"GPU {index} is locked at unsupported clock {locked}")
         if gpu.activity is not None:
-            self._activity_arg(*gpu.activity)
-        _number(gpu.energy_j, "energy_j")
-        _number(gpu.last_change_s, "last_change_s")
-        _slowdown_arg(gpu.slowdown)
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _slowdown_arg(value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 1.0
-    ):
-        raise ValueError(f"slowdown must be a finite number >= 1, got {value!r}")
-    return float(value)
-
-
-def _gpu_model(source: str) -> str:
-    """The GPU a profile was measured on, from a bundled-style name (``model+gpu_dtype.csv``)."""
-    stem = Path(source).stem
-    if "+" not in stem:
-        return "GPU"
-    gpu = _DTYPE_SUFFIX_RE.sub("", stem.rsplit("+", 1)[1])
-    return gpu.upper().replace("_", "-") or "GPU"
+            self._model.activity(*gpu.activity)
+        finite_number(gpu.energy_j, "energy_j")
+        finite_number(gpu.last_change_s, "last_change_s")
+        slowdown_factor(gpu.slowdown)

@@ -71,7 +71,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from perseus_client.client import PerseusClient, configure, gpu_uuids_from_env
+from perseus_client.client import PerseusClient
+from perseus_client.default_client import configure
+from perseus_client.identity import gpu_uuids_from_env
 from perseus_client.torch import ddp
 
 logger = logging.getLogger("perseus_client")

@@ -17,14 +17,8 @@ from typing import Any, Final, Literal
 
 from perseus_api import resources
 from perseus_api.conventions import now_rfc3339, transition_time
-from perseus_api.job import (
-    Condition,
-    ConditionType,
-    PerseusJobSpec,
-    PerseusJobStatus,
-    Phase,
-    WorkloadKind,
-)
+from perseus_api.job import PerseusJobSpec, WorkloadKind
+from perseus_api.job_status import Condition, ConditionType, PerseusJobStatus, Phase
 from perseus_api.node_plan import NodePlan
 from perseus_api.plan import PipelinePlan
 from perseus_operator.jobs.gpu_conflicts import (

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 
 from perseus_api import resources
 from perseus_api.errors import validation_summary
-from perseus_api.job import PerseusJobSpec, PerseusJobStatus, Phase, with_default_policy
+from perseus_api.job import PerseusJobSpec, with_default_policy
+from perseus_api.job_status import PerseusJobStatus, Phase
 from perseus_api.plan import PipelinePlan
 from perseus_operator.jobs.job_decisions import (
     STRAGGLER_STATE_ANNOTATION,

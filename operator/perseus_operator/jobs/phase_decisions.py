@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from perseus_api.conventions import parse_rfc3339, rfc3339
-from perseus_api.job import ConditionType, FrontierSummary, PerseusJobSpec, Phase, PlanStatus
-from perseus_api.job import PerseusJobStatus as Status
+from perseus_api.job import PerseusJobSpec
+from perseus_api.job_status import ConditionType, FrontierSummary, Phase, PlanStatus
+from perseus_api.job_status import PerseusJobStatus as Status
 from perseus_api.plan import (
     Granularity,
     InstructionClock,

@@ -16,8 +16,9 @@ from typing import Any
 
 from perseus_api import resources
 from perseus_api.conventions import now_rfc3339, parse_rfc3339
-from perseus_api.job import ConditionType, Mode, PerseusJobSpec, StragglerStatus
-from perseus_api.job import PerseusJobStatus as Status
+from perseus_api.job import Mode, PerseusJobSpec
+from perseus_api.job_status import ConditionType, StragglerStatus
+from perseus_api.job_status import PerseusJobStatus as Status
 from perseus_api.node_report import NodePlanStatus
 from perseus_api.plan import Granularity
 from perseus_api.resources import either

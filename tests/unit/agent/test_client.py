@@ -20,7 +20,7 @@ import perseus_client
 from perseus_agent.serving.client_dispatch import RequestError
 from perseus_agent.serving.local_server import LocalServer
 from perseus_client import PerseusClient, protocol
-from perseus_client import client as client_module
+from perseus_client import default_client as client_module
 from perseus_client.protocol import (
     ProtocolError,
 )

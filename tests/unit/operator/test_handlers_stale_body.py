@@ -9,7 +9,7 @@ from typing import Any
 import kopf
 import pytest
 
-from perseus_api.job import PerseusJobStatus, Phase
+from perseus_api.job_status import PerseusJobStatus, Phase
 from perseus_operator import handlers
 from perseus_operator.jobs.lifecycle import Outcome
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from perseus_api.job import ConditionType, PerseusJobSpec, PerseusJobStatus, Phase, Stragglers
+from perseus_api.job import PerseusJobSpec, Stragglers
+from perseus_api.job_status import ConditionType, PerseusJobStatus, Phase
 from perseus_operator.jobs.job_decisions import (
     ForgetDetector,
     JobRef,

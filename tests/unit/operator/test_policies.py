@@ -9,14 +9,8 @@ from typing import Any
 import pytest
 
 from perseus_api.crd import structural_schema
-from perseus_api.job import (
-    Mode,
-    Parallelism,
-    PerseusJob,
-    PerseusJobSpec,
-    WorkloadKind,
-    with_default_policy,
-)
+from perseus_api.job import Mode, Parallelism, PerseusJobSpec, WorkloadKind, with_default_policy
+from perseus_api.job_status import PerseusJob
 from perseus_api.policy import (
     MANAGED_BY_POLICY_LABEL,
     OPT_OUT_ANNOTATION,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from perseus_api.job import PerseusJob
+from perseus_api.job_status import PerseusJob
 from perseus_api.policy import MANAGED_BY_POLICY_LABEL, OPT_OUT_ANNOTATION
 from perseus_operator.policies.policy_sync import (
     SPEC_HASH_ANNOTATION,
