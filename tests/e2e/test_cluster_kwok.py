@@ -67,6 +67,15 @@ from support.kwok_cluster import (
 )
 from support.operator_harness import OperatorProcess
 
+# An assignment's rank fields as expected_ranks names them, and as the operator writes them.
+WIRE_KEYS = (
+    ("rank", "rank"),
+    ("local_rank", "localRank"),
+    ("tp_rank", "tpRank"),
+    ("dp_rank", "dpRank"),
+    ("stage", "stage"),
+)
+
 
 def test_agent_daemonset_is_scheduled_onto_the_gpu_nodes_only(kwok_cluster: Cluster) -> None:
     cluster = kwok_cluster
@@ -163,10 +172,7 @@ def test_real_pytorchjob_is_resolved_and_its_completion_ends_the_job(
             assert {a["pod"] for a in assignments} == {name}, (node, assignments)
             assert {a["podUid"] for a in assignments} == {pods[name].metadata.uid}
             assert {a["container"] for a in assignments} == {PYTORCH_CONTAINER}
-            got = [
-                {k: a[k] for k in ("rank", "local_rank", "tp_rank", "dp_rank", "stage")}
-                for a in assignments
-            ]
+            got = [{k: a[wire] for k, wire in WIRE_KEYS} for a in assignments]
             assert got == expected_ranks(node_rank_of[name]), (name, node, got)
 
         # The training ends: KWOK finishes every pod, the training-operator says Succeeded.
@@ -288,10 +294,7 @@ def test_real_trainjob_is_resolved_and_its_completion_ends_the_job(
         for name, node in on.items():
             assignments = sorted(by_node[node]["assignments"], key=lambda a: a["rank"])
             assert {a["pod"] for a in assignments} == {name}, (node, assignments)
-            got = [
-                {k: a[k] for k in ("rank", "local_rank", "tp_rank", "dp_rank", "stage")}
-                for a in assignments
-            ]
+            got = [{k: a[wire] for k, wire in WIRE_KEYS} for a in assignments]
             assert got == expected_ranks(node_rank_of[name], data_parallel=2), (name, got)
         for name in pods:
             cluster.core.patch_namespaced_pod(
