@@ -152,27 +152,41 @@ class KubeClient:
 
     async def list_policies(self) -> list[dict[str, Any]] | None:
         """Every PerseusPolicy; None when their CRD is not installed."""
-        try:
-            return await self._items(
-                lambda: self._custom.list_cluster_custom_object(
-                    resources.GROUP,
-                    resources.VERSION,
-                    POLICY_PLURAL,
-                    _preload_content=False,
-                    _request_timeout=REQUEST_TIMEOUT_S,
-                )
+        return await self._list_if_installed(POLICY_PLURAL)
+
+    async def patch_policy_status(self, name: str, status: Mapping[str, Any]) -> None:
+        await self._patch_cluster_scoped_status(POLICY_PLURAL, name, status)
+
+    # -- cluster-scoped objects of ours (policies, budgets, every node plan) --
+
+    async def _list_cluster_scoped(self, plural: str) -> list[dict[str, Any]]:
+        return await self._items(
+            lambda: self._custom.list_cluster_custom_object(
+                resources.GROUP,
+                resources.VERSION,
+                plural,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
             )
+        )
+
+    async def _list_if_installed(self, plural: str) -> list[dict[str, Any]] | None:
+        """Every object of ``plural``; None when its CRD is not installed."""
+        try:
+            return await self._list_cluster_scoped(plural)
         except KubeError as exc:
             if exc.not_found:
                 return None
             raise
 
-    async def patch_policy_status(self, name: str, status: Mapping[str, Any]) -> None:
+    async def _patch_cluster_scoped_status(
+        self, plural: str, name: str, status: Mapping[str, Any]
+    ) -> None:
         await self._call(
             lambda: self._custom.patch_cluster_custom_object_status(
                 resources.GROUP,
                 resources.VERSION,
-                POLICY_PLURAL,
+                plural,
                 name,
                 {"status": dict(status)},
                 _request_timeout=REQUEST_TIMEOUT_S,
@@ -305,46 +319,16 @@ class KubeClient:
         and their reports."""
         if namespace is not None:
             return await self._node_plans(namespace)
-        return await self._items(
-            lambda: self._custom.list_cluster_custom_object(
-                resources.GROUP,
-                resources.VERSION,
-                resources.NODE_PLAN_PLURAL,
-                _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
+        return await self._list_cluster_scoped(resources.NODE_PLAN_PLURAL)
 
     # -- power budgets --
 
     async def list_power_budgets(self) -> list[dict[str, Any]] | None:
         """Every PerseusPowerBudget; None when their CRD is not installed."""
-        try:
-            return await self._items(
-                lambda: self._custom.list_cluster_custom_object(
-                    resources.GROUP,
-                    resources.VERSION,
-                    BUDGET_PLURAL,
-                    _preload_content=False,
-                    _request_timeout=REQUEST_TIMEOUT_S,
-                )
-            )
-        except KubeError as exc:
-            if exc.not_found:
-                return None
-            raise
+        return await self._list_if_installed(BUDGET_PLURAL)
 
     async def patch_power_budget_status(self, name: str, status: Mapping[str, Any]) -> None:
-        await self._call(
-            lambda: self._custom.patch_cluster_custom_object_status(
-                resources.GROUP,
-                resources.VERSION,
-                BUDGET_PLURAL,
-                name,
-                {"status": dict(status)},
-                _request_timeout=REQUEST_TIMEOUT_S,
-            )
-        )
+        await self._patch_cluster_scoped_status(BUDGET_PLURAL, name, status)
 
     async def list_nodes(self) -> list[dict[str, Any]]:
         """Every Node (power domains select theirs by label)."""
