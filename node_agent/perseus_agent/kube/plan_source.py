@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from perseus_agent.kube import REQUEST_TIMEOUT_S, ObjectKey, close_response
-from perseus_agent.kube.watch_stream import Backoff, lines
+from perseus_agent.kube.watch_stream import Backoff, lines, list_version, watch_arguments
 from perseus_api import resources
 from perseus_api.kube_client import describe_api_error, http_status
 from perseus_api.node_plan import NodePlan
@@ -202,20 +202,12 @@ class NodePlanSource:
         for key in [k for k in self._known if k not in seen]:
             self._gone(key)
         self.synced.set()
-        version = (result.get("metadata") or {}).get("resourceVersion")
-        return version if isinstance(version, str) and version else None
+        return list_version(result)
 
     def _watch(self, version: str | None) -> str | None:
-        kwargs: dict[str, Any] = {
-            "label_selector": self.selector,
-            "watch": True,
-            "allow_watch_bookmarks": True,
-            "timeout_seconds": self._watch_timeout_s,
-            "_preload_content": False,
-            "_request_timeout": (self._request_timeout_s, self._watch_timeout_s + 30.0),
-        }
-        if version:
-            kwargs["resource_version"] = version
+        kwargs = watch_arguments(
+            version, self._watch_timeout_s, self._request_timeout_s, label_selector=self.selector
+        )
         response = self._api.list_cluster_custom_object(
             resources.GROUP, resources.VERSION, resources.NODE_PLAN_PLURAL, **kwargs
         )

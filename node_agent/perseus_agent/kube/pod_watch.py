@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from perseus_agent.kube import REQUEST_TIMEOUT_S, close_response
-from perseus_agent.kube.watch_stream import Backoff, lines
+from perseus_agent.kube.watch_stream import Backoff, lines, list_version, watch_arguments
 from perseus_api.kube_client import describe_api_error, http_status
 
 __all__ = ["NodePodWatch"]
@@ -145,20 +145,15 @@ class NodePodWatch:
         self.lists += 1
         items = [i for i in body.get("items") or () if isinstance(i, Mapping)]
         self._call(self._on_listed, [i for i in items if self._ours(i)])
-        version = (body.get("metadata") or {}).get("resourceVersion")
-        return version if isinstance(version, str) and version else None
+        return list_version(body)
 
     def _watch(self, version: str | None) -> str | None:
-        kwargs: dict[str, Any] = {
-            "field_selector": self.field_selector,
-            "watch": True,
-            "allow_watch_bookmarks": True,
-            "timeout_seconds": self._watch_timeout_s,
-            "_preload_content": False,
-            "_request_timeout": (self._request_timeout_s, self._watch_timeout_s + 30.0),
-        }
-        if version:
-            kwargs["resource_version"] = version
+        kwargs = watch_arguments(
+            version,
+            self._watch_timeout_s,
+            self._request_timeout_s,
+            field_selector=self.field_selector,
+        )
         response = self._api.list_pod_for_all_namespaces(**kwargs)
         with self._stream_lock:
             self._stream = response

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["Backoff", "lines"]
@@ -36,3 +36,27 @@ def lines(response: Any) -> Iterator[str]:
                 yield line.decode("utf-8", errors="replace")
     if buffer.strip():
         yield buffer.decode("utf-8", errors="replace")
+
+
+def watch_arguments(
+    version: str | None, watch_timeout_s: float, request_timeout_s: float, **selector: str
+) -> dict[str, Any]:
+    """A watch call's keyword arguments, from ``version`` (None: from now) with bookmarks; the
+    read timeout outlasts the server's own end of the watch, so a quiet stream is not cut."""
+    kwargs: dict[str, Any] = {
+        **selector,
+        "watch": True,
+        "allow_watch_bookmarks": True,
+        "timeout_seconds": watch_timeout_s,
+        "_preload_content": False,
+        "_request_timeout": (request_timeout_s, watch_timeout_s + 30.0),
+    }
+    if version:
+        kwargs["resource_version"] = version
+    return kwargs
+
+
+def list_version(body: Mapping[str, Any]) -> str | None:
+    """The ``resourceVersion`` a list answer was taken at (to watch from), if it says one."""
+    version = (body.get("metadata") or {}).get("resourceVersion")
+    return version if isinstance(version, str) and version else None
