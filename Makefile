@@ -54,17 +54,21 @@ $(FRAMEWORKS_STAMP): $(TORCH_STAMP) $(FRAMEWORKS_REQUIREMENTS)
 frameworks: $(FRAMEWORKS_STAMP)
 
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
-## It needs the planner and matplotlib only (the `cli` extra): a fresh checkout installs just
-## those (a plain install, not the editable development one), quietly; a venv that already has
-## the development install uses it. See docs/reference/cli.md for what it prints.
+## A fresh checkout installs only what that needs, quietly: the dependencies and the `demo`
+## extra (scripts/demo_requirements.py: numpy, pydantic, scipy; no numba, so the solver runs
+## as plain Python, quicker than compiling it once; no matplotlib, the demo draws nothing),
+## without building the project: the CLI runs from the source tree. A venv that has the
+## development install uses it. Timings: docs/measurements/demo-and-standalone.md.
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml scripts/demo_requirements.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	test -f $(STAMP) || $(BIN)/python -m pip install --quiet --disable-pip-version-check ".[cli]"
+	test -f $(STAMP) || $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+	    --no-compile $$($(PYTHON) scripts/demo_requirements.py)
 	touch $@
 
 demo: $(DEMO_STAMP)
-	$(BIN)/perseus plan --microbatches 24 --out $(OUT) --force
+	PYTHONPATH=operator $(BIN)/python -m perseus_cli.main plan --microbatches 24 --out $(OUT) \
+	    --force --no-plot
 
 ## Whole test suite: lint (ruff, import contracts), strict typing, unit + reproduction tests.
 test: lint typecheck unit
