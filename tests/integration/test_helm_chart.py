@@ -617,6 +617,17 @@ def test_the_dashboards_price_and_carbon_intensity_come_from_the_values() -> Non
         original = json.loads((CHART / "dashboards" / name).read_text())
         assert dashboard["panels"] == original["panels"]
     assert seen == {"perseus-cluster.json", "perseus-job.json"}
+    # Values missing (an upgrade with --reuse-values from a release without them; null removes
+    # a key as that does) keep the defaults.
+    for electricity, expected in (
+        ({"pricePerKWh": 0.3, "currency": None}, ["0.3", "USD", "400"]),
+        (None, ["0.15", "USD", "400"]),
+    ):
+        for cm in render({"dashboards": {"electricity": electricity}}).of_kind("ConfigMap"):
+            (text,) = cm["data"].values()
+            variables = json.loads(text)["templating"]["list"]
+            constants = [v["query"] for v in variables if v["type"] == "constant"]
+            assert constants in ([], expected), electricity
 
 
 def test_notes_tell_what_to_do_next() -> None:
