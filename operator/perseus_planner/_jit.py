@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,11 +20,10 @@ COMPILED: Final = importlib.util.find_spec("numba") is not None
 """Whether the kernels are numba-compiled (numba is installed)."""
 
 
-def njit(*, cache: bool = False, inline: str = "never") -> Callable[[F], F]:
+def njit(*, cache: bool = False, inline: Literal["never", "always"] = "never") -> Callable[[F], F]:
     """numba's ``njit(cache=..., inline=...)``, or the function itself without numba."""
     if not COMPILED:
         return lambda function: function
     from numba import njit as numba_njit
 
-    compile_: Callable[[F], F] = numba_njit(cache=cache, inline=inline)
-    return compile_
+    return cast(Callable[[F], F], numba_njit(cache=cache, inline=inline))
