@@ -6,10 +6,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out/plan
 
-.PHONY: demo test docs lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-apiserver bench-schedules reproduce clean
+.PHONY: demo test docs reference lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-apiserver bench-schedules reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# `make demo` makes its venv without pip when the host's can install into it.
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip --default-pip
 	# setuptools >= 77 reads the SPDX license field; the packaging test builds the client with
 	# the venv's own (no build isolation), and a fresh venv comes with 65.5.
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
@@ -54,17 +56,19 @@ $(FRAMEWORKS_STAMP): $(TORCH_STAMP) $(FRAMEWORKS_REQUIREMENTS)
 frameworks: $(FRAMEWORKS_STAMP)
 
 ## Main job: plan the bundled GPT-3 175B / A100-SXM profile (8 stages, 24 microbatches).
-## It needs the planner and matplotlib only (the `cli` extra): a fresh checkout installs just
-## those (a plain install, not the editable development one), quietly; a venv that already has
-## the development install uses it. See docs/reference/cli.md for what it prints.
+## A fresh checkout installs only what that needs, quietly (scripts/demo_venv.sh): the
+## dependencies and the `demo` extra (numpy, pydantic, scipy; no numba, so the solver runs as
+## plain Python, quicker than compiling it once; no matplotlib, the demo draws nothing),
+## without building the project: the CLI runs from the source tree. A venv that has the
+## development install uses it. Timings: docs/measurements/demo-and-standalone.md.
 DEMO_STAMP := $(VENV)/.installed-demo
-$(DEMO_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	test -f $(STAMP) || $(BIN)/python -m pip install --quiet --disable-pip-version-check ".[cli]"
+$(DEMO_STAMP): pyproject.toml scripts/demo_requirements.py scripts/demo_venv.sh
+	test -f $(STAMP) || PYTHON=$(PYTHON) scripts/demo_venv.sh $(VENV)
 	touch $@
 
 demo: $(DEMO_STAMP)
-	$(BIN)/perseus plan --microbatches 24 --out $(OUT) --force
+	PYTHONPATH=operator $(BIN)/python -m perseus_cli.main plan --microbatches 24 --out $(OUT) \
+	    --force --no-plot
 
 ## Whole test suite: lint (ruff, import contracts), strict typing, unit + reproduction tests.
 test: lint typecheck unit
@@ -77,6 +81,13 @@ lint: $(STAMP) docs
 ## The documentation site (docs/, mkdocs.yml), warnings as errors: out/site/index.html.
 docs: $(STAMP)
 	$(BIN)/mkdocs build --quiet
+
+## The generated reference pages, rewritten from the code: docs/reference/crds.md (the CRDs)
+## and docs/reference/metrics.md (the metrics the agent and the operator register). `make test`
+## fails while either is stale.
+reference: $(STAMP)
+	$(BIN)/python -m perseus_api.crd_reference
+	$(BIN)/python scripts/metrics_reference.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -40,6 +40,46 @@ def dcgm(metric: str) -> str:
     return f'label_replace({metric}, "uuid", "$1", "UUID", "(.+)")'
 
 
+# Energy as kWh, cost and CO2e. The price and the carbon intensity are hidden constant variables
+# of the dashboards, set from the chart's values by templates/dashboards.yaml (these defaults are
+# values.yaml's, so the files here equal a default rendering).
+JOULES_PER_KWH = "3.6e6"
+ELECTRICITY_VALUES = "dashboards.electricity"
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A hidden Grafana constant variable fed from ``dashboards.electricity.<value>``."""
+
+    name: str
+    label: str
+    value: str  # the default, as Helm's ``toString`` writes values.yaml's
+    chart_value: str
+
+
+PRICE = Constant("price_per_kwh", "Electricity price per kWh", "0.15", "pricePerKWh")
+CURRENCY = Constant("currency", "Currency of the price", "USD", "currency")
+CARBON = Constant(
+    "carbon_g_per_kwh", "Carbon intensity (gCO2e per kWh)", "400", "carbonIntensityGramsPerKWh"
+)
+ENERGY_CONSTANTS = (PRICE, CURRENCY, CARBON)
+
+
+def kwh(joules: str) -> str:
+    """A PromQL expression in joules, in kWh."""
+    return f"({joules}) / {JOULES_PER_KWH}"
+
+
+def cost(joules: str) -> str:
+    """The cost of ``joules`` at the chart's electricity price (in its currency)."""
+    return f"{kwh(joules)} * ${PRICE.name}"
+
+
+def co2e_kg(joules: str) -> str:
+    """The kg CO2e of ``joules`` at the chart's carbon intensity (grams per kWh)."""
+    return f"{kwh(joules)} * ${CARBON.name} / 1000"
+
+
 @dataclass(frozen=True)
 class Target:
     expr: str
@@ -80,10 +120,73 @@ def stat(title: str, expr: str, unit: str, width: int, description: str, **kw: A
     return Panel("stat", title, [Target(expr, instant=True)], width, 4, unit, description, **kw)
 
 
+def energy_cost_co2(used: str, saved: str, whose: str) -> list[Panel]:
+    """Six stats over the time range: the energy ``used`` and ``saved`` (PromQL in joules) in
+    kWh, at the chart's electricity price, and in CO2e at its carbon intensity."""
+    price = f"${PRICE.name} ${CURRENCY.name} per kWh (chart value {ELECTRICITY_VALUES}.pricePerKWh)"
+    carbon = (
+        f"${CARBON.name} gCO2e per kWh (chart value "
+        f"{ELECTRICITY_VALUES}.carbonIntensityGramsPerKWh)"
+    )
+    saved_words = "estimated energy saved against every GPU at its maximum clock"
+    return [
+        stat(
+            "Energy used",
+            kwh(used),
+            "kwatth",
+            4,
+            f"Energy {whose} used over the time range, from the GPUs' own energy counters.",
+            decimals=2,
+        ),
+        stat(
+            "Energy saved (estimated)",
+            kwh(saved),
+            "kwatth",
+            4,
+            f"The {saved_words} over the time range (the operator's estimate from the plans "
+            "and the iterations the agents counted).",
+            decimals=2,
+        ),
+        stat(
+            f"Cost of the energy used (${CURRENCY.name})",
+            cost(used),
+            "none",
+            4,
+            f"Energy used over the time range, in kWh, times {price}.",
+            decimals=2,
+        ),
+        stat(
+            f"Cost saved (${CURRENCY.name})",
+            cost(saved),
+            "none",
+            4,
+            f"The {saved_words}, in kWh, times {price}.",
+            decimals=2,
+        ),
+        stat(
+            "CO2e emitted",
+            co2e_kg(used),
+            "masskg",
+            4,
+            f"Energy used over the time range, in kWh, times {carbon}.",
+            decimals=2,
+        ),
+        stat(
+            "CO2e avoided (estimated)",
+            co2e_kg(saved),
+            "masskg",
+            4,
+            f"The {saved_words}, in kWh, times {carbon}.",
+            decimals=2,
+        ),
+    ]
+
+
 # -- Cluster overview --------------------------------------------------------------------------
 
 SAVED_RANGE = "sum(increase(perseus_job_energy_saved_joules_total[$__range]))"
 MANAGED_ENERGY_RANGE = f"sum(increase(perseus_gpu_energy_joules_total{{{MANAGED}}}[$__range]))"
+ALL_ENERGY_RANGE = "sum(increase(perseus_gpu_energy_joules_total[$__range]))"
 
 CLUSTER: list[Panel | Row] = [
     Row("Energy and power"),
@@ -103,18 +206,10 @@ CLUSTER: list[Panel | Row] = [
         "PerseusJob).",
     ),
     stat(
-        "Energy saved (estimated)",
-        SAVED_RANGE,
-        "joule",
-        5,
-        "Energy the plans saved over the time range against every GPU at its maximum clock, "
-        "estimated by the operator from the plans and the iterations the agents counted.",
-    ),
-    stat(
         "Saved vs. all-max-clock baseline",
         f"{SAVED_RANGE} / ({SAVED_RANGE} + {MANAGED_ENERGY_RANGE})",
         "percentunit",
-        5,
+        6,
         "Estimated energy saved over the time range, as a fraction of the energy the managed "
         "GPUs would have used at maximum clocks (measured energy + saved energy).",
         decimals=1,
@@ -123,7 +218,7 @@ CLUSTER: list[Panel | Row] = [
         "Straggler events",
         "sum(increase(perseus_straggler_events_total[$__range]))",
         "short",
-        3,
+        5,
         "Data-parallel replicas the operator detected as stragglers over the time range.",
         decimals=0,
     ),
@@ -132,7 +227,7 @@ CLUSTER: list[Panel | Row] = [
         "histogram_quantile(0.95, sum by (le) "
         "(increase(perseus_planner_seconds_bucket[$__range])))",
         "s",
-        3,
+        5,
         "95th percentile of the time to solve one iteration time-energy frontier, over the "
         "time range.",
     ),
@@ -157,16 +252,16 @@ CLUSTER: list[Panel | Row] = [
         "bargauge",
         "Energy over the time range",
         [
-            Target(MANAGED_ENERGY_RANGE, "following a plan", instant=True),
+            Target(kwh(MANAGED_ENERGY_RANGE), "following a plan", instant=True),
             Target(
-                f"sum(increase(perseus_gpu_energy_joules_total{{{UNMANAGED}}}[$__range]))",
+                kwh(f"sum(increase(perseus_gpu_energy_joules_total{{{UNMANAGED}}}[$__range]))"),
                 "without a plan",
                 instant=True,
             ),
-            Target(SAVED_RANGE, "saved (estimated)", instant=True),
+            Target(kwh(SAVED_RANGE), "saved (estimated)", instant=True),
         ],
         6,
-        unit="joule",
+        unit="kwatth",
         description="GPU energy over the time range, from the GPUs' own energy counters, and "
         "the estimated savings.",
         min_value=0,
@@ -187,6 +282,8 @@ CLUSTER: list[Panel | Row] = [
         "(estimated by the operator).",
         min_value=0,
     ),
+    Row("Energy, cost and CO2e over the time range"),
+    *energy_cost_co2(ALL_ENERGY_RANGE, SAVED_RANGE, "every GPU with a Perseus agent"),
     Row("Jobs"),
     Panel(
         "bargauge",
@@ -284,7 +381,7 @@ JOB_PANELS: list[Panel | Row] = [
         "Expected savings (plan)",
         f"max(perseus_job_expected_savings_ratio{{{JOB}}})",
         "percentunit",
-        6,
+        9,
         "Energy the current plan is expected to save against every GPU at its maximum clock.",
         decimals=1,
     ),
@@ -292,17 +389,10 @@ JOB_PANELS: list[Panel | Row] = [
         "Realized savings",
         f"{JOB_SAVED_RANGE} / ({JOB_SAVED_RANGE} + {JOB_ENERGY_RANGE})",
         "percentunit",
-        6,
+        9,
         "Over the time range: estimated energy saved / (energy the job's GPUs used, measured, "
         "+ energy saved).",
         decimals=1,
-    ),
-    stat(
-        "Energy saved (estimated)",
-        JOB_SAVED_RANGE,
-        "joule",
-        6,
-        "Energy saved over the time range against every GPU at its maximum clock.",
     ),
     stat(
         "Straggler events",
@@ -345,6 +435,8 @@ JOB_PANELS: list[Panel | Row] = [
         "perseus_client step hooks in the training loop).",
         min_value=0,
     ),
+    Row("Energy, cost and CO2e over the time range"),
+    *energy_cost_co2(JOB_ENERGY_RANGE, JOB_SAVED_RANGE, "the job's GPUs"),
     Row("Stragglers"),
     Panel(
         "timeseries",
@@ -511,13 +603,13 @@ NODE_PANELS: list[Panel | Row] = [
         "Energy over the time range",
         [
             Target(
-                f"increase(perseus_gpu_energy_joules_total{{{GPUS}}}[$__range])",
+                kwh(f"increase(perseus_gpu_energy_joules_total{{{GPUS}}}[$__range])"),
                 "{{node}} GPU {{gpu}}",
                 instant=True,
             )
         ],
         8,
-        unit="joule",
+        unit="kwatth",
         min_value=0,
     ),
     Panel(
@@ -616,9 +708,9 @@ NODE_VARIABLES = [
     Variable("gpu", "GPU", 'label_values(perseus_gpu_power_watts{node=~"$node"}, gpu)', multi=True),
 ]
 
-DASHBOARDS: dict[str, tuple[str, str, list[Variable], list[Panel | Row]]] = {
-    "perseus-cluster": ("Perseus / Cluster overview", "1h", [], CLUSTER),
-    "perseus-job": ("Perseus / Job", "1h", JOB_VARIABLES, JOB_PANELS),
+DASHBOARDS: dict[str, tuple[str, str, list[Variable | Constant], list[Panel | Row]]] = {
+    "perseus-cluster": ("Perseus / Cluster overview", "1h", [*ENERGY_CONSTANTS], CLUSTER),
+    "perseus-job": ("Perseus / Job", "1h", [*JOB_VARIABLES, *ENERGY_CONSTANTS], JOB_PANELS),
     "perseus-node": ("Perseus / Node & GPU", "1h", NODE_VARIABLES, NODE_PANELS),
 }
 
@@ -626,7 +718,20 @@ DASHBOARDS: dict[str, tuple[str, str, list[Variable], list[Panel | Row]]] = {
 # -- JSON --------------------------------------------------------------------------------------
 
 
-def _variable(v: Variable) -> dict[str, Any]:
+def _variable(v: Variable | Constant) -> dict[str, Any]:
+    if isinstance(v, Constant):
+        # Grafana 10 reads a constant's current value, scenes (11) its query: both are set.
+        return {
+            "name": v.name,
+            "label": v.label,
+            "description": f"Chart value {ELECTRICITY_VALUES}.{v.chart_value}",
+            "type": "constant",
+            "query": v.value,
+            "current": {"selected": False, "text": v.value, "value": v.value},
+            "hide": 2,
+            "options": [],
+            "skipUrlSync": False,
+        }
     return {
         "name": v.name,
         "label": v.label,

@@ -69,6 +69,7 @@ __all__ = [
     "Health",
     "ManagedGpu",
     "MetricsServer",
+    "driver_upgrade_released_gauge",
     "exported_label",
 ]
 
@@ -211,6 +212,19 @@ class AgentMetrics:
         """Drop the series of label ``values`` (from :meth:`observe_iteration`), if any."""
         with contextlib.suppress(KeyError):
             self.iteration_seconds.remove(*values)
+
+
+def driver_upgrade_released_gauge(metrics: AgentMetrics) -> Gauge:
+    """``perseus_agent_driver_upgrade_released`` on ``metrics``' registry: only a Kubernetes
+    mode agent, which follows the node's driver upgrades, registers it
+    (:mod:`perseus_agent.modes.driver_release`)."""
+    return Gauge(
+        "perseus_agent_driver_upgrade_released",
+        "1 while the agent has reset its clocks and released NVML for a GPU driver "
+        "upgrade of the node (label nvidia.com/gpu-driver-upgrade-state), else 0.",
+        ["node"],
+        registry=metrics.registry,
+    )
 
 
 class GpuCollector(Collector):

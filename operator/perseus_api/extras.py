@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 
 __all__ = ["DISTRIBUTION", "EXIT_MISSING_EXTRA", "EXTRA_MODULES", "check_extra", "missing_modules"]
@@ -35,15 +35,20 @@ EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 ``grpc`` is ``grpcio``)."""
 
 
-def missing_modules(extra: str) -> list[str]:
-    """The modules of ``extra`` that cannot be imported here (found without importing them)."""
-    return [name for name in EXTRA_MODULES[extra] if importlib.util.find_spec(name) is None]
+def missing_modules(extra: str, optional: Collection[str] = ()) -> list[str]:
+    """The modules of ``extra`` that cannot be imported here (found without importing them),
+    those in ``optional`` (the program runs without them) left out."""
+    return [
+        name
+        for name in EXTRA_MODULES[extra]
+        if name not in optional and importlib.util.find_spec(name) is None
+    ]
 
 
-def check_extra(program: str, extra: str) -> int | None:
-    """``None`` when ``extra`` is installed; else one line on stderr and the exit status to end
-    ``program`` with (:data:`EXIT_MISSING_EXTRA`)."""
-    missing = missing_modules(extra)
+def check_extra(program: str, extra: str, optional: Collection[str] = ()) -> int | None:
+    """``None`` when ``extra`` is installed (but for the modules in ``optional``); else one line
+    on stderr and the exit status to end ``program`` with (:data:`EXIT_MISSING_EXTRA`)."""
+    missing = missing_modules(extra, optional)
     if not missing:
         return None
     print(

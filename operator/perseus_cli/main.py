@@ -58,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from perseus_api.extras import check_extra
 
     extra = "planner" if getattr(args, "no_plot", False) else "cli"
-    if (missing_extra := check_extra(PROG, extra)) is not None:
+    # Without numba the solver's kernels run as plain Python (perseus_planner._jit): slower,
+    # same results; `make demo` installs none.
+    if (missing_extra := check_extra(PROG, extra, optional=("numba",))) is not None:
         return missing_extra
     _configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler

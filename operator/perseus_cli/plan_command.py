@@ -52,7 +52,7 @@ from perseus_cli.outputs import Output, write_together
 from perseus_cli.plan_summary import plan_summary
 from perseus_cli.progress import Progress
 from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for, write_dag_json
-from perseus_cli.solver_cache import solver_compiled
+from perseus_cli.solver_cache import solver_compiled, solver_is_compiled_code
 
 # The planner pulls in numpy, scipy and numba (most of a second); it is imported inside
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
@@ -286,6 +286,13 @@ def announce_compile(*, quiet: bool) -> bool | None:
     """Say on stderr, before the first solve, that it compiles the solver; returns whether the
     solver was compiled already (None: cannot tell)."""
     compiled = solver_compiled()
+    if not quiet and not solver_is_compiled_code():
+        print(
+            "perseus: numba is not installed: the solver runs as plain Python (same results, "
+            "slower on large problems)",
+            file=sys.stderr,
+            flush=True,
+        )
     if compiled is False and not quiet:
         print(
             "perseus: first run: compiling the solver, once per installation (about 30 s on 2 "

@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOLVER_MODULES", "solver_compiled"]
+__all__ = ["SOLVER_MODULES", "solver_compiled", "solver_is_compiled_code"]
 
 SOLVER_MODULES = (
     "perseus_planner._costs",
@@ -43,3 +43,10 @@ def solver_compiled() -> bool | None:
     if not indexes:
         return None
     return any(path.is_file() for path in indexes)
+
+
+def solver_is_compiled_code() -> bool:
+    """Whether the solver's kernels are numba-compiled, rather than plain Python (no numba)."""
+    from perseus_planner._jit import COMPILED
+
+    return COMPILED

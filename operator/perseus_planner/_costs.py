@@ -12,8 +12,8 @@ the previous ones by the few computations each step changed.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from perseus_planner._jit import njit
 from perseus_planner._kernel import Array
 
 LANES = 16

@@ -40,8 +40,8 @@ critical DAG and makespan, the same sums in the same order.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from perseus_planner._jit import njit
 from perseus_planner._kernel import (
     STATUS_AT_LIMIT,
     STATUS_INFEASIBLE_FLOW,

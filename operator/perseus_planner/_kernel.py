@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+
+from perseus_planner._jit import njit
 
 INF_UNITS = np.int64(1) << np.int64(50)
 """Capacity of arcs that must never be cut (far above any finite cut, no overflow)."""

@@ -8,8 +8,7 @@ when that search reaches the sink. Arc numbering as in :mod:`perseus_planner._wa
 
 from __future__ import annotations
 
-from numba import njit
-
+from perseus_planner._jit import njit
 from perseus_planner._kernel import INF_UNITS, Array
 
 _INF = int(INF_UNITS)

@@ -34,8 +34,8 @@ Earliest finishes and latest starts are recomputed only where an input moved
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from perseus_planner._jit import njit
 from perseus_planner._kernel import (
     INF_UNITS,
     Array,

@@ -50,6 +50,7 @@ from support.dashboard_queries import (
     PromClient,
     Query,
     _finite,
+    chart_dashboards,
     dashboard_queries,
     failing,
     load_dashboards,
@@ -90,6 +91,9 @@ BUDGET_RESOURCES: dict[str, dict[str, Any]] = {
     },
 }
 DCGM_EXTRA_UUID = "GPU-00000000-dcgm-only"  # a GPU on a node without a Perseus agent
+# Not the chart's defaults: the dashboards under test are the chart's, rendered with these.
+ELECTRICITY = {"pricePerKWh": 0.27, "currency": "EUR", "carbonIntensityGramsPerKWh": 310}
+JOULES_PER_KWH = 3.6e6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -363,15 +367,18 @@ def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
     stack: dict[str, Any],
 ) -> None:
     prom: PromClient = stack["prom"]
-    dashboards = load_dashboards()
+    dashboards = chart_dashboards({"dashboards": {"electricity": ELECTRICITY}})
+    assert dashboards.keys() == load_dashboards().keys()
     queries = dashboard_queries(dashboards)
-    assert len(queries) >= 30
+    assert len(queries) >= 40
 
     # Without dcgm-exporter: every panel has data, only the dcgm-exporter queries are empty.
     poll(lambda: missing_data(prom, time.time()), "without dcgm-exporter")
     without_s = time.time()
     variables = {uid: resolve_variables(prom, d, without_s) for uid, d in dashboards.items()}
-    assert variables["perseus-job"] == {"namespace": "ml", "job": "gpt3"}
+    constants = {"price_per_kwh": "0.27", "currency": "EUR", "carbon_g_per_kwh": "310"}
+    assert variables["perseus-job"] == {"namespace": "ml", "job": "gpt3", **constants}
+    assert variables["perseus-cluster"] == constants
     assert variables["perseus-node"] == {"node": ".*", "gpu": ".*"}
     dcgm_queries = [q for q in queries if q.needs_dcgm]
     assert len(dcgm_queries) >= 3
@@ -427,6 +434,44 @@ def test_every_dashboard_query_returns_data_with_and_without_dcgm_exporter(
         ("2", "locked"),
     } <= reasons, reasons
     assert ("1", "sw_power_cap") not in reasons and ("0", "locked") not in reasons
+    check_energy_cost_and_co2(prom, queries, variables, with_s)
+
+
+def check_energy_cost_and_co2(
+    prom: PromClient,
+    queries: list[Query],
+    variables: dict[str, dict[str, str]],
+    at_s: float,
+) -> None:
+    """The kWh stats are the GPUs' energy counters (and the operator's estimate of the energy
+    saved) over the time range, and the cost and CO2e stats those kWh times the price and the
+    carbon intensity the chart was given."""
+    price = ELECTRICITY["pricePerKWh"]
+    grams_per_kwh = ELECTRICITY["carbonIntensityGramsPerKWh"]
+    for uid, selector in (
+        ("perseus-cluster", ""),
+        ("perseus-job", '{job_namespace="ml", job_name="gpt3"}'),
+    ):
+
+        def stat(title: str, expr: str | None = None, uid: str = uid) -> float:
+            if expr is None:
+                (query,) = [q for q in queries if q.dashboard == uid and q.panel == title]
+                assert query.instant
+                expr = substitute(query.expr, variables[uid])
+            (series,) = prom.values(expr, True, at_s)
+            return float(series["value"][1])
+
+        used_j = stat("", f"sum(increase(perseus_gpu_energy_joules_total{selector}[5m]))")
+        saved_j = stat("", f"sum(increase(perseus_job_energy_saved_joules_total{selector}[5m]))")
+        used_kwh, saved_kwh = stat("Energy used"), stat("Energy saved (estimated)")
+        assert used_j > 0 and saved_j > 0, (uid, used_j, saved_j)
+        assert used_kwh == pytest.approx(used_j / JOULES_PER_KWH, rel=1e-9), uid
+        assert saved_kwh == pytest.approx(saved_j / JOULES_PER_KWH, rel=1e-9), uid
+        assert stat("Cost of the energy used ($currency)") == pytest.approx(used_kwh * price)
+        assert stat("Cost saved ($currency)") == pytest.approx(saved_kwh * price)
+        kg = grams_per_kwh / 1000
+        assert stat("CO2e emitted") == pytest.approx(used_kwh * kg)
+        assert stat("CO2e avoided (estimated)") == pytest.approx(saved_kwh * kg)
 
 
 def test_a_query_that_returns_nothing_is_caught(stack: dict[str, Any]) -> None:

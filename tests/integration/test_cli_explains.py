@@ -101,6 +101,36 @@ def test_the_first_solve_says_it_compiles_the_solver_and_later_ones_do_not(
     assert "compiling" not in second.stderr + second.stdout
 
 
+def test_without_numba_the_solver_runs_as_plain_python_with_the_same_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `make demo` does (it installs no numba): the same frontier and plan, byte for byte,
+    as the compiled kernels give, and one line saying why."""
+    _plan(capsys, tmp_path / "compiled", "--no-plot")
+    hide_numba = (
+        "import runpy, sys; sys.modules['numba'] = None; "
+        "runpy.run_module('perseus_cli.main', run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "operator")}
+    args = ["plan", "--microbatches", str(M), "--no-plot", "--out", str(tmp_path / "plain")]
+    plain = subprocess.run(
+        [sys.executable, "-c", hide_numba, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stderr.splitlines() == [
+        "perseus: numba is not installed: the solver runs as plain Python (same results, "
+        "slower on large problems)"
+    ]
+    for name in ("frontier.csv", "plan.json"):
+        compiled = (tmp_path / "compiled" / name).read_bytes()
+        assert (tmp_path / "plain" / name).read_bytes() == compiled, name
+
+
 @pytest.mark.parametrize(
     ("module", "prog"),
     [

@@ -251,6 +251,9 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "log level": {"agent": {"logLevel": "verbose"}},
     "relative state dir": {"agent": {"stateDir": "var/lib/perseus"}},
     "dashboard label": {"dashboards": {"label": ""}},
+    "electricity price": {"dashboards": {"electricity": {"pricePerKWh": -0.1}}},
+    "carbon intensity": {"dashboards": {"electricity": {"carbonIntensityGramsPerKWh": "400g"}}},
+    "currency": {"dashboards": {"electricity": {"currency": ""}}},
     "cluster policy kind": {"clusterPolicy": {"spec": {"workloads": [{"kind": "Deployment"}]}}},
     "cluster policy name": {"clusterPolicy": {"name": "Default_Policy"}},
     "cluster policy field": {"clusterPolicy": {"spec": {"namespaces": ["ml"]}}},
@@ -585,6 +588,46 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
         assert cm["metadata"]["labels"]["my_dash"] == "yes"
         assert "annotations" not in cm["metadata"]
     assert render({"dashboards": {"enabled": False}}).of_kind("ConfigMap") == []
+
+
+def test_the_dashboards_price_and_carbon_intensity_come_from_the_values() -> None:
+    """The cost and CO2e panels multiply by hidden constant variables the chart sets (the
+    queries' arithmetic runs against Prometheus in tests/e2e/test_dashboards.py)."""
+    electricity = {"pricePerKWh": 0.0825, "currency": "CHF", "carbonIntensityGramsPerKWh": 31}
+    rendered = render({"dashboards": {"electricity": electricity}})
+    seen = set()
+    for cm in rendered.of_kind("ConfigMap"):
+        ((name, text),) = cm["data"].items()
+        dashboard = json.loads(text)
+        constants = {
+            v["name"]: (v["query"], v["current"]["value"])
+            for v in dashboard["templating"]["list"]
+            if v["type"] == "constant"
+        }
+        exprs = " ".join(t["expr"] for p in panels_of(dashboard) for t in p.get("targets", []))
+        if "$price_per_kwh" in exprs:
+            seen.add(name)
+            assert constants == {
+                "price_per_kwh": ("0.0825", "0.0825"),
+                "currency": ("CHF", "CHF"),
+                "carbon_g_per_kwh": ("31", "31"),
+            }
+            assert "$carbon_g_per_kwh" in exprs
+        # The rest of the dashboard is the file's.
+        original = json.loads((CHART / "dashboards" / name).read_text())
+        assert dashboard["panels"] == original["panels"]
+    assert seen == {"perseus-cluster.json", "perseus-job.json"}
+    # Values missing (an upgrade with --reuse-values from a release without them; null removes
+    # a key as that does) keep the defaults.
+    for electricity, expected in (
+        ({"pricePerKWh": 0.3, "currency": None}, ["0.3", "USD", "400"]),
+        (None, ["0.15", "USD", "400"]),
+    ):
+        for cm in render({"dashboards": {"electricity": electricity}}).of_kind("ConfigMap"):
+            (text,) = cm["data"].values()
+            variables = json.loads(text)["templating"]["list"]
+            constants = [v["query"] for v in variables if v["type"] == "constant"]
+            assert constants in ([], expected), electricity
 
 
 def test_notes_tell_what_to_do_next() -> None:

@@ -65,6 +65,16 @@ def load_dashboards() -> dict[str, dict[str, Any]]:
     }
 
 
+def chart_dashboards(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The dashboards as the chart renders them with ``values`` (its ConfigMaps), by uid."""
+    dashboards = {}
+    for config_map in render(values).of_kind("ConfigMap"):
+        ((name, text),) = config_map["data"].items()
+        if name.endswith(".json"):
+            dashboards[name.removesuffix(".json")] = json.loads(text)
+    return dashboards
+
+
 def dashboard_queries(dashboards: Mapping[str, Mapping[str, Any]]) -> list[Query]:
     """Every target of every panel (rows' nested panels included) of ``dashboards``."""
     queries = []
@@ -244,10 +254,13 @@ def _snake(key: str) -> str:
 
 
 def resolve_variables(prom: PromClient, dash: Mapping[str, Any], at_s: float) -> dict[str, str]:
-    """Each variable's value as Grafana picks it: "All" (``.*``) for a multi-value variable,
-    else the first value of its query; every query must find values (AssertionError)."""
+    """Each variable's value as Grafana picks it: a constant's own, "All" (``.*``) for a
+    multi-value variable, else the first value of its query; every query must find values
+    (AssertionError)."""
     values: dict[str, str] = {}
     for var in dash["templating"]["list"]:
+        if var["type"] == "constant":
+            values[var["name"]] = var["query"]
         if var["type"] != "query":
             continue
         found = prom.label_values(substitute(var["definition"], values), at_s)

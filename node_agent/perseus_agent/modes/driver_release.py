@@ -16,10 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prometheus_client import Gauge
-
 from perseus_agent.clocks.clock_owners import ClockOwnerGuard
-from perseus_agent.exporter import AgentMetrics
+from perseus_agent.exporter import AgentMetrics, driver_upgrade_released_gauge
 from perseus_agent.gpu.releasable import ReleasableBackend
 from perseus_agent.kube import ObjectKey
 from perseus_agent.kube.report_writer import ReportWriter
@@ -54,13 +52,7 @@ class DriverUpgradeGate:
         self.state: str | None = None
         self._plans: dict[ObjectKey, NodePlan] = {}  # while released: the latest of each
         self._released = False
-        self._gauge = Gauge(
-            "perseus_agent_driver_upgrade_released",
-            "1 while the agent has reset its clocks and released NVML for a GPU driver "
-            "upgrade of the node (label nvidia.com/gpu-driver-upgrade-state), else 0.",
-            ["node"],
-            registry=metrics.registry,
-        )
+        self._gauge = driver_upgrade_released_gauge(metrics)
         self._gauge.labels(node=self._node).set(0)
 
     @property
