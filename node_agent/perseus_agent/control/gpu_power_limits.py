@@ -104,7 +104,9 @@ class GpuPowerLimits:
         try:
             if original_w is None:
                 self._backend.reset_power_limit(index)
-            else:
+            elif round(self._backend.power_limit_w(index) * 1000) != round(original_w * 1000):
+                # Only when changed: a GPU recorded but never set (another owner's limit was
+                # in the way) is left to its owner.
                 self._backend.set_power_limit(index, original_w)
         except GpuError as exc:
             log.error("cannot restore the power limit of GPU %d (%s): %s", index, gpu.uuid, exc)
