@@ -116,7 +116,7 @@ def plan_document(
                 "powerLimitWatts": power_limit_w,
             }
             for i in gpus
-        ],  # fmt: skip
+        ],
     }
 
 
