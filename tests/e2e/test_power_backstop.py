@@ -12,7 +12,8 @@ plans from a stored profile (no training process is needed for Stage clocks). Th
    on the emulated GPUs themselves, with the limits it replaced recorded in the agents' reset
    records;
 2. switched to ``Plans``: the limits leave the plans and every GPU has its original limit back;
-3. back to ``PlansAndPowerLimits``, then the budget deleted: the same, and the job keeps running
+3. an infeasible budget (100 W) with the backstop: ``Infeasible``, every GPU at the share of the
+   job's least-power point; then the budget deleted: the same as 2, and the job keeps running
    its clock plans.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from perseus_agent.gpu.base import PowerLimitRange
 from perseus_agent.gpu.emulated import EmulatedBackend
 from perseus_api import resources
 from perseus_api.job import PerseusJobSpec
@@ -75,9 +77,9 @@ def gpu_power_limits(agent: Agent) -> list[float]:
         gpus.close()
 
 
-def default_power_limit_w() -> float:
+def power_limit_range() -> PowerLimitRange:
     gpus = EmulatedBackend(1, _PROFILE, blocking_power_w=BLOCKING_W)
-    return gpus.power_limit_range_w(0).default_w
+    return gpus.power_limit_range_w(0)
 
 
 def recorded_power_limits(agent: Agent) -> list[dict[str, Any]]:
@@ -130,7 +132,8 @@ def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_a_budget_backstop_limits_the_jobs_gpus_and_gives_them_back(setup: Any) -> None:
     cluster, agents, operator = setup
     core, custom = cluster.core, cluster.custom
-    default_w = default_power_limit_w()
+    allowed = power_limit_range()
+    default_w = allowed.default_w
     assert [gpu_power_limits(a) for a in agents] == [[default_w] * GPUS] * REPLICAS
 
     # The job, planned from a stored profile of its model (no profiling, no training needed).
@@ -208,7 +211,8 @@ def test_a_budget_backstop_limits_the_jobs_gpus_and_gives_them_back(setup: Any) 
         if None in limits or any(abs(w - share_w) > 0.2 for w in limits):  # type: ignore[operator]
             return None
         in_force = all_limits()
-        return share_w if in_force == limits else None
+        clamped = [min(max(w, allowed.min_w), allowed.max_w) for w in limits]  # type: ignore[type-var]
+        return share_w if in_force == clamped else None
 
     def restored() -> bool:
         return (
@@ -246,14 +250,30 @@ def test_a_budget_backstop_limits_the_jobs_gpus_and_gives_them_back(setup: Any) 
         exported = agent.metric("perseus_gpu_power_limit_watts")
         assert len(exported) == GPUS and all(abs(w - share_w) <= 0.2 for w in exported)
 
+    def reported() -> bool:  # the agents' reports in the node plans' status say the same
+        gpus = [g for p in node_plans() for g in p.get("status", {}).get("gpus", [])]
+        limits = [g.get("powerLimitWatts") for g in gpus]
+        return len(limits) == STAGES * REPLICAS and limits == all_limits()
+
+    operator.wait_for("the limits in the node plans' status", reported, TIMEOUT_S)
+
     # 2. The same budget without the backstop: the GPUs get their own limits back.
     patch_budget(custom, {"spec": {"enforcement": "Plans"}})
     operator.wait_for("the original power limits back", restored, TIMEOUT_S)
     assert job()["status"]["phase"] == "Running"
 
-    # 3. With the backstop again, then the budget deleted.
-    patch_budget(custom, {"spec": {"enforcement": "PlansAndPowerLimits"}})
-    operator.wait_for("the GPUs limited again", limited_to_shares, TIMEOUT_S)
+    # 3. An infeasible budget with the backstop: every GPU at the share of the job's least-power
+    # point; then the budget deleted.
+    patch_budget(custom, {"spec": {"budgetWatts": 100, "enforcement": "PlansAndPowerLimits"}})
+
+    def infeasible() -> float | None:
+        conditions = budget().get("status", {}).get("conditions") or []
+        said = any(c["type"] == "Infeasible" and c["status"] == "True" for c in conditions)
+        return limited_to_shares() if said else None
+
+    least_share_w = operator.wait_for("Infeasible, the GPUs limited", infeasible, TIMEOUT_S)
+    assert least_share_w < share_w
+    assert budget()["status"]["missingWatts"] > 0
     custom.delete_cluster_custom_object(GROUP, VERSION, BUDGET_PLURAL, BUDGET)
     operator.wait_for("the original power limits back after the delete", restored, TIMEOUT_S)
     assert job()["status"]["phase"] == "Running"
