@@ -207,12 +207,11 @@ def test_a_budget_backstop_limits_the_jobs_gpus_and_gives_them_back(setup: Any) 
         if len(jobs) != 1 or jobs[0]["gpus"] != STAGES * REPLICAS:
             return None
         share_w = jobs[0]["allocatedWatts"] / jobs[0]["gpus"] * (1 + MARGIN)
-        limits = planned_limits()
-        if None in limits or any(abs(w - share_w) > 0.2 for w in limits):  # type: ignore[operator]
+        limits = [w for w in planned_limits() if w is not None]
+        if len(limits) != STAGES * REPLICAS or any(abs(w - share_w) > 0.2 for w in limits):
             return None
-        in_force = all_limits()
-        clamped = [min(max(w, allowed.min_w), allowed.max_w) for w in limits]  # type: ignore[type-var]
-        return share_w if in_force == clamped else None
+        clamped = [allowed.clamp_w(w) for w in limits]  # what the agents set
+        return share_w if all_limits() == clamped else None
 
     def restored() -> bool:
         return (

@@ -39,8 +39,8 @@ def gpus(agent: Agent) -> tuple[list[int | None], list[float]]:
     return agent.clocks(), power_limits(agent.gpu_state)
 
 
-def limited_plan(**fields: object) -> dict[str, object]:
-    return plan_document(power_limit_w=LIMIT_W, **fields)  # type: ignore[arg-type]
+def limited_plan() -> dict[str, object]:
+    return plan_document(power_limit_w=LIMIT_W)
 
 
 def run_to_exit(
