@@ -18,12 +18,9 @@ The workload side (an emulated training rank) drives the activity with :meth:`se
 and asks :meth:`instruction_time_s` how long an instruction takes at the current clock; the
 agent side uses the :class:`GpuBackend` methods.
 
-Power limits: a GPU under a power limit runs each computation at the highest profiled clock of
-that computation (not above the one locked) whose power fits the limit, as the firmware's power
-capping does and as the uniform-cap baseline of ``perseus simulate --power-budget`` assumes; it
-then reports the clock event reason ``sw_power_cap``. The limits range from the blocking power
-to the profile's highest power (rounded up to a watt), which is also the default: at the default
-nothing is capped.
+Under a power limit each computation runs at its highest profiled clock (not above the locked
+one) whose power fits, as firmware capping does and ``perseus simulate --power-budget``'s uniform
+cap assumes (reason ``sw_power_cap``). Limits: blocking power .. the profile's highest (default).
 
 A GPU can be made a straggler with :meth:`set_slowdown`: a factor ``>= 1`` by which its
 instructions take longer than the profile says, at the same power (as a thermally throttled
