@@ -73,6 +73,13 @@ class GpuForeignClocksError(GpuError):
     reason = "foreign_clocks"
 
 
+class GpuForeignPowerLimitError(GpuError):
+    """Another owner (an administrator's ``nvidia-smi -pl``) set this GPU's power limit, and the
+    agent is configured to leave it alone."""
+
+    reason = "foreign_power_limit"
+
+
 class GpuReleasedError(GpuError):
     """The agent let go of the GPU library (a driver upgrade is in progress on the node)."""
 

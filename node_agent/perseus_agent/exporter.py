@@ -20,8 +20,10 @@ agent's own pod, the scrape job), and a clash renames one side ``exported_*`` or
 reason (label ``reason``, :data:`~perseus_agent.gpu.base.CLOCK_EVENT_REASONS`), 1 while that
 reason holds the clock down: a Perseus lock (``user_defined_clocks`` with a target clock) can
 then be told from a power cap or a thermal slowdown. ``perseus_gpu_foreign_clocks{kind}`` is 1
-for a GPU whose clocks another owner set (:mod:`perseus_agent.clocks.clock_owners`), 0 (no ``kind``)
-for the others.
+for a GPU whose clocks (``locked``, ``applications``) or power limit (``power_limit``) another owner
+set (:mod:`perseus_agent.clocks.clock_owners`), 0 (no ``kind``) for the others.
+``perseus_gpu_power_limit_watts`` is each GPU's power limit in force, whoever set it (a power
+budget's backstop, an administrator, the default); GPUs without power limits have none.
 
 Cardinality. Every label value comes from the node plan (what the operator assigned), never from
 what a training process claims in its hello: whoever can reach the socket could otherwise grow
@@ -112,6 +114,7 @@ KNOWN_ERROR_REASONS: Final = (
     "not_found",
     "gpu_error",
     "foreign_clocks",
+    "foreign_power_limit",
 )
 """Reasons exported at zero from the start, so alerts see the series before the first error."""
 
@@ -236,6 +239,7 @@ class GpuCollector(Collector):
         metrics: Where failed readings are counted, and the clock change counts.
         managed: Returns the GPUs under a plan, by index (called once per scrape).
         foreign: Returns the clocks other owners set, by GPU index (once per scrape).
+        foreign_power: Returns the GPUs whose power limit another owner set (once per scrape).
     """
 
     def __init__(
@@ -245,13 +249,16 @@ class GpuCollector(Collector):
         metrics: AgentMetrics,
         managed: Callable[[], Mapping[int, ManagedGpu]],
         foreign: Callable[[], Mapping[int, ForeignClocks]] | None = None,
+        foreign_power: Callable[[], Mapping[int, object]] | None = None,
     ) -> None:
         self._backend = backend
         self._devices = list(devices)
         self._metrics = metrics
         self._managed = managed
         self._foreign = foreign or dict
+        self._foreign_power = foreign_power or dict
         self._no_reasons: set[int] = set()  # GPUs that cannot tell: not asked again
+        self._no_power_limit: set[int] = set()  # GPUs without power limits: not asked again
 
     def describe(self) -> Iterable[Metric]:
         return []  # no GPU reads at registration time
@@ -281,15 +288,22 @@ class GpuCollector(Collector):
         )
         foreign_metric = Metric(
             "perseus_gpu_foreign_clocks",
-            "1 for a GPU whose clocks another owner set (kind: locked or applications), else 0.",
+            "1 for a GPU whose clocks or power limit another owner set (kind: locked, "
+            "applications or power_limit), else 0.",
+            "gauge",
+        )
+        limit = Metric(
+            "perseus_gpu_power_limit_watts",
+            "The GPU's power management limit in force (whoever set it), in watts.",
             "gauge",
         )
         try:
             managed = self._managed()
             foreign = self._foreign()
+            foreign_power = self._foreign_power()
         except Exception:  # a scrape must never fail
             log.exception("cannot read the managed GPUs; exporting the GPUs as unmanaged")
-            managed, foreign = {}, {}
+            managed, foreign, foreign_power = {}, {}, {}
         node = self._metrics.node
         for gpu in self._devices:
             try:
@@ -338,9 +352,25 @@ class GpuCollector(Collector):
             other = foreign.get(gpu.index)
             if other is not None:
                 foreign_metric.add_sample(foreign_metric.name, {**labels, "kind": other.kind}, 1.0)
-            else:
+            if gpu.index in foreign_power:
+                foreign_metric.add_sample(foreign_metric.name, {**labels, "kind": "power_limit"}, 1)
+            if other is None and gpu.index not in foreign_power:
                 foreign_metric.add_sample(foreign_metric.name, labels, 0.0)
-        return [energy, power, clock, target, changes, reasons, foreign_metric]
+            limit_w = self._power_limit_w(gpu)
+            if limit_w is not None:
+                limit.add_sample(limit.name, labels, limit_w)
+        return [energy, power, clock, target, changes, reasons, foreign_metric, limit]
+
+    def _power_limit_w(self, gpu: GpuInfo) -> float | None:
+        if gpu.index in self._no_power_limit:
+            return None
+        try:
+            return self._backend.power_limit_w(gpu.index)
+        except GpuNotSupportedError:
+            self._no_power_limit.add(gpu.index)
+        except GpuError as exc:
+            self._metrics.count_error(f"read_{exc.reason}")
+        return None
 
     def _event_reasons(self, gpu: GpuInfo) -> int | None:
         if gpu.index in self._no_reasons:

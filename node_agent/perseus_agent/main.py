@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--foreign-clocks",
         choices=("leave", "override"),
         default="leave",
-        help="clocks another owner set before the agent started (an administrator's "
-        "nvidia-smi -lgc or -ac): leave them and skip those GPUs, or override them and put "
-        "them back when a plan ends (default: leave)",
+        help="clocks or power limits another owner set before the agent started (an "
+        "administrator's nvidia-smi -lgc, -ac or -pl): leave them and skip those GPUs, or "
+        "override them and put them back when a plan ends (default: leave)",
     )
     gpus.add_argument(
         "--emulated-gpus",

@@ -25,6 +25,11 @@ from pydantic import Field, field_validator, model_validator
 
 from perseus_api.plan import API_VERSION, Granularity, PipelinePlan, _Model
 
+MIN_POWER_LIMIT_W: Final = 1.0
+MAX_POWER_LIMIT_W: Final = 5000.0
+"""Bounds of a plan's per-GPU power limit: beyond what any GPU accepts on either side (the agent
+clamps to the GPU's own range), tight enough to catch a unit mistake (milliwatts)."""
+
 
 class GpuAssignment(_Model):
     """One GPU of the node and the plan (and stage) it follows."""
@@ -61,6 +66,16 @@ class GpuAssignment(_Model):
         ge=0,
         description="Local rank of the process in its pod: it runs on the local_rank-th GPU "
         "the kubelet allocated to the container, in the node's GPU order.",
+    )
+    power_limit_w: float | None = Field(
+        default=None,
+        ge=MIN_POWER_LIMIT_W,
+        le=MAX_POWER_LIMIT_W,
+        description="Power limit to set on this GPU, in watts, as a hard backstop under a "
+        "power budget (the operator writes its share of the job's allocated watts plus the "
+        "budget's safety margin). The agent clamps it to what the GPU accepts, records the limit "
+        "it replaces and puts that back when the GPU leaves the plan, the plan goes or the "
+        "agent stops. Null: the GPU's power limit is left as it is.",
     )
 
     @model_validator(mode="after")
@@ -161,6 +176,10 @@ class NodePlan(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> NodePlan:
         seen: set[str] = set()
+        if self.profiling is not None and any(a.power_limit_w for a in self.assignments):
+            raise ValueError(
+                "a profiling plan cannot set power limits: they would distort the measurements"
+            )
         for a in self.assignments:
             if a.plan not in self.plans:
                 known = ", ".join(sorted(self.plans)) or "none"

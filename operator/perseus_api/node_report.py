@@ -123,6 +123,14 @@ class GpuReport(_Wire):
         "read when the report was written; the operator derives each power domain's draw from "
         "two reports' counters and times. Null from agents that do not read it.",
     )
+    power_limit_w: float | None = Field(
+        default=None,
+        description="The power limit the agent set on the GPU (the plan's, clamped to what the "
+        "GPU accepts), in watts; null when it set none.",
+    )
+    power_limit_message: str = ""
+    """Why the plan's power limit was not set as written (clamped, another owner's limit, a GPU
+    error); empty when it was or the plan sets none."""
 
 
 class RankReport(_Wire):

@@ -64,6 +64,19 @@ def locked_clocks(gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE) -
     return [gpus.locked_sm_clock_mhz(i) for i in range(num_gpus)]
 
 
+def power_limits(gpu_state: Path, num_gpus: int = NUM_GPUS, node: str = NODE) -> list[float]:
+    """The power limit in force on each emulated GPU, read from the shared hardware state."""
+    from perseus_agent.gpu.emulated import EmulatedBackend
+
+    gpus = EmulatedBackend.from_csv(
+        num_gpus, PROFILE, blocking_power_w=83.64, node_name=node, state_file=gpu_state
+    )
+    try:
+        return [gpus.power_limit_w(i) for i in range(num_gpus)]
+    finally:
+        gpus.close()
+
+
 def plan_document(
     *,
     revision: int = 1,
@@ -71,9 +84,10 @@ def plan_document(
     stage_mhz: tuple[int, int] = (1200, 1005),
     gpus: tuple[int, ...] = (0, 1),
     node: str = NODE,
+    power_limit_w: float | None = None,
 ) -> dict[str, Any]:
     """A plan file for the agent on ``node``: two stages, two microbatches, a rank on each of
-    ``gpus``."""
+    ``gpus`` (with ``power_limit_w``, each GPU's power limit)."""
     fields = pipeline_plan_fields(num_stages=2, num_microbatches=2)
     for stage in fields["stages"]:
         stage["frequency_mhz"] = stage_mhz[stage["stage"]]
@@ -90,6 +104,17 @@ def plan_document(
             {"gpu_uuid": f"GPU-emu-{node}-{i}", "plan": "tmin", "stage": i % 2, "rank": i}
             if i == 0
             else {"gpu_index": i, "plan": "tmin", "stage": i % 2, "rank": i}
+            for i in gpus
+        ]
+        if power_limit_w is None
+        else [
+            {
+                "gpu_index": i,
+                "plan": "tmin",
+                "stage": i % 2,
+                "rank": i,
+                "powerLimitWatts": power_limit_w,
+            }
             for i in gpus
         ],
     }

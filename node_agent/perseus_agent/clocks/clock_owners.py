@@ -17,6 +17,12 @@ clocks remain), and then stands between the agent and the backend:
   resetting to the driver's defaults. Application clocks are a separate setting that Perseus's
   locks and resets never change, so they need nothing put back.
 
+Power limits likewise: a GPU whose power limit at start (after the agent's own leftovers are
+restored) is not its default has an administrator's limit (``nvidia-smi -pl``): ``leave`` refuses
+to set it (:class:`~perseus_agent.errors.GpuForeignPowerLimitError`, reason
+``foreign_power_limit``); ``override`` sets it, and releasing puts the administrator's limit back
+(the applier restores the limit it recorded before its first change, which is that one).
+
 Limits: a lock NVML does not report at start (an idle GPU reports ``GpuIdle`` rather than
 user-defined clocks on some drivers) is not seen; an agent killed while it overrides an
 administrator's lock leaves that GPU reset by its successor, which knows only its own record.
@@ -30,10 +36,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from perseus_agent.errors import GpuError, GpuForeignClocksError, GpuNotSupportedError
-from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
+from perseus_agent.errors import (
+    GpuError,
+    GpuForeignClocksError,
+    GpuForeignPowerLimitError,
+    GpuNotSupportedError,
+)
+from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo, PowerLimitRange
 
-__all__ = ["ClockOwnerGuard", "ForeignClockPolicy", "ForeignClocks", "classify"]
+__all__ = [
+    "ClockOwnerGuard",
+    "ForeignClockPolicy",
+    "ForeignClocks",
+    "ForeignPowerLimit",
+    "classify",
+    "foreign_power_limit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +88,31 @@ class ForeignClocks:
         )
 
 
+@dataclass(frozen=True)
+class ForeignPowerLimit:
+    """A power limit another owner set on one GPU, as seen at start."""
+
+    limit_w: float
+    default_w: float
+
+    def describe(self, index: int) -> str:
+        return (
+            f"GPU {index}: its power limit is {self.limit_w:g} W, not its default "
+            f"{self.default_w:g} W: set by another owner, e.g. an administrator's nvidia-smi -pl; "
+            "the agent leaves it alone. Reset it (nvidia-smi -pl "
+            f"{self.default_w:g}) or run the agent with --foreign-clocks=override (chart: "
+            "agent.foreignClocks=override)"
+        )
+
+
+def foreign_power_limit(limit_w: float, allowed: PowerLimitRange) -> ForeignPowerLimit | None:
+    """The power limit another owner set, from the limit in force and the GPU's range; ``None``
+    when the default holds (NVML's milliwatts: equal to the milliwatt)."""
+    if round(limit_w * 1000) == round(allowed.default_w * 1000):
+        return None
+    return ForeignPowerLimit(limit_w, allowed.default_w)
+
+
 def classify(
     event_reasons: int, sm_clock_mhz: int, application_sm_clocks_mhz: tuple[int, int] | None
 ) -> ForeignClocks | None:
@@ -100,6 +143,7 @@ class ClockOwnerGuard(GpuBackend):
         self._lock = threading.Lock()
         self._foreign: dict[int, ForeignClocks] = {}
         self._overridden: set[int] = set()  # foreign GPUs Perseus has locked (override)
+        self._foreign_power: dict[int, ForeignPowerLimit] = {}
 
     # -- the survey ----------------------------------------------------------------------------
 
@@ -136,10 +180,35 @@ class ClockOwnerGuard(GpuBackend):
                     clocks.describe(gpu.index).split(";")[0],
                     self.policy,
                 )
+        power = self._survey_power_limits(devices)
         with self._lock:
             self._foreign = found
+            self._foreign_power = power
             self._overridden.clear()
         return dict(found)
+
+    def _survey_power_limits(self, devices: Iterable[GpuInfo]) -> dict[int, ForeignPowerLimit]:
+        found: dict[int, ForeignPowerLimit] = {}
+        for gpu in devices:
+            try:
+                limit = foreign_power_limit(
+                    self.inner.power_limit_w(gpu.index), self.inner.power_limit_range_w(gpu.index)
+                )
+            except GpuNotSupportedError:
+                continue  # no power limit to respect
+            except GpuError as exc:
+                log.warning("GPU %d (%s): cannot read its power limit: %s", gpu.index, gpu.uuid,
+                            exc)  # fmt: skip
+                continue
+            if limit is not None:
+                found[gpu.index] = limit
+                log.warning("%s (policy %s)", limit.describe(gpu.index).split(";")[0], self.policy)
+        return found
+
+    def foreign_power_limits(self) -> dict[int, ForeignPowerLimit]:
+        """The power limits other owners set, by GPU index (for the exporter and reports)."""
+        with self._lock:
+            return dict(self._foreign_power)
 
     def foreign(self) -> dict[int, ForeignClocks]:
         """The clocks other owners set, by GPU index (for the exporter)."""
@@ -172,6 +241,13 @@ class ClockOwnerGuard(GpuBackend):
                 self.inner.reset_sm_clock(index)
             self._overridden.discard(index)
             return True
+
+    def set_power_limit(self, index: int, limit_w: float) -> bool:
+        with self._lock:
+            limit = self._foreign_power.get(index)
+        if limit is not None and self.policy == ForeignClockPolicy.LEAVE:
+            raise GpuForeignPowerLimitError(limit.describe(index), gpu_index=index)
+        return self.inner.set_power_limit(index, limit_w)
 
     def force_reset_clocks(self, index: int) -> None:
         with self._lock:
@@ -213,6 +289,12 @@ class ClockOwnerGuard(GpuBackend):
 
     def nearest_supported_sm_clock_mhz(self, index: int, clock_mhz: int) -> int:
         return self.inner.nearest_supported_sm_clock_mhz(index, clock_mhz)
+
+    def power_limit_w(self, index: int) -> float:
+        return self.inner.power_limit_w(index)
+
+    def power_limit_range_w(self, index: int) -> PowerLimitRange:
+        return self.inner.power_limit_range_w(index)
 
     def close(self) -> None:
         self.inner.close()

@@ -1,4 +1,4 @@
-"""Persistent record of the GPU clocks this agent changed, so none outlives the agent.
+"""Persistent record of the GPU clocks and power limits this agent changed, so none outlives it.
 
 The record is a small JSON file in the agent's state directory, replaced atomically (write to a
 temporary file, ``fsync``, ``rename``, ``fsync`` the directory) every time it changes. A GPU is
@@ -13,6 +13,10 @@ then *every* GPU of the node is reset and the file is rewritten.
 Recovery uses ``GpuBackend.force_reset_clocks``: the plain resets only undo locks the backend
 itself made, and a new agent's backend knows nothing of the locks a killed one left (NVML keeps
 them after the process is gone).
+
+Power limits are recorded the same way, with the limit in force before the agent first set one
+(``power_limit_w``): recovery puts that limit back (the GPU's default for a record that cannot be
+read). A GPU whose power limit only was changed gets its clocks left alone.
 
 One agent per state directory: :class:`StateDirLock` (``flock`` on :data:`LOCK_FILENAME`) is
 taken before anything else, so a second agent started on the same directory (a rollout overlap,
@@ -39,7 +43,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from perseus_agent.errors import GpuError
+from perseus_agent.errors import GpuError, GpuNotSupportedError
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 
 __all__ = [
@@ -60,7 +64,9 @@ STATE_FILENAME: Final = "reset-state.json"
 LOCK_FILENAME: Final = "agent.lock"
 _FORMAT_VERSION: Final = 1
 
-ClockKind = Literal["sm", "memory"]
+ClockKind = Literal["sm", "memory", "power_limit"]
+"""What the agent changed on a GPU: its SM clock, its memory clock or its power limit."""
+_CLOCKS: Final[frozenset[ClockKind]] = frozenset({"sm", "memory"})
 
 
 class LockedGpu(BaseModel):
@@ -72,6 +78,11 @@ class LockedGpu(BaseModel):
     index: int = Field(ge=0)
     locked: tuple[ClockKind, ...] = Field(min_length=1, description="Which clocks were locked.")
     since: datetime = Field(description="When the first of them was recorded (UTC).")
+    power_limit_w: float | None = Field(
+        default=None,
+        gt=0,
+        description="With power_limit: the limit in force before the agent set one (watts).",
+    )
 
 
 class _Record(BaseModel):
@@ -86,7 +97,7 @@ class RecoveryResult:
     """What :meth:`ResetState.recover` did."""
 
     reset: list[GpuInfo] = field(default_factory=list)
-    """GPUs whose clocks were reset."""
+    """GPUs whose clocks (and power limits) were reset."""
     failed: list[tuple[str, str]] = field(default_factory=list)
     """``(gpu label, error)`` of GPUs that could not be reset; they stay in the record."""
     corrupt: bool = False
@@ -125,23 +136,37 @@ class ResetState:
 
     # -- updates -----------------------------------------------------------------------------
 
-    def record(self, gpu: GpuInfo, kind: ClockKind = "sm") -> None:
-        """Record that ``gpu``'s ``kind`` clock is about to be locked; call *before* locking.
+    def record(
+        self, gpu: GpuInfo, kind: ClockKind = "sm", *, original_power_limit_w: float | None = None
+    ) -> None:
+        """Record that ``gpu``'s ``kind`` clock (or power limit) is about to be changed; call
+        *before* changing it. For ``power_limit``, ``original_power_limit_w`` is the limit in
+        force now, which recovery puts back.
 
-        Writes the file only when the entry is new, so re-locking at another clock costs
-        nothing.
+        Writes the file only when the entry is new, so re-locking at another clock (or setting
+        another limit) costs nothing and keeps the first original limit.
 
         Raises:
-            OSError: The record cannot be written; the caller must then not lock the clock.
+            OSError: The record cannot be written; the caller must then not change the GPU.
         """
+        power_w = original_power_limit_w if kind == "power_limit" else None
         with self._lock:
             entry = self._gpus.get(gpu.uuid)
             if entry is not None and kind in entry.locked:
                 return
             if entry is None:
-                new = LockedGpu(uuid=gpu.uuid, index=gpu.index, locked=(kind,), since=_now())
+                new = LockedGpu(
+                    uuid=gpu.uuid,
+                    index=gpu.index,
+                    locked=(kind,),
+                    since=_now(),
+                    power_limit_w=power_w,
+                )
             else:
-                new = entry.model_copy(update={"locked": (*entry.locked, kind)})
+                update: dict[str, object] = {"locked": (*entry.locked, kind)}
+                if kind == "power_limit":
+                    update["power_limit_w"] = power_w
+                new = entry.model_copy(update=update)
             self._gpus[gpu.uuid] = new
             try:
                 self._write_locked()
@@ -151,6 +176,12 @@ class ResetState:
                 else:
                     self._gpus[gpu.uuid] = entry
                 raise
+
+    def original_power_limit_w(self, gpu: GpuInfo) -> float | None:
+        """The limit recorded before the agent first set ``gpu``'s (None: not recorded)."""
+        with self._lock:
+            entry = self._gpus.get(gpu.uuid)
+            return None if entry is None else entry.power_limit_w
 
     def forget(self, gpu: GpuInfo, kind: ClockKind | None = None) -> None:
         """Drop ``gpu`` (or only its ``kind`` clock) from the record once it has been reset.
@@ -166,7 +197,10 @@ class ResetState:
             if remaining == entry.locked:
                 return
             if remaining:
-                self._gpus[gpu.uuid] = entry.model_copy(update={"locked": remaining})
+                update: dict[str, object] = {"locked": remaining}
+                if "power_limit" not in remaining:
+                    update["power_limit_w"] = None
+                self._gpus[gpu.uuid] = entry.model_copy(update=update)
             else:
                 del self._gpus[gpu.uuid]
             try:
@@ -194,7 +228,7 @@ class ResetState:
             if previous is None:
                 result.corrupt = True
                 todo: list[tuple[GpuInfo, Iterable[ClockKind], LockedGpu | None]] = [
-                    (gpu, ("sm", "memory"), None) for gpu in devices
+                    (gpu, ("sm", "memory", "power_limit"), None) for gpu in devices
                 ]
             else:
                 todo = []
@@ -212,21 +246,15 @@ class ResetState:
                     todo.append((gpu, entry.locked, entry))
             self._gpus = {}
             for gpu, kinds, recorded in todo:
-                left: list[ClockKind] = []
-                try:
-                    backend.force_reset_clocks(gpu.index)
-                except GpuError as exc:
-                    log.error(
-                        "cannot reset the clocks of GPU %d (%s): %s", gpu.index, gpu.uuid, exc
-                    )
-                    left = list(kinds)
-                    result.failed.append((gpu.uuid, f"{exc.reason}: {exc}"))
+                original_w = recorded.power_limit_w if recorded is not None else None
+                left = _restore(backend, gpu, tuple(kinds), original_w, result)
                 if left:
                     self._gpus[gpu.uuid] = LockedGpu(
                         uuid=gpu.uuid,
                         index=gpu.index,
-                        locked=tuple(left),
+                        locked=left,
                         since=recorded.since if recorded is not None else _now(),
+                        power_limit_w=original_w if "power_limit" in left else None,
                     )
                 else:
                     result.reset.append(gpu)
@@ -277,6 +305,37 @@ class ResetState:
                 Path(tmp).unlink()
             raise
         _fsync_dir(self.state_dir)
+
+
+def _restore(
+    backend: GpuBackend,
+    gpu: GpuInfo,
+    kinds: tuple[ClockKind, ...],
+    original_power_limit_w: float | None,
+    result: RecoveryResult,
+) -> tuple[ClockKind, ...]:
+    """Undo ``kinds`` on ``gpu``; what could not be undone (logged, in ``result.failed``)."""
+    left: list[ClockKind] = []
+    if _CLOCKS.intersection(kinds):
+        try:
+            backend.force_reset_clocks(gpu.index)
+        except GpuError as exc:
+            log.error("cannot reset the clocks of GPU %d (%s): %s", gpu.index, gpu.uuid, exc)
+            left += [k for k in kinds if k in _CLOCKS]
+            result.failed.append((gpu.uuid, f"{exc.reason}: {exc}"))
+    if "power_limit" in kinds:
+        try:
+            if original_power_limit_w is None:
+                backend.reset_power_limit(gpu.index)
+            else:
+                backend.set_power_limit(gpu.index, original_power_limit_w)
+        except GpuNotSupportedError:
+            pass  # a GPU without power limits has none to put back
+        except GpuError as exc:
+            log.error("cannot restore the power limit of GPU %d (%s): %s", gpu.index, gpu.uuid, exc)
+            left.append("power_limit")
+            result.failed.append((gpu.uuid, f"{exc.reason}: {exc}"))
+    return tuple(left)
 
 
 def needs_recovery(state_dir: Path | str, filename: str = STATE_FILENAME) -> bool:

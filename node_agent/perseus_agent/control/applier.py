@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.control.gpu_clocks import GpuClocks
+from perseus_agent.control.gpu_power_limits import GpuPowerLimits
 from perseus_agent.control.instruction_clocks import InstructionClocks
 from perseus_agent.control.iteration_stats import IterationStats
 from perseus_agent.control.plan_state import GpuState, PlanState
@@ -97,6 +98,7 @@ class PlanApplier:
         self._lock = self._state.lock
         self._unresolved: list[GpuReport] = []
         self._clocks = GpuClocks(backend, reset_state, self.metrics, self.devices)
+        self._power = GpuPowerLimits(backend, reset_state, self.metrics, self.devices)
         self._instructions = InstructionClocks(self._clocks, self.metrics)
         self._profiling = GpuProfiling(backend, self._clocks, sampler_factory)
         self._iterations = IterationStats(self._state, self.metrics)
@@ -140,9 +142,7 @@ class PlanApplier:
                     continue
                 wanted[gpu.index] = (gpu, a, stage_plan)
 
-            self._release(
-                {*state.gpus, *self._clocks.locked()} - set(wanted), "not in the new plan"
-            )
+            self._release(self._held() - set(wanted), "not in the new plan")
 
             for index, (gpu, a, stage_plan) in sorted(wanted.items()):
                 old = state.gpus.get(index)
@@ -174,6 +174,8 @@ class PlanApplier:
                     self._clocks.lock_stage(g)
                 else:
                     self._instructions.prepare(g, old)
+            for index, (_, a, _) in sorted(wanted.items()):
+                self._power.apply(state.gpus[index], a.power_limit_w)
 
             state.plan = node_plan
             self._unresolved = unresolved
@@ -195,10 +197,10 @@ class PlanApplier:
         return report
 
     def clear(self) -> None:
-        """The plan is gone: reset every clock this agent changed."""
+        """The plan is gone: reset every clock and power limit this agent changed."""
         state = self._state
         with self._lock:
-            self._release({*state.gpus, *self._clocks.locked()}, "plan removed")
+            self._release(self._held(), "plan removed")
             for session in state.sessions.values():
                 session.gpus = []
             if state.plan is not None:
@@ -217,9 +219,10 @@ class PlanApplier:
             return self._report_locked()
 
     def locked_gpus(self) -> list[int]:
-        """Indices of the GPUs whose clocks this agent locked and has not reset."""
+        """Indices of the GPUs whose clocks (or power limits) this agent changed and has not
+        reset."""
         with self._lock:
-            return self._clocks.locked_gpus()
+            return sorted({*self._clocks.locked_gpus(), *self._power.limited()})
 
     def managed_gpus(self) -> dict[int, ManagedGpu]:
         """Labels and target clock of the GPUs under the plan, by index (for the exporter)."""
@@ -309,14 +312,18 @@ class PlanApplier:
             )
         return gpu, ""
 
+    def _held(self) -> set[int]:
+        return {*self._state.gpus, *self._clocks.locked(), *self._power.limited()}
+
     def _release(self, indices: set[int], why: str) -> None:
-        """Stop managing GPUs ``indices`` and reset their clocks."""
+        """Stop managing GPUs ``indices``, reset their clocks and restore their power limits."""
         for index in sorted(indices):
             g = self._state.gpus.pop(index, None)
             if g is not None:
                 log.info("GPU %d (%s) released: %s", index, g.info.uuid, why)
                 g.stop_sampling()
             self._clocks.reset_clock(index)
+            self._power.restore(index)
 
     def _energy_j(self, index: int) -> float | None:
         """The GPU's energy counter for the report (the operator's power budgets derive the
@@ -359,6 +366,8 @@ def _gpu_report(g: GpuState, energy_j: float | None) -> GpuReport:
         applied_mhz=g.applied_mhz,
         status=g.status,
         message=g.message,
+        power_limit_w=g.power_limit_w,
+        power_limit_message=g.power_limit_message,
     )
 
 

@@ -50,6 +50,10 @@ class GpuState:
     profiler: StageProfiler | None = None
     """Profiling: the measurements (created with the GPU's state, ``None`` otherwise)."""
     profile_reported: bool = False
+    power_limit_w: float | None = None
+    """The power limit the agent set on the GPU for the plan (watts; ``None``: none)."""
+    power_limit_message: str = ""
+    """Why the plan's power limit was not set as written."""
 
     def same_plan(
         self,

@@ -4,6 +4,12 @@ Units are in the names. Every method raises a subclass of
 :class:`perseus_agent.errors.GpuError` on failure, never a library exception.
 Setters do nothing (and return ``False``) when the GPU is already in the
 requested state, so callers may re-apply a plan freely.
+
+Power limits (the GPU's power management limit, ``nvidia-smi -pl``): the setter refuses a limit
+outside the GPU's constraints with :class:`~perseus_agent.errors.GpuInvalidArgumentError` naming
+the range; clamping is the caller's decision (the agent clamps and reports it). Backends without
+power limits raise :class:`~perseus_agent.errors.GpuNotSupportedError` from every power-limit
+method (the default here).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Final
 
-from perseus_agent.errors import GpuNotSupportedError
+from perseus_agent.errors import GpuInvalidArgumentError, GpuNotSupportedError
 
 CLOCK_EVENT_REASONS: Final[dict[str, int]] = {
     "gpu_idle": 0x1,
@@ -29,6 +35,19 @@ CLOCK_EVENT_REASONS: Final[dict[str, int]] = {
 }
 """Clock event ("throttle") reasons by metric label, with their ``nvmlClocksEventReason*`` bit
 (nvml.h; part of the library's ABI)."""
+
+
+@dataclass(frozen=True)
+class PowerLimitRange:
+    """What a GPU's power limit may be set to, and its default, in watts."""
+
+    min_w: float
+    max_w: float
+    default_w: float
+
+    def clamp_w(self, limit_w: float) -> float:
+        """``limit_w`` brought within ``[min_w, max_w]``."""
+        return min(self.max_w, max(self.min_w, limit_w))
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,38 @@ class GpuBackend(ABC):
             f"GPU {index}: this backend has no application clocks", gpu_index=index
         )
 
+    # -- power limits (optional: the defaults say the backend has none) ----------------------
+
+    def power_limit_w(self, index: int) -> float:
+        """The power management limit in force.
+
+        Raises:
+            GpuNotSupportedError: the backend or GPU has no power limit.
+        """
+        raise _no_power_limits(index)
+
+    def power_limit_range_w(self, index: int) -> PowerLimitRange:
+        """The limits the GPU accepts (min, max) and its default.
+
+        Raises:
+            GpuNotSupportedError: the backend or GPU has no power limit.
+        """
+        raise _no_power_limits(index)
+
+    def set_power_limit(self, index: int, limit_w: float) -> bool:
+        """Set the power limit; ``False`` if it is in force already.
+
+        Raises:
+            GpuInvalidArgumentError: ``limit_w`` is outside :meth:`power_limit_range_w`.
+            GpuNotSupportedError: the backend or GPU has no power limit.
+        """
+        raise _no_power_limits(index)
+
+    def reset_power_limit(self, index: int) -> bool:
+        """Put the GPU's default power limit back; ``False`` if it is in force already."""
+        default_w = self.power_limit_range_w(index).default_w
+        return self.set_power_limit(index, default_w)
+
     def force_reset_clocks(self, index: int) -> None:
         """Reset SM and memory clock locks whoever set them.
 
@@ -118,3 +169,17 @@ class GpuBackend(ABC):
         """The supported clock closest to ``clock_mhz`` (the higher one on a tie)."""
         clocks = self.supported_sm_clocks_mhz(index)
         return min(clocks, key=lambda c: (abs(c - clock_mhz), -c))
+
+
+def _no_power_limits(index: int) -> GpuNotSupportedError:
+    return GpuNotSupportedError(f"GPU {index}: this backend has no power limits", gpu_index=index)
+
+
+def check_power_limit(index: int, limit_w: float, allowed: PowerLimitRange) -> None:
+    """Raise :class:`GpuInvalidArgumentError` unless ``limit_w`` is within ``allowed``."""
+    if not allowed.min_w <= limit_w <= allowed.max_w:
+        raise GpuInvalidArgumentError(
+            f"GPU {index}: power limit {limit_w:g} W is outside what the GPU accepts "
+            f"({allowed.min_w:g}..{allowed.max_w:g} W)",
+            gpu_index=index,
+        )

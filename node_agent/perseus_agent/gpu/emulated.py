@@ -18,6 +18,10 @@ The workload side (an emulated training rank) drives the activity with :meth:`se
 and asks :meth:`instruction_time_s` how long an instruction takes at the current clock; the
 agent side uses the :class:`GpuBackend` methods.
 
+Under a power limit each computation runs at its highest profiled clock (not above the locked
+one) whose power fits, as firmware capping does and ``perseus simulate --power-budget``'s uniform
+cap assumes (reason ``sw_power_cap``). Limits: blocking power .. the profile's highest (default).
+
 A GPU can be made a straggler with :meth:`set_slowdown`: a factor ``>= 1`` by which its
 instructions take longer than the profile says, at the same power (as a thermally throttled
 or degraded GPU would), so the energy of each instruction grows by that factor too.
@@ -45,7 +49,13 @@ from perseus_agent.errors import (
     GpuInvalidArgumentError,
     GpuNotFoundError,
 )
-from perseus_agent.gpu.base import CLOCK_EVENT_REASONS, GpuBackend, GpuInfo
+from perseus_agent.gpu.base import (
+    CLOCK_EVENT_REASONS,
+    GpuBackend,
+    GpuInfo,
+    PowerLimitRange,
+    check_power_limit,
+)
 from perseus_agent.gpu.emulated_profile import ProfileModel, finite_number, slowdown_factor
 from perseus_agent.gpu.emulated_state import Activity, GpuState, SharedGpuStates, Transaction
 from perseus_api.profile import INSTRUCTIONS, Profile, load_profile
@@ -109,6 +119,8 @@ class EmulatedBackend(GpuBackend):
         self._clocks_mhz = model.clocks_mhz
         self._clock_set = model.clock_set
         self._max_clock_mhz = model.max_clock_mhz
+        top_w = float(math.ceil(max(model.max_power_w, self._blocking_power_w)))
+        self._power_limits = PowerLimitRange(float(math.ceil(self._blocking_power_w)), top_w, top_w)
 
         self._infos = [
             GpuInfo(index=i, uuid=f"GPU-emu-{node_name}-{i}", name=model.gpu_name)
@@ -257,6 +269,8 @@ class EmulatedBackend(GpuBackend):
                 reasons |= CLOCK_EVENT_REASONS["gpu_idle"]
             if gpu.locked_sm_clock_mhz is not None:
                 reasons |= CLOCK_EVENT_REASONS["user_defined_clocks"]
+            if self._current_clock_mhz(gpu) < self._requested_clock_mhz(gpu):
+                reasons |= CLOCK_EVENT_REASONS["sw_power_cap"]
             return reasons
 
     def application_sm_clocks_mhz(self, index: int) -> tuple[int, int]:
@@ -264,6 +278,28 @@ class EmulatedBackend(GpuBackend):
         with self._transaction(write=False) as txn:
             self._gpu(txn, index)
         return self._max_clock_mhz, self._max_clock_mhz
+
+    def power_limit_w(self, index: int) -> float:
+        with self._transaction(write=False) as txn:
+            limit_w = self._gpu(txn, index).power_limit_w
+        return self._power_limits.default_w if limit_w is None else limit_w
+
+    def power_limit_range_w(self, index: int) -> PowerLimitRange:
+        with self._transaction(write=False) as txn:
+            self._gpu(txn, index)
+        return self._power_limits
+
+    def set_power_limit(self, index: int, limit_w: float) -> bool:
+        with self._transaction(write=True) as txn:
+            gpu = self._gpu(txn, index)
+            check_power_limit(index, limit_w, self._power_limits)
+            new = None if limit_w == self._power_limits.default_w else float(limit_w)
+            if gpu.power_limit_w == new:
+                return False
+            self._bank_energy(gpu)  # the clock may change with the limit
+            gpu.power_limit_w = new
+            txn.dirty = True
+            return True
 
     # -- emulation only ---------------------------------------------------------------------
 
@@ -412,8 +448,16 @@ class EmulatedBackend(GpuBackend):
             raise gpu.fault.with_traceback(None)
         return gpu
 
-    def _current_clock_mhz(self, gpu: GpuState) -> int:
+    def _requested_clock_mhz(self, gpu: GpuState) -> int:
         return self._max_clock_mhz if gpu.locked_sm_clock_mhz is None else gpu.locked_sm_clock_mhz
+
+    def _current_clock_mhz(self, gpu: GpuState) -> int:
+        """The clock the GPU runs at: the requested one, lowered under a power limit for the
+        computation it runs (idle, it draws the blocking power whatever the clock)."""
+        requested = self._requested_clock_mhz(gpu)
+        if gpu.power_limit_w is None or gpu.activity is None:
+            return requested
+        return self._model.capped_clock_mhz(gpu.activity, requested, gpu.power_limit_w)
 
     def _power_w(self, gpu: GpuState) -> float:
         if gpu.activity is None:
@@ -452,6 +496,9 @@ class EmulatedBackend(GpuBackend):
             raise ValueError(f"GPU {index} is locked at unsupported clock {locked}")
         if gpu.activity is not None:
             self._model.activity(*gpu.activity)
+        limits, limit_w = self._power_limits, gpu.power_limit_w
+        if limit_w is not None and not limits.min_w <= limit_w <= limits.max_w:
+            raise ValueError(f"GPU {index} has power limit {limit_w} W, outside this profile's")
         finite_number(gpu.energy_j, "energy_j")
         finite_number(gpu.last_change_s, "last_change_s")
         slowdown_factor(gpu.slowdown)

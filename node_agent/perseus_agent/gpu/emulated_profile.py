@@ -81,6 +81,23 @@ class ProfileModel:
         """The profiled average power of ``activity`` at ``clock_mhz`` (or the nearest)."""
         return self._tables[activity].at(clock_mhz).power_w
 
+    @property
+    def max_power_w(self) -> float:
+        """The highest average power of any (stage, instruction) at any profiled clock."""
+        return max(m.power_w for t in self._tables.values() for m in t.by_clock_mhz.values())
+
+    def capped_clock_mhz(self, activity: Activity, clock_mhz: int, limit_w: float) -> int:
+        """The clock ``activity`` runs at when ``clock_mhz`` is asked for under a power limit of
+        ``limit_w``: its highest profiled clock not above ``clock_mhz`` whose power fits the
+        limit, else its lowest (the firmware throttles no further), as the uniform-cap baseline
+        of ``perseus simulate --power-budget`` does (``JobModel.capped_clocks``)."""
+        by_clock = self._tables[activity].by_clock_mhz
+        lowest = min(by_clock)
+        for clock in sorted(by_clock, reverse=True):
+            if clock <= clock_mhz and by_clock[clock].power_w <= limit_w:
+                return clock
+        return min(lowest, clock_mhz)
+
     def activity(self, stage: int | None, instruction: str | None) -> Activity | None:
         """``(stage, instruction)`` checked against the profile; ``None`` for both: idle.
 

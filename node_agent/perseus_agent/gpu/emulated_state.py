@@ -15,7 +15,8 @@ Layout (little-endian)::
     per GPU: uuid 64s, locked SM clock i32, locked memory clock i32 (-1: not locked),
              energy f64 (J), busy f64 (s), last change f64 (s), slowdown f64,
              activity stage i32, instruction i32 (-1: idle), fault type 48s, reason 48s,
-             message 256s (empty type: no fault), injected clock event reasons u64
+             message 256s (empty type: no fault), injected clock event reasons u64,
+             power limit f64 (W; NaN: the default)
 
 The generation is odd while a writer is changing records and even otherwise: a reader finds
 it odd only when a writer died in the middle of a write (the file is then refused, never read
@@ -28,6 +29,7 @@ rather than a ``SIGBUS``.
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import struct
@@ -46,11 +48,11 @@ __all__ = ["Activity", "GpuState", "SharedGpuStates", "Transaction"]
 Activity = tuple[int, str]
 
 _MAGIC = b"PERSEMU\x00"
-_VERSION = 3
+_VERSION = 4
 _HEADER = struct.Struct("<8sIIQ")
 _GENERATION_OFFSET = 16
 _GENERATION = struct.Struct("<Q")
-_RECORD = struct.Struct("<64sii4dii48s48s256sQ")
+_RECORD = struct.Struct("<64sii4dii48s48s256sQd")
 _NONE = -1
 _TEXT_LIMITS = {"uuid": 64, "type": 48, "reason": 48, "message": 256}
 
@@ -76,6 +78,8 @@ class GpuState:
     slowdown: float = 1.0
     event_reasons: int = 0
     """Clock event reasons injected by a test (power cap, slowdown, ...), a bit mask."""
+    power_limit_w: float | None = None
+    """The power limit set (``None``: the default, which caps nothing)."""
 
 
 @dataclass
@@ -290,11 +294,13 @@ class SharedGpuStates:
             _text(fault.reason if fault else "", "reason"),
             _text(str(fault) if fault else "", "message"),
             gpu.event_reasons,
+            math.nan if gpu.power_limit_w is None else gpu.power_limit_w,
         )
 
     def _unpack(self, mm: mmap.mmap, index: int) -> GpuState:
+        offset = _HEADER.size + index * _RECORD.size
         (uuid, sm, memory, energy, busy, last, slowdown, stage, instruction, ftype, reason, msg,
-         event_reasons) = _RECORD.unpack_from(mm, _HEADER.size + index * _RECORD.size)  # fmt: skip
+         event_reasons, power_limit) = _RECORD.unpack_from(mm, offset)  # fmt: skip
         found = uuid.rstrip(b"\0").decode("utf-8", "replace")
         if found != self._uuids[index]:
             raise GpuError(
@@ -321,6 +327,7 @@ class SharedGpuStates:
             fault=fault,
             slowdown=slowdown,
             event_reasons=event_reasons,
+            power_limit_w=None if math.isnan(power_limit) else power_limit,
         )
         try:
             self._validate(index, gpu)

@@ -11,7 +11,9 @@ Setters skip changes that would not change anything. What counts as the current 
 what *this* backend locked: NVML cannot say whether a clock is "locked" (only the current
 clock, which also moves with load and temperature). A lock left behind by another process
 (for instance an agent that was SIGKILLed) is therefore invisible to ``reset_sm_clock`` and
-``reset_memory_clock``; :meth:`NvmlBackend.force_reset_clocks` clears it.
+``reset_memory_clock``; :meth:`NvmlBackend.force_reset_clocks` clears it. Power limits are
+different: NVML reads the limit in force, so their no-op check asks NVML (in milliwatts, NVML's
+unit), and any process's limit is seen.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from perseus_agent.errors import (
     GpuNotFoundError,
     GpuNotSupportedError,
 )
-from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.gpu.base import GpuBackend, GpuInfo, PowerLimitRange, check_power_limit
 
 __all__ = ["NvmlBackend"]
 
@@ -97,7 +99,7 @@ _INIT_LIBRARY_ERRORS = frozenset(
 
 _HINTS: dict[type[GpuError], str] = {
     GpuNoPermissionError: (
-        "changing clocks needs root (CAP_SYS_ADMIN) in the node agent's container"
+        "changing clocks or power limits needs root (CAP_SYS_ADMIN) in the node agent's container"
     ),
     GpuLostError: "the GPU stopped responding; it needs a reset or a node reboot",
 }
@@ -200,6 +202,7 @@ class NvmlBackend(GpuBackend):
         self._locked_memory_mhz: dict[int, int] = {}
         # GPUs without an energy counter, and their integrated energy.
         self._power_integrals: dict[int, _PowerIntegral] = {}
+        self._power_limit_ranges: dict[int, PowerLimitRange] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -401,6 +404,38 @@ class NvmlBackend(GpuBackend):
                     locked.pop(index, None)
             if errors:
                 raise errors[0]
+
+    # -- power limits (NVML's unit: milliwatts) ---------------------------------------------
+
+    def power_limit_w(self, index: int) -> float:
+        with self._lock:
+            handle = self._handle(index)
+            return int(self._call(index, "nvmlDeviceGetPowerManagementLimit", handle)) / 1000.0
+
+    def power_limit_range_w(self, index: int) -> PowerLimitRange:
+        with self._lock:
+            cached = self._power_limit_ranges.get(index)
+            if cached is None:
+                handle = self._handle(index)
+                min_mw, max_mw = self._call(
+                    index, "nvmlDeviceGetPowerManagementLimitConstraints", handle
+                )
+                default_mw = self._call(index, "nvmlDeviceGetPowerManagementDefaultLimit", handle)
+                cached = PowerLimitRange(
+                    int(min_mw) / 1000.0, int(max_mw) / 1000.0, int(default_mw) / 1000.0
+                )
+                self._power_limit_ranges[index] = cached
+            return cached
+
+    def set_power_limit(self, index: int, limit_w: float) -> bool:
+        with self._lock:
+            check_power_limit(index, limit_w, self.power_limit_range_w(index))
+            limit_mw = round(limit_w * 1000.0)
+            handle = self._handle(index)
+            if int(self._call(index, "nvmlDeviceGetPowerManagementLimit", handle)) == limit_mw:
+                return False
+            self._call(index, "nvmlDeviceSetPowerManagementLimit", handle, limit_mw)
+            return True
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from perseus_agent.errors import GpuReleasedError
-from perseus_agent.gpu.base import GpuBackend, GpuInfo
+from perseus_agent.gpu.base import GpuBackend, GpuInfo, PowerLimitRange
 
 __all__ = ["ReleasableBackend"]
 
@@ -42,8 +42,8 @@ class ReleasableBackend(GpuBackend):
             return self._inner is None
 
     def release(self) -> None:
-        """Close the backend (nothing if already released). Clock locks stay as they are:
-        reset them first."""
+        """Close the backend (nothing if already released). Clock locks and power limits stay
+        as they are: reset them first."""
         with self._lock:
             inner, self._inner = self._inner, None
             if inner is not None:
@@ -133,6 +133,22 @@ class ReleasableBackend(GpuBackend):
     def nearest_supported_sm_clock_mhz(self, index: int, clock_mhz: int) -> int:
         with self._lock:
             return self._backend(index).nearest_supported_sm_clock_mhz(index, clock_mhz)
+
+    def power_limit_w(self, index: int) -> float:
+        with self._lock:
+            return self._backend(index).power_limit_w(index)
+
+    def power_limit_range_w(self, index: int) -> PowerLimitRange:
+        with self._lock:
+            return self._backend(index).power_limit_range_w(index)
+
+    def set_power_limit(self, index: int, limit_w: float) -> bool:
+        with self._lock:
+            return self._backend(index).set_power_limit(index, limit_w)
+
+    def reset_power_limit(self, index: int) -> bool:
+        with self._lock:
+            return self._backend(index).reset_power_limit(index)
 
     def close(self) -> None:
         self.release()

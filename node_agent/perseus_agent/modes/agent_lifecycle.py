@@ -164,14 +164,19 @@ class _Agent:
                 runner = mode.open(backend, guard, reset_state)
             except (GpuError, OSError) as exc:
                 raise StartupError(
-                    f"cannot reset the clocks left by a previous run: {exc}"
+                    f"cannot reset the clocks and power limits left by a previous run: {exc}"
                 ) from None
 
             plans = runner.plans
             metrics = plans.metrics
             metrics.registry.register(
                 GpuCollector(
-                    guard, plans.devices, metrics, plans.managed_gpus, foreign=guard.foreign
+                    guard,
+                    plans.devices,
+                    metrics,
+                    plans.managed_gpus,
+                    foreign=guard.foreign,
+                    foreign_power=guard.foreign_power_limits,
                 )
             )
             try:

@@ -76,6 +76,7 @@ from perseus_operator.jobs.phase_decisions import (
     request_key,
 )
 from perseus_operator.jobs.planning import PlanningError, choose_plan
+from perseus_operator.jobs.power_limits import limits_changed, power_limits_w
 from perseus_operator.jobs.profile_store import GpuProducts
 from perseus_operator.jobs.running_decisions import (
     decide_running,
@@ -158,6 +159,7 @@ async def reconcile(
     now = time.time() if now_s is None else now_s
     step = _Step(ref, status, io, planner, memo, now, saved_detector)
     step.power_target_s = power_target_s(metadata.get("annotations"))
+    step.power_limits_w = power_limits_w(metadata.get("annotations"))
     try:
         raw_spec = body.get("spec") or {}
         spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
@@ -198,6 +200,7 @@ class _Step:
         self.iterations = 0
         self.new_stragglers = 0
         self.power_target_s: float | None = None
+        self.power_limits_w: dict[str, float] = {}
 
     def outcome(self) -> Outcome:
         changed = phase_event(self.before, self.status)
@@ -356,7 +359,9 @@ class _Step:
             retargeted = await asyncio.to_thread(
                 choose_plan, frontier, spec.policy, straggler_target_s=retarget_s
             )
-        decision = decide_plans(spec, self.status, self.ref, ranks, tmin, retargeted, stragglers)
+        decision = decide_plans(
+            spec, self.status, self.ref, ranks, tmin, retargeted, stragglers, self.power_limits_w
+        )
         await self.apply(decision)
 
     async def _run(self, spec: PerseusJobSpec, ranks: Sequence[RankPlacement]) -> None:
@@ -378,7 +383,9 @@ class _Step:
         running = decide_running(spec, self.status, gen, plans, verdict, detector.reference_s)
         self.iterations, self.new_stragglers = running.iterations, running.new_stragglers
         await self.apply(running.decision)
-        power_changed = self.power_target_s != self.memo.power_target_s
+        power_changed = self.power_target_s != self.memo.power_target_s or (
+            limits_changed(self.power_limits_w, plans)  # a budget's backstop, in the plans
+        )
         if running.replan or power_changed:
             # A power budget's target slows every healthy replica as a straggler's T' does;
             # with both, the slower of the two.

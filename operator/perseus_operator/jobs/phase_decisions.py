@@ -10,7 +10,7 @@ needs) comes out; :mod:`perseus_operator.jobs.lifecycle` reads, solves and write
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,10 +339,12 @@ def decide_plans(
     tmin: PipelinePlan,
     retargeted: PipelinePlan | None,
     stragglers: Collection[int],
+    power_limits_w: Mapping[str, float] | None = None,
 ) -> Decision:
     """A new plan revision: ``tmin`` (T_min or the slowdown budget) for every replica, or
     ``retargeted`` (the straggler target) for all but the ``stragglers``; phase ``Running``.
-    In mode Observe no node plan is written (the plans are only reported)."""
+    In mode Observe no node plan is written (the plans are only reported). ``power_limits_w``:
+    a power budget's per-GPU limits, by node (:mod:`perseus_operator.jobs.power_limits`)."""
     d = StatusDraft(status, ref.generation)
     s = d.status
     plans = {TMIN_PLAN: tmin}
@@ -374,6 +376,7 @@ def decide_plans(
             ranks=ranks,
             plans=plans,
             plan_of_replica=plan_of_replica,
+            power_limits_w=power_limits_w,
         )
         d.do(ReplaceNodePlans(node_plans))
         s.message = (

@@ -262,11 +262,13 @@ def get_node_plans(
     plans: Mapping[str, PipelinePlan],
     plan_of_replica: Mapping[int, str],
     profiling: ProfilingSpec | None = None,
+    power_limits_w: Mapping[str, float] | None = None,
 ) -> dict[str, NodePlan]:
     """One :class:`NodePlan` per node running ``ranks``: every GPU follows the plan of its
     data-parallel replica (``plan_of_replica``, default :data:`TMIN_PLAN`), at its pipeline
     stage. With ``profiling`` the agents measure instead (the plans still say which GPU runs
-    which stage)."""
+    which stage). ``power_limits_w``: a power budget's limit for each GPU, by node."""
+    limits_w = power_limits_w or {}
     by_node: dict[str, list[GpuAssignment]] = {}
     for r in ranks:
         name = plan_of_replica.get(r.dp_rank, TMIN_PLAN)
@@ -283,6 +285,7 @@ def get_node_plans(
                 tp_rank=r.tp_rank,
                 rank=r.rank,
                 pod=r.pod,
+                power_limit_w=limits_w.get(r.node),
             )
         )
     result = {}

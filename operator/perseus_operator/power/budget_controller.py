@@ -17,6 +17,12 @@ plans from its frontier for that time (the slower of it and a straggler's ``T'``
 budget's allocation any more (its budget deleted, the job moved away) gets its annotation
 removed, so it returns to ``T_min``.
 
+With ``enforcement: PlansAndPowerLimits`` each job also gets the power limit of its GPUs, by
+node (:func:`~perseus_operator.power.budget_decisions.gpu_power_limits`), in its annotation
+:data:`~perseus_operator.jobs.power_limits.POWER_LIMITS_ANNOTATION`; its reconcile writes them
+into its node plans. A job no ``PlansAndPowerLimits`` budget covers gets that annotation removed,
+so its plans lose their limits and the agents put the GPUs' own limits back.
+
 A round that cannot read everything changes nothing (a partial view could look like jobs
 ended); one failed write is logged and the rest of the round goes on.
 """
@@ -40,6 +46,8 @@ from perseus_api.power_budget import (
 from perseus_api.resources import object_key
 from perseus_operator.cluster.kube.client import KubeClient, KubeError
 from perseus_operator.jobs.job_decisions import POWER_TARGET_ANNOTATION
+from perseus_operator.jobs.power_limits import POWER_LIMITS_ANNOTATION
+from perseus_operator.jobs.power_limits import annotation_value as limits_annotation
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.power.budget_decisions import (
     BudgetDecision,
@@ -47,6 +55,8 @@ from perseus_operator.power.budget_decisions import (
     DomainJob,
     JobKey,
     decide_budget,
+    gpu_power_limits,
+    job_gpus_by_node,
     overlapping_nodes,
 )
 from perseus_operator.power.domain import (
@@ -167,6 +177,7 @@ class BudgetController:
         frontiers = self._frontiers()
         decisions: dict[str, BudgetDecision] = {}
         wanted: dict[JobKey, str | None] = {}
+        limits: dict[JobKey, dict[str, float]] = {}
         for name, (body, spec) in sorted(valid.items()):
             own = domains[name] - shared[name]  # a node in two domains is in neither
             decision, targets = await self._round(
@@ -174,7 +185,11 @@ class BudgetController:
             )
             decisions[name] = decision
             wanted.update(targets)
+            gpus = job_gpus_by_node(own, node_plans)
+            for key, by_node in gpu_power_limits(spec, decision.memo.assigned, gpus).items():
+                limits.setdefault(key, {}).update(by_node)
         await self._retarget(wanted, jobs)
+        await self._limit(limits, jobs)
         for gone in set(self._budgets) - set(valid):
             del self._budgets[gone]
             if self._metrics is not None:
@@ -306,6 +321,29 @@ class BudgetController:
                 continue
             log.info("PerseusJob %s/%s re-targeted for its power budget: %s", key[0], key[1],
                      "T_min" if value is None else f"{value} s")  # fmt: skip
+
+    async def _limit(
+        self, limits: Mapping[JobKey, Mapping[str, float]], jobs: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Write each job's per-GPU power limits annotation where it differs from ``limits``
+        (removed from jobs no ``PlansAndPowerLimits`` budget covers); compared with what the API
+        shows, so a failed write is made again at the next round."""
+        for job in jobs:
+            key = object_key(job)
+            annotations = (job.get("metadata") or {}).get("annotations") or {}
+            value = limits_annotation(limits.get(key) or {})
+            if annotations.get(POWER_LIMITS_ANNOTATION) == value:
+                continue
+            patch = {"metadata": {"annotations": {POWER_LIMITS_ANNOTATION: value}}}
+            try:
+                await self._kube.patch_job(key[0], key[1], patch)
+            except KubeError as exc:
+                if not exc.not_found:
+                    log.warning("could not set the power limits of PerseusJob %s/%s: %s", *key,
+                                exc)  # fmt: skip
+                continue
+            log.info("PerseusJob %s/%s: GPU power limits %s", key[0], key[1],
+                     "removed" if value is None else value)  # fmt: skip
 
     async def _read_namespaced(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Every node plan and PerseusJob the operator manages (namespace by namespace when it

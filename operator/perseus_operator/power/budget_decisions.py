@@ -11,26 +11,33 @@ appears or recovers (a job's floor changes), or the unmanaged GPUs' draw moves b
 ``rebalanceBandRatio`` of the budget; otherwise the last allocation stands. Hysteresis on each
 job: after a re-solve a job keeps its current point when the new one is within the band of its
 own watts and keeping it still fits the budget, so small changes do not rewrite every plan.
+
+With ``enforcement: PlansAndPowerLimits``, :func:`gpu_power_limits` gives each managed GPU its
+share of its job's allocated watts plus the safety margin, as a per-GPU power limit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from perseus_api.conventions import now_rfc3339
+from perseus_api.node_plan import MAX_POWER_LIMIT_W, MIN_POWER_LIMIT_W
 from perseus_api.power_budget import (
     MAX_JOBS_REPORTED,
     BudgetCondition,
     BudgetConditionType,
+    Enforcement,
     JobAllocation,
     PerseusPowerBudgetSpec,
     PerseusPowerBudgetStatus,
 )
+from perseus_api.resources import JOB_LABEL, object_key
 from perseus_planner.power import JobPoints, allocate
 
 JobKey = tuple[str, str]
@@ -338,3 +345,56 @@ def overlapping_nodes(domains: Mapping[str, Iterable[str]]) -> dict[str, set[str
             owners.setdefault(node, set()).add(budget)
     shared = {node for node, budgets in owners.items() if len(budgets) > 1}
     return {budget: set(nodes) & shared for budget, nodes in domains.items()}
+
+
+# -- the backstop: per-GPU power limits (enforcement PlansAndPowerLimits) --------------------------
+
+
+def job_gpus_by_node(
+    nodes: Collection[str], node_plans: Iterable[Mapping[str, Any]]
+) -> dict[JobKey, dict[str, int]]:
+    """Each job's GPUs on the domain's ``nodes``, by node, from its node plans' assignments."""
+    out: dict[JobKey, dict[str, int]] = {}
+    for plan in node_plans:
+        spec = plan.get("spec") or {}
+        node, assignments = spec.get("node"), spec.get("assignments")
+        if not isinstance(node, str) or node not in nodes:
+            continue
+        if not isinstance(assignments, list) or not assignments:
+            continue
+        namespace, _ = object_key(plan)
+        job = spec.get("job") or ((plan.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
+        if not isinstance(job, str) or not job:
+            continue
+        by_node = out.setdefault((namespace, job), {})
+        by_node[node] = by_node.get(node, 0) + len(assignments)
+    return out
+
+
+def gpu_power_limits(
+    spec: PerseusPowerBudgetSpec,
+    assigned: Mapping[JobKey, Assigned],
+    gpus: Mapping[JobKey, Mapping[str, int]],
+) -> dict[JobKey, dict[str, float]]:
+    """The hard backstop: the power limit of each managed GPU, by job and node.
+
+    Empty unless the budget's enforcement is ``PlansAndPowerLimits``. A job's GPUs share its
+    allocated watts equally (the allocation's average draw of all its GPUs, ``assigned``, over
+    its GPUs in the domain, ``gpus``), plus the budget's safety margin on top
+    (``share x (1 + safetyMarginRatio)``): the limits sum to about the budget while the plans aim
+    below it, so the limits bite only when a job draws more than its plan said. Rounded to a
+    tenth of a watt and kept within the node plan's bounds; the agents clamp further to what
+    each GPU accepts.
+    """
+    if spec.enforcement != Enforcement.PLANS_AND_POWER_LIMITS:
+        return {}
+    out: dict[JobKey, dict[str, float]] = {}
+    for key, share in sorted(assigned.items()):
+        by_node = gpus.get(key) or {}
+        count = sum(by_node.values())
+        if count <= 0 or not math.isfinite(share.watts) or share.watts <= 0:
+            continue
+        limit_w = round(share.watts / count * (1.0 + spec.safety_margin_ratio), 1)
+        limit_w = min(max(limit_w, MIN_POWER_LIMIT_W), MAX_POWER_LIMIT_W)
+        out[key] = dict.fromkeys(sorted(by_node), limit_w)
+    return out

@@ -1,5 +1,7 @@
-"""A killed agent's locks are undone by the next start whatever else is wrong with it, and one
-agent per state directory (subprocesses over emulated GPUs shared through their state file)."""
+"""A killed agent's locks and power limits are undone by the next start whatever else is wrong
+with it, and one agent per state directory (subprocesses over emulated GPUs shared through their
+state file). The plans set a power limit on every GPU (a power budget's backstop): each fault
+below must give the GPUs their default limit back as it resets their clocks."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from support.agent_process import (
     Agent,
     locked_clocks,
     plan_document,
+    power_limits,
     source_env,
     wait_for,
 )
@@ -25,6 +28,19 @@ from support.agent_process import (
 pytest.importorskip("perseus_agent.gpu.emulated")
 
 RESET_LINE = "reset the clocks of 2 GPU(s) left by a previous run: 0, 1"
+LIMIT_W = 250.0
+DEFAULT_LIMIT_W = 482.0  # the emulated A100's: the bundled profile's highest power, rounded up
+HELD = ([1200, 1005], [LIMIT_W, LIMIT_W])
+RESET = ([None, None], [DEFAULT_LIMIT_W, DEFAULT_LIMIT_W])
+
+
+def gpus(agent: Agent) -> tuple[list[int | None], list[float]]:
+    """The clocks and power limits of the agent's GPUs."""
+    return agent.clocks(), power_limits(agent.gpu_state)
+
+
+def limited_plan() -> dict[str, object]:
+    return plan_document(power_limit_w=LIMIT_W)
 
 
 def run_to_exit(
@@ -62,11 +78,12 @@ def record(agent: Agent) -> list[int]:
 
 
 def kill_with_locked_clocks(agent: Agent) -> None:
-    agent.plan_file.write_text(json.dumps(plan_document()))
+    assert gpus(agent) == RESET
+    agent.plan_file.write_text(json.dumps(limited_plan()))
     agent.start()
-    wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks", agent)
+    wait_for(lambda: gpus(agent) == HELD, "the plan's clocks and power limits", agent)
     assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
-    assert agent.clocks() == [1200, 1005]  # the hardware kept the locks
+    assert gpus(agent) == HELD  # the hardware kept the locks and limits
     assert record(agent) == [0, 1]
 
 
@@ -92,7 +109,7 @@ def test_restart_with_a_bad_plan_file_still_resets_the_killed_agents_clocks(
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert RESET_LINE in done.stderr
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
     assert record(agent) == []
 
 
@@ -105,10 +122,10 @@ def test_restart_without_its_plan_file_resets_the_killed_agents_clocks_and_waits
     agent.plan_file.unlink()
     agent.start()
     wait_for(lambda: RESET_LINE in agent.log, "the reset of the killed agent's clocks", agent)
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
     assert record(agent) == []
     assert agent.stop() == 0
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
 
 
 def test_restart_with_an_unloadable_kubeconfig_still_resets_the_killed_agents_clocks(
@@ -123,7 +140,7 @@ def test_restart_with_an_unloadable_kubeconfig_still_resets_the_killed_agents_cl
     assert done.returncode == 1, done.stderr
     assert f"cannot load the kubeconfig {missing}" in done.stderr
     assert RESET_LINE in done.stderr
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
     assert record(agent) == []
 
 
@@ -147,7 +164,7 @@ def test_restart_on_a_taken_metrics_port_still_resets_the_killed_agents_clocks(
     assert done.returncode == 1, done.stderr
     assert "cannot serve metrics" in done.stderr
     assert RESET_LINE in done.stderr
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
 
 
 # -- 2. one agent per state directory -----------------------------------------------------------
@@ -157,9 +174,9 @@ def test_restart_on_a_taken_metrics_port_still_resets_the_killed_agents_clocks(
 def test_second_agent_on_the_same_state_dir_changes_nothing(
     agent: Agent, socket_dir: Path, same_socket_dir: bool
 ) -> None:
-    agent.plan_file.write_text(json.dumps(plan_document()))
+    agent.plan_file.write_text(json.dumps(limited_plan()))
     agent.start()
-    wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks", agent)
+    wait_for(lambda: gpus(agent) == HELD, "the plan's clocks and power limits", agent)
     before = (agent.state_dir / STATE_FILENAME).read_bytes()
 
     other = None if same_socket_dir else socket_dir / "second"
@@ -170,7 +187,7 @@ def test_second_agent_on_the_same_state_dir_changes_nothing(
     assert f"(pid {agent.proc.pid if agent.proc else '?'})" in done.stderr
     assert "this one changed nothing" in done.stderr
     assert "reset the clocks" not in done.stderr
-    assert agent.clocks() == [1200, 1005]
+    assert gpus(agent) == HELD
     assert (agent.state_dir / STATE_FILENAME).read_bytes() == before
     assert agent.healthy() and (agent.socket_dir / "agent.sock").exists()
     if other is not None:
@@ -178,16 +195,16 @@ def test_second_agent_on_the_same_state_dir_changes_nothing(
 
     # The first agent still knows its locks: SIGTERM resets them.
     assert agent.stop(signal.SIGTERM) == 0
-    assert agent.clocks() == [None, None]
+    assert gpus(agent) == RESET
     assert record(agent) == []
 
 
 def test_second_agent_with_a_bad_plan_leaves_the_running_agents_clocks_alone(
     agent: Agent,
 ) -> None:
-    agent.plan_file.write_text(json.dumps(plan_document()))
+    agent.plan_file.write_text(json.dumps(limited_plan()))
     agent.start()
-    wait_for(lambda: agent.clocks() == [1200, 1005], "the plan's clocks", agent)
+    wait_for(lambda: gpus(agent) == HELD, "the plan's clocks and power limits", agent)
     bad = agent.workdir / "bad.json"
     bad.write_text("{not json")
 
@@ -195,7 +212,7 @@ def test_second_agent_with_a_bad_plan_leaves_the_running_agents_clocks_alone(
 
     assert done.returncode == 2, done.stderr
     assert "leaving the clocks of its GPUs alone" in done.stderr
-    assert agent.clocks() == [1200, 1005]
+    assert gpus(agent) == HELD
     assert record(agent) == [0, 1]
     assert agent.stop(signal.SIGTERM) == 0
 
@@ -204,7 +221,8 @@ def test_the_lock_of_a_killed_agent_does_not_block_its_restart(agent: Agent) -> 
     kill_with_locked_clocks(agent)
     assert (agent.state_dir / LOCK_FILENAME).exists()  # left behind, but nobody holds it
     agent.start()
-    assert agent.clocks() == [1200, 1005]  # the same plan again
+    assert gpus(agent) == HELD  # the same plan again
     assert RESET_LINE in agent.log
     assert agent.stop(signal.SIGTERM) == 0
     assert locked_clocks(agent.gpu_state) == [None, None]
+    assert power_limits(agent.gpu_state) == RESET[1]

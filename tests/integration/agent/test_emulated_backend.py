@@ -417,7 +417,7 @@ def test_a_state_file_torn_by_a_dead_writer_or_cut_short_is_refused(
     with pytest.raises(GpuError, match="size changed"):
         backend.sm_clock_mhz(0)
     state_file.write_text('{"version": 1, "gpus": []}')  # a state file of an older version
-    with pytest.raises(ValueError, match="not an emulated GPU state file of version 3"):
+    with pytest.raises(ValueError, match="not an emulated GPU state file of version 4"):
         make(a100, clock, state_file=state_file)
 
 
