@@ -28,12 +28,12 @@ from test_agent_torch_training import (
     WARMUP,
     assert_plan_followed,
     assert_profile_measured,
+    assert_wire_follows_the_planners_order,
     chunked_plan,
     instruction_plan,
     profiling,
 )
 
-from perseus_api.schedule import gpu_computation_order
 from support.agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
 from support.framework_job import DEEPSPEED_EXAMPLE, MEGATRON_WORKER, require, run_script
 from support.torch_job import recording_proxy
@@ -82,19 +82,7 @@ def test_the_agent_follows_the_frameworks_schedule_without_a_mismatch(
     with recording_proxy(agent.socket_dir / "agent.sock") as (proxy, wire):
         run_script(script, [*args, "--eval"], socket_path=proxy)
         measured(agent, STEPS)
-    streams = wire.by_rank()
-    assert sorted(streams) == list(range(STAGES))
-    for rank, requests in streams.items():
-        begins = [
-            (r["name"], r["microbatch"], r.get("chunk"))
-            for r in requests
-            if r["op"] == "instruction_begin"
-        ]
-        order = [
-            (s.instruction, s.microbatch, s.virtual_stage // STAGES if virtual > 1 else None)
-            for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual)
-        ]
-        assert begins == order * STEPS, rank
+    assert_wire_follows_the_planners_order(wire.by_rank(), schedule, virtual)
     assert_plan_followed(agent)
     assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
 

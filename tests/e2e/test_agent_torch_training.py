@@ -152,9 +152,18 @@ def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
 
         wait_for(measured, f"{STEPS} iterations of each rank in the agent's metrics", agent)
     streams = wire.by_rank()
+    assert all(requests[0]["version"] == 2 for requests in streams.values())
+    assert_wire_follows_the_planners_order(streams, schedule, virtual_stages)
+    assert_plan_followed(agent)
+
+
+def assert_wire_follows_the_planners_order(
+    streams: dict[int, list[dict[str, Any]]], schedule: str, virtual_stages: int
+) -> None:
+    """Every rank sent, ``STEPS`` times, its ``gpu_computation_order`` (with the chunk,
+    ``virtual_stage // P``, when it runs several stages) as its instruction begins."""
     assert sorted(streams) == list(range(STAGES))
     for rank, requests in streams.items():
-        assert requests[0]["version"] == 2
         begins = [
             (r["name"], r["microbatch"], r.get("chunk"))
             for r in requests
@@ -165,7 +174,6 @@ def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
             for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual_stages)
         ]
         assert begins == order * STEPS, rank
-    assert_plan_followed(agent)
 
 
 CLOCKS = [1410, 1005]
