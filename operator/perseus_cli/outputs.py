@@ -5,6 +5,10 @@ full disk could replace ``frontier.csv`` and then fail on ``plan.json``, leaving
 frontier beside an old plan. Here every file is first written to a temporary sibling in the
 same directory (same filesystem, so the final renames cannot run out of space), and only
 when all are complete are they renamed over the old ones.
+
+Also what every command that writes files shares: its ``--out DIR`` and ``--force`` options
+(:func:`add_out_dir_arguments`), the check of that directory before any work
+(:func:`prepare_out_dir`) and the writer of a model as JSON (:func:`json_writer`).
 """
 
 from __future__ import annotations
