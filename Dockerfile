@@ -54,27 +54,19 @@ RUN --mount=type=bind,from=wheelhouse,source=/wheels,target=/wheels \
     python3 -m venv /opt/tools \
  && /opt/tools/bin/python -m pip install --no-compile \
         -r /constraints/image-constraints-tools.txt
+COPY scripts/image_install_deps.sh /opt/tools/
 
 # -- each component's dependencies, in a venv of their own (no pip or setuptools in it) -------
+#    (scripts/image_install_deps.sh: a venv without pip, --no-deps from the pins, bytecode)
 FROM tools AS operator-deps
 COPY scripts/image-constraints-operator.txt /constraints/
 RUN --mount=type=bind,from=wheelhouse,source=/wheels,target=/wheels \
-    python3 -m venv --without-pip /opt/perseus \
- && /opt/tools/bin/python -m pip --python /opt/perseus/bin/python install --no-compile \
-        --no-deps -r /constraints/image-constraints-operator.txt \
- && site=$(/opt/perseus/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
- && rm -rf "$site/kubernetes/aio" \
- && /opt/perseus/bin/python -m compileall -q -j0 --invalidation-mode unchecked-hash "$site"
+    sh /opt/tools/image_install_deps.sh /constraints/image-constraints-operator.txt
 
 FROM tools AS node-agent-deps
 COPY scripts/image-constraints-agent.txt /constraints/
 RUN --mount=type=bind,from=wheelhouse,source=/wheels,target=/wheels \
-    python3 -m venv --without-pip /opt/perseus \
- && /opt/tools/bin/python -m pip --python /opt/perseus/bin/python install --no-compile \
-        --no-deps -r /constraints/image-constraints-agent.txt \
- && site=$(/opt/perseus/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
- && rm -rf "$site/kubernetes/aio" \
- && /opt/perseus/bin/python -m compileall -q -j0 --invalidation-mode unchecked-hash "$site"
+    sh /opt/tools/image_install_deps.sh /constraints/image-constraints-agent.txt
 
 # -- the project: its wheel, cut to each component's packages and console script --------------
 FROM tools AS wheels

@@ -31,9 +31,10 @@ agent counts as unavailable, with a warning saying to upgrade it, and is tried a
 backward is not sent (one warning): version 1 cannot say it.
 
 This module owns one connection's state and the hooks' methods. The bytes of one exchange are
-in :mod:`perseus_client.wire`, the identity read from the environment in
-:mod:`perseus_client.identity`, and the process-wide client behind the module-level hooks in
-:mod:`perseus_client.default_client`.
+in :mod:`perseus_client.wire`, the replies a pipelined connection awaits in
+:mod:`perseus_client.pending_replies`, connecting in :mod:`perseus_client.transport`, the
+identity read from the environment in :mod:`perseus_client.identity`, and the process-wide
+client behind the module-level hooks in :mod:`perseus_client.default_client`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from types import TracebackType
@@ -52,16 +52,15 @@ from typing import Any, Final
 
 from perseus_client import protocol, transport
 from perseus_client.identity import env_int, env_str, gpu_uuids_from_env
+from perseus_client.pending_replies import PendingReplies
 from perseus_client.protocol import ProtocolError, Reply
-from perseus_client.wire import MSG_NOSIGNAL, failure_reason, refuses_version, roundtrip
+from perseus_client.wire import failure_reason, refuses_version, roundtrip
 
 logger = logging.getLogger("perseus_client")
 
 DEFAULT_CONNECT_TIMEOUT_S: Final = 0.05
 DEFAULT_REPLY_TIMEOUT_S: Final = 0.2
 DEFAULT_RETRY_INTERVAL_S: Final = 30.0
-_CONNECT_RETRY_S: Final = 0.002
-"""Pause between connection attempts while the agent's backlog is full (within the timeout)."""
 DEFAULT_MAX_OUTSTANDING: Final = 64
 
 
@@ -148,10 +147,7 @@ class PerseusClient:
         self._connections = 0
         self._version: int | None = None  # of the open connection
         self._old_agent_warned = False
-        # Pipelined mode: ops whose replies are still to come, oldest first, and the bytes
-        # of replies received but not yet parsed.
-        self._pending_ops: deque[str] = deque()
-        self._received = b""
+        self._pending = PendingReplies()  # pipelined mode
         _clients.add(self)
 
     # -- state
@@ -237,10 +233,15 @@ class PerseusClient:
 
     def _flush(self) -> bool:
         if self._sock is None:
-            return not self._pending_ops
+            return not self._pending
         try:
-            while self._pending_ops:
-                self._read_replies(self._sock, block=True)
+            while self._pending:
+                self._pending.read(
+                    self._sock,
+                    block=True,
+                    reply_timeout_s=self.reply_timeout_s,
+                    check=self._check_reply,
+                )
         except Exception as exc:
             self._fail(f"waiting for replies failed: {failure_reason(exc)}")
             return False
@@ -310,7 +311,14 @@ class PerseusClient:
         op = str(request["op"])
         try:
             if self.pipelined:
-                self._send_pipelined(sock, protocol.encode_request(request), op)
+                self._pending.send(
+                    sock,
+                    protocol.encode_request(request),
+                    op,
+                    max_outstanding=self.max_outstanding,
+                    reply_timeout_s=self.reply_timeout_s,
+                    check=self._check_reply,
+                )
                 return None
             reply = roundtrip(sock, self.reply_timeout_s, protocol.encode_request(request), op)
         except Exception as exc:  # OSError, ProtocolError, or anything leaving the stream unsure
@@ -328,80 +336,17 @@ class PerseusClient:
         else:
             logger.debug("Perseus agent refused %s: %s", op, reply["error"])
 
-    def _send_pipelined(self, sock: socket.socket, data: bytes, op: str) -> None:
-        """Send without waiting for the reply; first read what replies have arrived."""
-        self._read_replies(sock, block=False)
-        if len(self._pending_ops) >= self.max_outstanding:
-            self._read_replies(sock, block=True)
-        sock.settimeout(self.reply_timeout_s)
-        sock.sendall(data, MSG_NOSIGNAL)
-        self._pending_ops.append(op)
-
-    def _read_replies(self, sock: socket.socket, *, block: bool) -> None:
-        """Handle the replies that have arrived; with ``block``, wait for at least one."""
-        deadline = time.monotonic() + self.reply_timeout_s
-        handled = 0
-        while self._pending_ops:
-            end = self._received.find(b"\n") + 1
-            if end:
-                line, self._received = self._received[:end], self._received[end:]
-                op = self._pending_ops.popleft()
-                self._check_reply(protocol.decode_reply(line, op), op)
-                handled += 1
-                continue
-            if len(self._received) > protocol.MAX_MESSAGE_BYTES:
-                raise ProtocolError("reply too long")
-            if block and not handled:
-                remaining = deadline - time.monotonic()
-                stuck = TimeoutError(
-                    f"{len(self._pending_ops)} replies pending for "
-                    f"{self.reply_timeout_s * 1000:.0f} ms"
-                )
-                if remaining <= 0:
-                    raise stuck
-                sock.settimeout(remaining)
-                try:
-                    chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
-                except TimeoutError:
-                    raise stuck from None
-            else:
-                # Timeout 0, not MSG_DONTWAIT: with a timeout set, Python polls before recv.
-                sock.settimeout(0)
-                try:
-                    chunk = sock.recv(protocol.MAX_MESSAGE_BYTES)
-                except BlockingIOError:
-                    return
-            if not chunk:
-                raise ConnectionResetError("agent closed the connection")
-            self._received += chunk
-        if self._received:
-            raise ProtocolError("reply without a request")
-
     def _connect(self) -> bool:
         """Connect and say hello, unless the last attempt was too recent. Lock held."""
         now = time.monotonic()
         if now < self._next_attempt:
             return False
         self._next_attempt = now + self.retry_interval_s
-        deadline = now + self.connect_timeout_s
-        while True:
-            sock = transport.open_socket(self.address)
-            try:
-                sock.settimeout(self.connect_timeout_s)
-                sock.connect(transport.target(self.address))
-                break
-            except BlockingIOError as exc:
-                # EAGAIN: the agent's listen backlog is full, e.g. while it sheds a flood of
-                # connections; that passes in milliseconds, a retry interval is 30 s.
-                sock.close()
-                if time.monotonic() + _CONNECT_RETRY_S >= deadline:
-                    self._fail(f"cannot connect: {failure_reason(exc)}")
-                    return False
-                time.sleep(_CONNECT_RETRY_S)
-            except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
-                sock.close()
-                self._fail(f"cannot connect: {failure_reason(exc)}")
-                return False
+        try:
+            sock = transport.connect(self.address, self.connect_timeout_s)
+        except (OSError, ValueError) as exc:  # ValueError: embedded NUL in the path
+            self._fail(f"cannot connect: {failure_reason(exc)}")
+            return False
         version = protocol.PROTOCOL_VERSION
         try:
             reply = self._hello(sock, version)
@@ -469,8 +414,7 @@ class PerseusClient:
 
     def _drop(self) -> None:
         self._version = None
-        self._pending_ops.clear()
-        self._received = b""
+        self._pending.clear()
         if self._sock is not None:
             with suppress(OSError):
                 self._sock.close()

@@ -44,13 +44,12 @@ them.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from perseus_client.attaching import Iteration, attach_client, distributed_rank
 from perseus_client.client import PerseusClient
-from perseus_client.default_client import configure
 from perseus_client.torch import _device_sync, _gpu_uuid
 
 logger = logging.getLogger("perseus_client")
@@ -99,37 +98,22 @@ class Attachment:
         self._engine = None
 
 
-class _Iteration:
+class _Iteration(Iteration):
     """Where the engine is: inside a ``train_batch()`` or not, and which computation."""
 
     def __init__(self, client: PerseusClient, sync: Callable[[], object] | None) -> None:
-        self.client = client
-        self.sync = sync
-        self.lock = threading.Lock()
-        self.in_step = False
-        self.ended = True
-        self.step = 0
+        super().__init__(client, sync)
         self.forwards = 0
         self.backwards = 0
         self.last_backward = 0
         """Backwards of the running iteration; the iteration ends with this one."""
 
     def begin(self, step: int, microbatches: int) -> None:
-        if self.sync is not None and self.client.connected:
-            self.sync()  # the previous iteration's kernels belong to it, not to this one
-        with self.lock:
-            self.step, self.ended, self.in_step = step, False, True
+        def reset() -> None:
             self.forwards = self.backwards = 0
             self.last_backward = microbatches
-        self.client.on_step_begin(step)
 
-    def end(self) -> None:
-        """Report the iteration's end, once."""
-        with self.lock:
-            if self.ended:
-                return
-            self.ended = True
-        self.client.on_step_end(self.step)
+        self.begin_iteration(step, reset)
 
 
 def attach(engine: Any, client: PerseusClient | None = None, **client_options: Any) -> Attachment:
@@ -170,19 +154,9 @@ def attach(engine: Any, client: PerseusClient | None = None, **client_options: A
         device = torch.device(device)
     sync = _device_sync(torch, device)
     gpu_uuid = _gpu_uuid(torch, device)
-    rank = world_size = None
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = distributed_rank(dist)
     name = _plannable(ds_schedule, PipelineEngine, engine)
-    if client is None:
-        client = configure(
-            rank=rank, gpu_uuids=[gpu_uuid] if gpu_uuid else [], synchronize=sync, **client_options
-        )
-    else:
-        if client_options:
-            raise TypeError("client options go with a client made here, not with client=")
-        if client.synchronize is None and sync is not None:
-            client.synchronize = sync
+    client = attach_client(client, client_options, rank=rank, gpu_uuid=gpu_uuid, sync=sync)
     attachment = Attachment(
         client=client,
         rank=rank,

@@ -65,8 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from perseus_client.attaching import Iteration, attach_client, distributed_rank
 from perseus_client.client import PerseusClient
-from perseus_client.default_client import configure
 from perseus_client.identity import gpu_uuids_from_env
 
 logger = logging.getLogger("perseus_client")
@@ -126,16 +126,11 @@ class Attachment:
                 _unpatch()
 
 
-class _Iteration:
+class _Iteration(Iteration):
     """One attached config's state: inside a training call or not, and its counters."""
 
     def __init__(self, client: PerseusClient, sync: Callable[[], object] | None) -> None:
-        self.client = client
-        self.sync = sync
-        self.lock = threading.Lock()
-        self.in_step = False
-        self.ended = True
-        self.step = 0
+        super().__init__(client, sync)
         self.hooks = False
         self.forwards = 0
         self.backwards = 0
@@ -149,22 +144,13 @@ class _Iteration:
         """Attached ``forward_only`` calls running (their computations report nothing)."""
 
     def begin(self, step: int, hooks: bool, table: list[tuple[int, int]], chunks: int) -> None:
-        if self.sync is not None and self.client.connected:
-            self.sync()  # the previous iteration's kernels belong to it, not to this one
-        with self.lock:
-            self.step, self.ended, self.in_step = step, False, True
+        def reset() -> None:
             self.hooks, self.table, self.chunks = hooks, table, chunks
             self.forwards = self.backwards = 0
             self.last_backward = len(table)
             self.open.clear()
-        self.client.on_step_begin(step)
 
-    def end(self) -> None:
-        with self.lock:
-            if self.ended:
-                return
-            self.ended = True
-        self.client.on_step_end(self.step)
+        self.begin_iteration(step, reset)
 
     def computation_begin(self, kind: str) -> None:
         if not self.in_step:
@@ -294,27 +280,19 @@ def attach(config: Any, client: PerseusClient | None = None, **client_options: A
     if vars(config).get(_ATTACHED) is not None:
         raise ValueError("this config is already attached; detach() it first")
     sync, gpu_uuid = _cuda(torch)
-    rank = world_size = None
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = distributed_rank(dist)
     # Interleaved schedules name chunks: version 2 (known only at the first call; asked here,
     # before the first hello, whenever the model could be interleaved).
     interleaved = bool(getattr(config, "virtual_pipeline_model_parallel_size", None))
     needs_version = 2 if interleaved else 1
-    if client is None:
-        client = configure(
-            rank=rank,
-            gpu_uuids=[gpu_uuid] if gpu_uuid else [],
-            synchronize=sync,
-            needs_protocol_version=needs_version,
-            **client_options,
-        )
-    else:
-        if client_options:
-            raise TypeError("client options go with a client made here, not with client=")
-        if client.synchronize is None and sync is not None:
-            client.synchronize = sync
-        client.needs_protocol_version = max(client.needs_protocol_version, needs_version)
+    client = attach_client(
+        client,
+        client_options,
+        rank=rank,
+        gpu_uuid=gpu_uuid,
+        sync=sync,
+        needs_protocol_version=needs_version,
+    )
     iteration = _Iteration(client, sync)
     attachment = Attachment(
         client=client,

@@ -17,6 +17,7 @@ Standard library only (imported inside training processes).
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -25,6 +26,8 @@ from perseus_client import protocol
 
 ADDRESS_ENV: Final = "PERSEUS_AGENT_ADDRESS"
 TCP_SCHEME: Final = "tcp://"
+_CONNECT_RETRY_S: Final = 0.002
+"""Pause between connection attempts while the agent's backlog is full (within the timeout)."""
 UNIX_SCHEME: Final = "unix://"
 
 
@@ -103,3 +106,30 @@ def open_socket(address: AgentAddress) -> socket.socket:
 def target(address: AgentAddress) -> str | tuple[str, int]:
     """What ``socket.connect`` takes for ``address``."""
     return address.host_or_path if address.port is None else (address.host_or_path, address.port)
+
+
+def connect(address: AgentAddress, timeout_s: float) -> socket.socket:
+    """A socket connected to ``address`` within ``timeout_s``, retried while the agent's listen
+    backlog is full.
+
+    Raises:
+        OSError: The agent cannot be reached (the last attempt's error).
+        ValueError: The socket path has an embedded NUL.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = open_socket(address)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(target(address))
+            return sock
+        except BlockingIOError:
+            # EAGAIN: the agent's listen backlog is full, e.g. while it sheds a flood of
+            # connections; that passes in milliseconds, a retry interval is 30 s.
+            sock.close()
+            if time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                raise
+            time.sleep(_CONNECT_RETRY_S)
+        except BaseException:
+            sock.close()
+            raise

@@ -5,7 +5,8 @@ generated from them (:mod:`perseus_api.crd`), the operator parses every object i
 them, and the samples in ``crds/samples/`` are tested against both. Field names are the
 Kubernetes camelCase ones on the wire (``pipelineStages``); in Python they are snake_case.
 What the operator reports back, and the whole object, are in :mod:`perseus_api.job_status`
-(which imports this module, never the reverse).
+(which imports this module, never the reverse); the ``profiling`` section is in
+:mod:`perseus_api.job_profiling`, the base all spec models share in :mod:`perseus_api.spec_model`.
 
 Rules that span several fields are written twice on purpose: as CEL rules (the ``*_RULES``
 constants, enforced by the API server, so ``kubectl apply`` fails at once) and as
@@ -20,41 +21,21 @@ from enum import StrEnum
 from typing import Any, Final, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
-from pydantic.config import JsonDict
 
+from perseus_api.job_profiling import Profiling
 from perseus_api.plan import Granularity
+from perseus_api.spec_model import _SECTION, _rules, _Spec
 
 JOB_KIND: Final = "PerseusJob"
 JOB_PLURAL: Final = "perseusjobs"
 JOB_SINGULAR: Final = "perseusjob"
 JOB_SHORT_NAMES: Final = ("pj",)
-
-
-class _Spec(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        use_enum_values=False,
-        # A field's docstring is its description in the CRD (kubectl explain).
-        use_attribute_docstrings=True,
-    )
-
-
-def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
-    """``json_schema_extra`` carrying CEL rules (rule, message) into the generated CRD."""
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
 
 
 # -- spec ------------------------------------------------------------------------------------------
@@ -371,76 +352,6 @@ class Policy(_Spec):
     )
 
 
-class ProfileRef(_Spec):
-    """A stored profile (the planner's CSV) to use instead of profiling."""
-
-    config_map_name: str = Field(min_length=1, max_length=253)
-    """ConfigMap in the job's namespace that holds the profile."""
-    key: str = Field(default="profile.csv", min_length=1, max_length=253)
-    """Key of the ConfigMap whose value is the profile CSV (default profile.csv)."""
-
-
-MODEL_PATTERN: Final = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
-"""A Kubernetes label value (the model names the label of the profiles a job stores)."""
-DEFAULT_TRAINING_PROCESS_TIMEOUT_S: Final = 600
-
-
-class Profiling(_Spec):
-    """Where the profile the job is planned from comes from, and how it is measured.
-
-    A profile is the time and energy of every forward and backward of each pipeline stage at
-    each SM clock. The job plans from, in this order: ``profileRef``; the profile it stored
-    itself (ConfigMap ``<job>-profile``); with ``model``, the newest profile another job of
-    the same model stored for the same pipeline on the same GPU product (node label
-    ``nvidia.com/gpu.product``). Without one, the node agents measure it: they sweep the SM
-    clocks while the training loop calls the ``perseus_client`` hooks (``step`` and
-    ``instruction`` begin/end), so a training loop without them (``Stage`` granularity
-    with no code change) needs a stored profile. ``Observe`` changes no clock, so it never
-    measures one unless ``profileInObserve`` is set.
-    """
-
-    profile_ref: ProfileRef | None = Field(
-        default=None, description="Reuse this profile and skip profiling."
-    )
-    model: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=63,
-        pattern=MODEL_PATTERN,
-        description="Names the model trained (a label value, e.g. gpt3-175b). The profile "
-        "this job measures is labelled with it and its GPU product, and a job of the same "
-        "model on the same GPU product and pipeline plans from it instead of profiling "
-        "(while the job that stored it exists: the ConfigMap is owned by that job).",
-    )
-    profile_in_observe: bool = Field(
-        default=False,
-        description="Observe mode only: measure a profile when none is stored. Profiling "
-        "locks every SM clock in turn; without this, Observe changes no clock, ever, and "
-        "waits for a profile (condition Profiled, reason ProfileRequired).",
-    )
-    training_process_timeout_seconds: int = Field(
-        default=DEFAULT_TRAINING_PROCESS_TIMEOUT_S,
-        ge=1,
-        le=86400,
-        description="While profiling: how long to wait for every training process to begin "
-        "an iteration through perseus_client, and for a running sweep to move (an "
-        "iteration measured or dropped on some GPU). Then the job fails (reason "
-        "NoTrainingProcess, or ProfilingStalled) naming the pods, and resets their GPUs.",
-    )
-    iterations_per_frequency: int = Field(default=5, ge=1, le=100)
-    """Iterations measured at each profiled clock, after the warm-up ones (default 5)."""
-    warmup_iterations: int = Field(
-        default=2, ge=0, le=100, description="Dropped after every clock change."
-    )
-    frequency_step_mhz: int = Field(
-        default=15,
-        alias="frequencyStepMHz",
-        ge=1,
-        le=1000,
-        description="Spacing of the profiled clocks.",
-    )
-
-
 STRAGGLER_RULES: Final = (
     (
         # The API server also checks the rule against the section's default ({}), before
@@ -491,11 +402,6 @@ class Stragglers(_Spec):
                 f"{self.slowdown_threshold})"
             )
         return self
-
-
-# ``default: {}`` in the CRD: the API server then fills in the nested defaults of a section
-# the user left out (it does so only inside objects that exist), so `kubectl get` shows them.
-_SECTION: Final[JsonDict] = {"default": {}}
 
 
 class PerseusJobSpec(_Spec):

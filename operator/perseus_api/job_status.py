@@ -14,8 +14,9 @@ from typing import Any, Final, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from perseus_api.conventions import percent
-from perseus_api.job import JOB_KIND, Mode, PerseusJobSpec, _Spec
+from perseus_api.job import JOB_KIND, Mode, PerseusJobSpec
 from perseus_api.plan import API_VERSION, Granularity
+from perseus_api.spec_model import _Spec
 
 
 class Phase(StrEnum):

@@ -207,3 +207,46 @@ def _label(step: Step, virtual_stages: int) -> str:
         where = f" on virtual stage {step.virtual_stage}" if step.virtual_stage >= 0 else ""
         where = where or " without a virtual stage"
     return f"{step.instruction} of microbatch {step.microbatch}{where}"
+
+
+def placeholder_plan(
+    schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, clock_mhz: int
+) -> PipelinePlan:
+    """A plan that only says which computations each stage runs, in ``schedule``'s order (one
+    of the planner's spellings, e.g. ``interleaved-1f1b``), all at ``clock_mhz``: what a
+    profiling node plan carries (the agents measure instead of applying it). The operator's
+    profiling phase and ``perseus profile-plan`` both write it."""
+    estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
+    return PipelinePlan(
+        schedule=schedule,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages,
+        granularity=Granularity.INSTRUCTION,
+        objective=PlanObjective.MIN_TIME,
+        unit_time_s=0.001,
+        blocking_power_w=1.0,
+        t_min_s=1.0,
+        t_star_s=1.0,
+        baseline_iteration_time_s=1.0,
+        instruction_estimate=estimate,
+        stage_estimate=estimate,
+        stages=[
+            StagePlan(
+                stage=s,
+                frequency_mhz=clock_mhz,
+                instructions=[
+                    InstructionClock(
+                        instruction=step.instruction,
+                        microbatch=step.microbatch,
+                        frequency_mhz=clock_mhz,
+                        virtual_stage=step.virtual_stage if virtual_stages > 1 else None,
+                    )
+                    for step in gpu_computation_order(
+                        schedule, num_stages, num_microbatches, s, virtual_stages
+                    )
+                ],
+            )
+            for s in range(num_stages)
+        ],
+    )

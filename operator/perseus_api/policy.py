@@ -45,20 +45,12 @@ from typing import Any, Final, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from perseus_api.errors import ApiError, validation_summary
-from perseus_api.job import (
-    _SECTION,
-    LabelSelector,
-    Policy,
-    Profiling,
-    RankMapping,
-    Stragglers,
-    WorkloadKind,
-    _rules,
-    _Spec,
-)
+from perseus_api.job import LabelSelector, Policy, RankMapping, Stragglers, WorkloadKind
+from perseus_api.job_profiling import Profiling
 from perseus_api.job_status import _Status
 from perseus_api.plan import API_VERSION
 from perseus_api.resources import GROUP, object_key
+from perseus_api.spec_model import _SECTION, _rules, _Spec
 
 __all__ = [
     "DATA_PARALLEL_ANNOTATION",

@@ -34,10 +34,11 @@ from typing import Any, Final, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from perseus_api.errors import ApiError, validation_summary
-from perseus_api.job import LabelSelector, _rules, _Spec
+from perseus_api.job import LabelSelector
 from perseus_api.job_status import _Status
 from perseus_api.plan import API_VERSION
 from perseus_api.resources import object_key
+from perseus_api.spec_model import _rules, _Spec
 
 __all__ = [
     "BUDGET_KIND",

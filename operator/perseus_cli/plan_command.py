@@ -33,7 +33,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +48,13 @@ from perseus_cli.node_plans import (
     rank_gpus,
     standalone_hint,
 )
-from perseus_cli.outputs import Output, write_together
+from perseus_cli.outputs import (
+    Output,
+    add_out_dir_arguments,
+    json_writer,
+    prepare_out_dir,
+    write_together,
+)
 from perseus_cli.plan_summary import plan_summary
 from perseus_cli.progress import Progress
 from perseus_cli.schedules import add_schedule_arguments, schedule_profile_for, write_dag_json
@@ -58,7 +64,6 @@ from perseus_cli.solver_cache import solver_compiled, solver_is_compiled_code
 # ``run`` so that building the parser, and so ``perseus --help``, stays instant.
 if TYPE_CHECKING:
     from perseus_api import PipelinePlan
-    from perseus_api.node_plan import NodePlan
     from perseus_planner import Baseline, Choice, Frontier, FrontierProblem, Profile
 
 log = logging.getLogger(__name__)
@@ -183,16 +188,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
 
     output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        metavar="DIR",
-        help="directory to write into (default: %(default)s)",
-    )
-    output.add_argument(
-        "--force", action="store_true", help="write into DIR even if it is not empty"
-    )
+    add_out_dir_arguments(output, DEFAULT_OUT)
     output.add_argument("--no-plot", action="store_true", help="do not draw frontier.png")
     output.add_argument(
         "--export-dag",
@@ -234,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         place_ranks(ranks, num_stages)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
-    _prepare_out_dir(out_dir, force=args.force)
+    prepare_out_dir(out_dir, force=args.force)
 
     # Asked before preparing: that runs some of the compiled kernels already.
     compiled = announce_compile(quiet=args.quiet)
@@ -263,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"{source.name}: {schedule.value}, {num_stages}{chunks} stages, M={args.microbatches}"
 
     extra: list[Output] = [
-        (out_dir / node_plan_file_name(node), _json_writer(node_plan))
+        (out_dir / node_plan_file_name(node), json_writer(node_plan))
         for node, node_plan in sorted(node_plans.items())
     ]
     written = _write_outputs(
@@ -301,10 +297,6 @@ def announce_compile(*, quiet: bool) -> bool | None:
             flush=True,
         )
     return compiled
-
-
-def _json_writer(model: NodePlan) -> Callable[[Path], object]:
-    return lambda tmp: tmp.write_text(model.model_dump_json(indent=2) + "\n")
 
 
 def check_pipeline(
@@ -396,20 +388,6 @@ def _resolve_source(args: argparse.Namespace) -> _Source:
     )
 
 
-def _prepare_out_dir(out_dir: Path, *, force: bool) -> None:
-    try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise CliError(f"--out {out_dir} exists and is not a directory")
-        if out_dir.is_dir() and not force and any(out_dir.iterdir()):
-            raise CliError(
-                f"output directory {out_dir} is not empty; pass --force to write into it "
-                "(existing frontier.csv, plan.json and frontier.png are replaced)"
-            )
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CliError(f"cannot use output directory {out_dir}: {exc.strerror or exc}") from exc
-
-
 def _write_outputs(
     out_dir: Path,
     frontier: Frontier,
@@ -423,7 +401,7 @@ def _write_outputs(
 ) -> list[Path]:
     outputs: list[Output] = [
         (out_dir / FRONTIER_CSV, lambda tmp: tmp.write_text(frontier_csv(frontier))),
-        (out_dir / PLAN_JSON, lambda tmp: tmp.write_text(plan.model_dump_json(indent=2) + "\n")),
+        (out_dir / PLAN_JSON, json_writer(plan)),
         *extra,
     ]
     if export_dag is not None:

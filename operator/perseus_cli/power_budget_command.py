@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
-from perseus_cli.outputs import write_together
-from perseus_cli.plan_command import _prepare_out_dir
+from perseus_cli.outputs import prepare_out_dir, write_together
 
 if TYPE_CHECKING:
     from perseus_planner.sim.power_budget import BudgetRow, PowerBudgetSim
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     mix = [parse_job(j) for j in args.job] if args.job else list(DEFAULT_MIX)
     budgets = None if args.budgets is None else _parse_budgets(args.budgets)
     out_dir: Path = args.out
-    _prepare_out_dir(out_dir, force=args.force)
+    prepare_out_dir(out_dir, force=args.force)
     sim = PowerBudgetSim([solve_job(spec) for spec in mix])
     rows = sweep(sim, budgets)
     csv_path, png_path = out_dir / POWER_CSV, out_dir / POWER_PNG

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from perseus_cli import CliError
 from perseus_cli.arguments import non_negative_int, positive_int
@@ -27,11 +26,8 @@ from perseus_cli.node_plans import (
     rank_gpus,
     standalone_hint,
 )
-from perseus_cli.outputs import write_together
-from perseus_cli.plan_command import _prepare_out_dir, check_pipeline
-
-if TYPE_CHECKING:
-    from perseus_api import PipelinePlan
+from perseus_cli.outputs import add_out_dir_arguments, json_writer, prepare_out_dir, write_together
+from perseus_cli.plan_command import check_pipeline
 
 DEFAULT_OUT = Path("out/profiling")
 DEFAULT_MAX_MHZ = 2100
@@ -96,17 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="I",
         help="iterations dropped after each clock change (default: %(default)s)",
     )
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        metavar="DIR",
-        help="directory to write into (default: %(default)s)",
-    )
-    output.add_argument(
-        "--force", action="store_true", help="write into DIR even if it is not empty"
-    )
+    add_out_dir_arguments(parser.add_argument_group("output"), DEFAULT_OUT)
     add_node_plan_arguments(parser)
 
 
@@ -115,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from perseus_api.node_plan import ProfilingSpec
+    from perseus_api.plan import placeholder_plan
 
     check_pipeline(args.schedule, args.stages, args.microbatches, args.virtual_stages)
     ranks = rank_gpus(args)
@@ -136,12 +123,9 @@ def run(args: argparse.Namespace) -> int:
     )
     node_plans = build_node_plans(plan, ranks, args.job, profiling=profiling)
     out_dir: Path = args.out
-    _prepare_out_dir(out_dir, force=args.force)
+    prepare_out_dir(out_dir, force=args.force)
     outputs = [
-        (
-            out_dir / node_plan_file_name(node),
-            lambda tmp, p=node_plan: tmp.write_text(p.model_dump_json(indent=2) + "\n"),
-        )
+        (out_dir / node_plan_file_name(node), json_writer(node_plan))
         for node, node_plan in sorted(node_plans.items())
     ]
     write_together(outputs)
@@ -176,48 +160,3 @@ def sweep_clocks(args: argparse.Namespace) -> list[int]:
     if clocks[-1] != args.min_mhz:
         clocks.append(args.min_mhz)
     return clocks
-
-
-def placeholder_plan(
-    schedule: str, stages: int, microbatches: int, virtual_stages: int, clock_mhz: int
-) -> PipelinePlan:
-    """A plan that only says which computations each stage runs (the agent measures instead
-    of applying it), as the operator's profiling node plans carry."""
-    from perseus_api import Granularity, PipelinePlan, PlanEstimate, PlanObjective
-    from perseus_api.plan import InstructionClock, StagePlan
-    from perseus_api.schedule import gpu_computation_order
-
-    estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
-    return PipelinePlan(
-        schedule=schedule,  # one of _SCHEDULES (argparse checked it)
-        num_stages=stages,
-        num_microbatches=microbatches,
-        virtual_stages=virtual_stages,
-        granularity=Granularity.INSTRUCTION,
-        objective=PlanObjective.MIN_TIME,
-        unit_time_s=0.001,
-        blocking_power_w=1.0,
-        t_min_s=1.0,
-        t_star_s=1.0,
-        baseline_iteration_time_s=1.0,
-        instruction_estimate=estimate,
-        stage_estimate=estimate,
-        stages=[
-            StagePlan(
-                stage=s,
-                frequency_mhz=clock_mhz,
-                instructions=[
-                    InstructionClock(
-                        instruction=step.instruction,
-                        microbatch=step.microbatch,
-                        frequency_mhz=clock_mhz,
-                        virtual_stage=step.virtual_stage if virtual_stages > 1 else None,
-                    )
-                    for step in gpu_computation_order(
-                        schedule, stages, microbatches, s, virtual_stages
-                    )
-                ],
-            )
-            for s in range(stages)
-        ],
-    )

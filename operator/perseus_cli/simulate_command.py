@@ -37,9 +37,8 @@ from perseus_cli.arguments import (
     positive_float,
     positive_int,
 )
-from perseus_cli.outputs import write_together
+from perseus_cli.outputs import add_out_dir_arguments, prepare_out_dir, write_together
 from perseus_cli.plan_command import (
-    _prepare_out_dir,
     _resolve_source,
     check_pipeline,
     prepare,
@@ -153,16 +152,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "perseus-stage, zeus-global, zeus-per-stage, envpipe; perseus and zeus name both "
         "of their kind",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        metavar="DIR",
-        help="directory to write into (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="write into DIR even if it is not empty"
-    )
+    add_out_dir_arguments(parser, DEFAULT_OUT)
     power_budget_command.add_arguments(parser)
 
 
@@ -200,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     check_pipeline(schedule.value, num_stages, microbatches, virtual_stages)
     out_dir: Path = args.out
     # Checked before the solve so that a long run cannot end in a refusal to write.
-    _prepare_out_dir(out_dir, force=args.force)
+    prepare_out_dir(out_dir, force=args.force)
 
     problem = prepare(source, schedule.value, num_stages, microbatches, None, virtual_stages)
     dag = problem.dag

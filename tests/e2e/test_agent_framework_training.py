@@ -27,15 +27,13 @@ from test_agent_torch_training import (
     STEPS,
     WARMUP,
     assert_plan_followed,
+    assert_profile_measured,
+    assert_wire_follows_the_planners_order,
     chunked_plan,
-    done_pattern,
     instruction_plan,
-    logged_profile,
     profiling,
 )
 
-from perseus_api.profile import load_profile
-from perseus_api.schedule import gpu_computation_order
 from support.agent_process import NODE, PROFILE, Agent, wait_for, write_atomically
 from support.framework_job import DEEPSPEED_EXAMPLE, MEGATRON_WORKER, require, run_script
 from support.torch_job import recording_proxy
@@ -84,19 +82,7 @@ def test_the_agent_follows_the_frameworks_schedule_without_a_mismatch(
     with recording_proxy(agent.socket_dir / "agent.sock") as (proxy, wire):
         run_script(script, [*args, "--eval"], socket_path=proxy)
         measured(agent, STEPS)
-    streams = wire.by_rank()
-    assert sorted(streams) == list(range(STAGES))
-    for rank, requests in streams.items():
-        begins = [
-            (r["name"], r["microbatch"], r.get("chunk"))
-            for r in requests
-            if r["op"] == "instruction_begin"
-        ]
-        order = [
-            (s.instruction, s.microbatch, s.virtual_stage // STAGES if virtual > 1 else None)
-            for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual)
-        ]
-        assert begins == order * STEPS, rank
+    assert_wire_follows_the_planners_order(wire.by_rank(), schedule, virtual)
     assert_plan_followed(agent)
     assert "training process rank 0" in agent.log and "training process rank 1" in agent.log
 
@@ -122,21 +108,4 @@ def test_the_agent_profiles_real_framework_processes_on_emulated_gpus(
         ],
         socket_path=agent.socket_dir / "agent.sock",
     )
-    for gpu in range(STAGES):
-        wait_for(lambda g=gpu: done_pattern(g).search(agent.log) is not None, "profiles", agent)
-    truth = load_profile(PROFILE)
-    for gpu in range(STAGES):
-        match = done_pattern(gpu).search(agent.log)
-        assert match is not None
-        assert (int(match.group(1)), int(match.group(2))) == (len(CLOCKS) * MEASURED, 0)
-        rows = logged_profile(agent.log, gpu)
-        assert sorted(rows) == sorted((n, c) for n in ("forward", "backward") for c in CLOCKS)
-        for (name, clock), (time_s, energy_j) in rows.items():
-            t = truth.get(gpu, name)
-            k = list(t.frequencies_mhz).index(clock)
-            want_s, want_j = t.times_s[k], t.energies_j[k]
-            # Never shorter than profiled (the padding); longer by the hooks' round trips and
-            # sleep overshoot on a loaded machine: the power is what must match.
-            assert want_s <= time_s <= 1.5 * want_s, (gpu, name, clock, time_s, want_s)
-            power_w, want_w = energy_j / time_s, want_j / want_s
-            assert power_w == pytest.approx(want_w, rel=0.15), (gpu, name, clock, power_w)
+    assert_profile_measured(agent)

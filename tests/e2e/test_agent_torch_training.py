@@ -152,9 +152,18 @@ def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
 
         wait_for(measured, f"{STEPS} iterations of each rank in the agent's metrics", agent)
     streams = wire.by_rank()
+    assert all(requests[0]["version"] == 2 for requests in streams.values())
+    assert_wire_follows_the_planners_order(streams, schedule, virtual_stages)
+    assert_plan_followed(agent)
+
+
+def assert_wire_follows_the_planners_order(
+    streams: dict[int, list[dict[str, Any]]], schedule: str, virtual_stages: int
+) -> None:
+    """Every rank sent, ``STEPS`` times, its ``gpu_computation_order`` (with the chunk,
+    ``virtual_stage // P``, when it runs several stages) as its instruction begins."""
     assert sorted(streams) == list(range(STAGES))
     for rank, requests in streams.items():
-        assert requests[0]["version"] == 2
         begins = [
             (r["name"], r["microbatch"], r.get("chunk"))
             for r in requests
@@ -165,7 +174,6 @@ def test_the_agent_follows_interleaved_and_zero_bubble_torch_schedules(
             for s in gpu_computation_order(schedule, STAGES, MICROBATCHES, rank, virtual_stages)
         ]
         assert begins == order * STEPS, rank
-    assert_plan_followed(agent)
 
 
 CLOCKS = [1410, 1005]
@@ -206,23 +214,10 @@ def logged_profile(log: str, gpu: int) -> dict[tuple[str, int], tuple[float, flo
     return rows
 
 
-def test_the_agent_profiles_real_torch_processes_on_emulated_gpus(agent: Agent) -> None:
-    """Profiling measured from the real processes: their computations take the profile's
-    time at each clock the agent locks (padded on the emulated GPUs), and the agent's
-    measured time and power per clock match the profile the GPUs follow."""
-    node_plan = profiling(instruction_plan("1f1b"))
-    write_atomically(agent.plan_file, json.dumps(node_plan))
-    agent.start()
-    steps = len(CLOCKS) * (WARMUP + MEASURED) + 2
-    run_example(
-        [
-            *("--pp", str(STAGES), "--schedule", "1f1b"),
-            *("--microbatches", str(MICROBATCHES), "--steps", str(steps)),
-            *("--emulated-gpus", str(agent.gpu_state), "--emulated-profile", str(PROFILE)),
-            *("--blocking-power", str(BLOCKING_POWER_W), "--node-name", NODE),
-        ],
-        socket_path=agent.socket_dir / "agent.sock",
-    )
+def assert_profile_measured(agent: Agent) -> None:
+    """Once every GPU's sweep is done: each measured every clock ``MEASURED`` times, dropped
+    nothing, and its time and power per (computation, clock) match the profile the emulated
+    GPUs follow."""
     for gpu in range(STAGES):
         wait_for(lambda g=gpu: done_pattern(g).search(agent.log) is not None, "profiles", agent)
     truth = load_profile(PROFILE)
@@ -242,6 +237,26 @@ def test_the_agent_profiles_real_torch_processes_on_emulated_gpus(agent: Agent) 
             assert want_s <= time_s <= 1.5 * want_s, (gpu, name, clock, time_s, want_s)
             power_w, want_w = energy_j / time_s, want_j / want_s
             assert power_w == pytest.approx(want_w, rel=0.15), (gpu, name, clock, power_w)
+
+
+def test_the_agent_profiles_real_torch_processes_on_emulated_gpus(agent: Agent) -> None:
+    """Profiling measured from the real processes: their computations take the profile's
+    time at each clock the agent locks (padded on the emulated GPUs), and the agent's
+    measured time and power per clock match the profile the GPUs follow."""
+    node_plan = profiling(instruction_plan("1f1b"))
+    write_atomically(agent.plan_file, json.dumps(node_plan))
+    agent.start()
+    steps = len(CLOCKS) * (WARMUP + MEASURED) + 2
+    run_example(
+        [
+            *("--pp", str(STAGES), "--schedule", "1f1b"),
+            *("--microbatches", str(MICROBATCHES), "--steps", str(steps)),
+            *("--emulated-gpus", str(agent.gpu_state), "--emulated-profile", str(PROFILE)),
+            *("--blocking-power", str(BLOCKING_POWER_W), "--node-name", NODE),
+        ],
+        socket_path=agent.socket_dir / "agent.sock",
+    )
+    assert_profile_measured(agent)
 
 
 def derived_profile_csv(path: Path, schedule: str, virtual_stages: int) -> Profile:

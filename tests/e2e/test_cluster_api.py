@@ -293,30 +293,47 @@ def test_each_identity_may_do_what_it_needs_and_nothing_else(
     assert not wrong, f"{who}: " + "; ".join(wrong)
 
 
+def one_gpu_plan(
+    node: str,
+    namespace: str,
+    job: str,
+    *,
+    revision: int = 1,
+    granularity: str = "Instruction",
+    assignment: Mapping[str, Any] | None = None,
+) -> NodePlan:
+    """A node plan whose GPU 0 runs stage 0 (rank 0) of a two-stage plan ``p``."""
+    return NodePlan(
+        node=node,
+        namespace=namespace,
+        job=job,
+        revision=revision,
+        granularity=granularity,
+        plans={"p": pipeline_plan_fields()},
+        assignments=[assignment or {"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
+    )
+
+
+def node_plan_where(namespace: str, job: str, node: str) -> tuple[str, str, str, str, str]:
+    """The custom-objects API's arguments naming ``job``'s plan for ``node``."""
+    name = resources.node_plan_name(job, node)
+    return (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+
+
 def test_an_agent_writes_the_status_of_its_own_nodes_plans_only(
     cluster: Cluster, namespace: str
 ) -> None:
     for node in ("api-node-0", "api-node-1"):
         cluster.node(node, 4)
-        plan = NodePlan(
-            node=node,
-            namespace=namespace,
-            job="job",
-            revision=1,
-            granularity="Instruction",
-            plans={"p": pipeline_plan_fields()},
-            assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
-        )
-        cluster.plane.apply([resources.node_plan_object(plan)])
+        cluster.plane.apply([resources.node_plan_object(one_gpu_plan(node, namespace, "job"))])
     # As the agent does it: a merge patch of the status subresource, no read first.
     with api_client(cluster.agent_kubeconfig("api-node-0")) as agent:
         custom = kubernetes.client.CustomObjectsApi(agent)
 
         def patch(node: str) -> None:
             custom.patch_namespaced_custom_object_status(
-                resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL,
-                resources.node_plan_name("job", node), {"status": {"observedRevision": 1}},
-            )  # fmt: skip
+                *node_plan_where(namespace, "job", node), {"status": {"observedRevision": 1}}
+            )
 
         patch("api-node-0")
         with pytest.raises(kubernetes.client.ApiException) as refused:
@@ -324,9 +341,8 @@ def test_an_agent_writes_the_status_of_its_own_nodes_plans_only(
     assert refused.value.status == 403
     assert "may write the status of its own node's PerseusNodePlans only" in str(refused.value.body)
     stored = cluster.custom.get_namespaced_custom_object_status(
-        resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL,
-        resources.node_plan_name("job", "api-node-1"),
-    )  # fmt: skip
+        *node_plan_where(namespace, "job", "api-node-1")
+    )
     assert "status" not in stored or "observedRevision" not in stored["status"]
 
 
@@ -336,16 +352,7 @@ def test_an_oversized_node_plan_is_refused_by_the_api_server(
     """Issue 30, case 8: a plan of 257 assignments (one over the bound) never reaches an agent."""
     from perseus_api.node_plan import MAX_ASSIGNMENTS
 
-    plan = NodePlan(
-        node="api-node-0",
-        namespace=namespace,
-        job="big",
-        revision=1,
-        granularity="Instruction",
-        plans={"p": pipeline_plan_fields()},
-        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
-    )
-    body = resources.node_plan_object(plan)
+    body = resources.node_plan_object(one_gpu_plan("api-node-0", namespace, "big"))
     one = body["spec"]["assignments"][0]
     body["spec"]["assignments"] = [{**one, "gpuIndex": i} for i in range(MAX_ASSIGNMENTS + 1)]
     done = cluster.plane.kubectl(
@@ -367,18 +374,9 @@ def test_the_api_server_stores_an_old_and_a_new_agents_status_as_written(
 
     node = "api-node-status"
     cluster.node(node, 1)
-    plan = NodePlan(
-        node=node,
-        namespace=namespace,
-        job="job",
-        revision=4,
-        granularity="Instruction",
-        plans={"p": pipeline_plan_fields()},
-        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0, "rank": 0}],
-    )
+    plan = one_gpu_plan(node, namespace, "job", revision=4)
     cluster.plane.apply([resources.node_plan_object(plan)])
-    name = resources.node_plan_name("job", node)
-    where = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+    where = node_plan_where(namespace, "job", node)
 
     def write(status: dict[str, Any]) -> dict[str, Any]:
         cluster.custom.patch_namespaced_custom_object_status(*where, {"status": status})
@@ -409,14 +407,12 @@ def _install_node_plan_crd(cluster: Cluster, crd: dict[str, Any], camel_case_val
     import time
 
     cluster.plane.apply([crd])
-    plan = NodePlan(
-        node="api-node-crd",
-        namespace=JOB_NAMESPACE,
-        job="probe",
-        revision=1,
+    plan = one_gpu_plan(
+        "api-node-crd",
+        JOB_NAMESPACE,
+        "probe",
         granularity="Stage",
-        plans={"p": pipeline_plan_fields()},
-        assignments=[{"gpu_index": 0, "plan": "p", "stage": 0}],
+        assignment={"gpu_index": 0, "plan": "p", "stage": 0},
     )
     probe = json.dumps(resources.node_plan_object(plan))
     deadline = time.monotonic() + 60
@@ -442,18 +438,14 @@ def test_an_old_operators_node_plan_survives_the_upgrade(cluster: Cluster, names
 
     new_crd = get_node_plan_crd()
     old_crd = yaml.safe_load(OLD_NODE_PLAN_CRD.read_text(encoding="utf-8"))
-    plan = NodePlan(
-        node="api-node-upgrade",
-        namespace=namespace,
-        job="upgraded",
-        revision=1,
-        granularity="Instruction",
-        plans={"p": pipeline_plan_fields()},
-        assignments=[{"gpu_index": 0, "plan": "p", "stage": 1, "dp_rank": 1, "rank": 3}],
+    plan = one_gpu_plan(
+        "api-node-upgrade",
+        namespace,
+        "upgraded",
+        assignment={"gpu_index": 0, "plan": "p", "stage": 1, "dp_rank": 1, "rank": 3},
     )
     old = {**resources.node_plan_object(plan), "spec": plan.model_dump(mode="json")}
-    name = resources.node_plan_name(plan.job, plan.node)
-    where = (resources.GROUP, resources.VERSION, namespace, resources.NODE_PLAN_PLURAL, name)
+    where = node_plan_where(namespace, plan.job, plan.node)
     _install_node_plan_crd(cluster, old_crd, camel_case_valid=False)
     try:
         cluster.custom.create_namespaced_custom_object(*where[:4], old)

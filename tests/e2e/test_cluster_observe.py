@@ -18,12 +18,10 @@ named model:
 from __future__ import annotations
 
 import re
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,22 +68,9 @@ def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cluster.plane.apply(
         [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}]
     )
-    agents = []
+    agents = cluster.node_agents(stack, workdir, NODES, GPUS, socket_prefix="perseus-")
     for node in NODES:
-        cluster.node(node, GPUS)
         cluster.core.patch_node(node, {"metadata": {"labels": {NODE_GPU_PRODUCT_LABEL: PRODUCT}}})
-        (workdir / node).mkdir()
-        socket_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="perseus-")))
-        agents.append(
-            Agent(
-                workdir / node,
-                socket_dir,
-                num_gpus=GPUS,
-                kubeconfig=cluster.agent_kubeconfig(node),
-                node=node,
-                log_level="info",
-            )
-        )
     operator = OperatorProcess(cluster.operator_kubeconfig)
     training = None
     try:

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, suppress
@@ -183,21 +182,7 @@ def setup(
     cluster.plane.apply(
         [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}]
     )
-    agents = []
-    for node in NODES:
-        cluster.node(node, STAGES)
-        (tmp_path / node).mkdir()
-        socket_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ptorch-")))
-        agents.append(
-            Agent(
-                tmp_path / node,
-                socket_dir,
-                num_gpus=STAGES,
-                kubeconfig=cluster.agent_kubeconfig(node),
-                node=node,
-                log_level="info",
-            )
-        )
+    agents = cluster.node_agents(stack, tmp_path, NODES, STAGES, socket_prefix="ptorch-")
     operator = OperatorProcess(cluster.operator_kubeconfig)
     training: TorchTraining | None = None
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,28 @@ def run_rule_tests(rules: Mapping[str, Any], tests: list[dict[str, Any]], tmp: P
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
+def quiet(alert: str, at_m: int) -> dict[str, Any]:
+    """An ``alert_rule_test`` entry: ``alert`` is not firing ``at_m`` minutes in."""
+    return {"eval_time": f"{at_m}m", "alertname": alert, "exp_alerts": []}
+
+
+def fires(
+    rules: Mapping[str, Any], alert: str, at_m: int, labels: Mapping[str, str], value: float
+) -> dict[str, Any]:
+    """An ``alert_rule_test`` entry: ``alert`` fires ``at_m`` minutes in, once, for ``labels``
+    with ``value``."""
+    return {
+        "eval_time": f"{at_m}m",
+        "alertname": alert,
+        "exp_alerts": [expected(rules, alert, labels, value)],
+    }
+
+
+def case(inputs: list[dict[str, str]], *checks: dict[str, Any]) -> dict[str, Any]:
+    """A promtool test case: ``inputs`` sampled every minute, then ``checks``."""
+    return {"interval": "1m", "input_series": inputs, "alert_rule_test": list(checks)}
+
+
 # -- the test cases, one function per alert ------------------------------------------------------
 
 
@@ -137,51 +159,27 @@ def straggler_cases(rules: Mapping[str, Any], slowdown_for_m: int) -> dict[str, 
     inputs += iterations(rank("gpt3", 1, 0), 40, 1.5)
     inputs += iterations(rank("gpt3", 1, 1), 40, 1.2)  # the replica's other stage waits less
     fires_at = slowdown_for_m + 1  # the first rate needs two samples (at 1m)
-    return {
-        "interval": "1m",
-        "input_series": inputs,
-        "alert_rule_test": [
-            {
-                "eval_time": f"{fires_at - 1}m",
-                "alertname": "PerseusStragglerPersistent",
-                "exp_alerts": [],
-            },
-            {
-                "eval_time": f"{fires_at}m",
-                "alertname": "PerseusStragglerPersistent",
-                "exp_alerts": [
-                    expected(
-                        rules,
-                        "PerseusStragglerPersistent",
-                        {"job_namespace": "ml", "job_name": "gpt3"},
-                        1.5,
-                    )
-                ],
-            },
-        ],
-    }
+    alert = "PerseusStragglerPersistent"
+    return case(
+        inputs,
+        quiet(alert, fires_at - 1),
+        fires(rules, alert, fires_at, {"job_namespace": "ml", "job_name": "gpt3"}, 1.5),
+    )
 
 
 def agent_down_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     down = {"job": AGENT_JOB, "node": "n1", "instance": "10.0.0.1:9400"}
     up = {"job": AGENT_JOB, "node": "n2", "instance": "10.0.0.2:9400"}
-    return {
-        "interval": "1m",
-        "input_series": [
+    return case(
+        [
             series("up", down, "1 1 0x20"),
             series("up", up, "1x22"),
             series("up", {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}, "1x22"),
         ],
-        "alert_rule_test": [
-            {"eval_time": "6m", "alertname": "PerseusAgentDown", "exp_alerts": []},
-            {
-                "eval_time": "7m",
-                "alertname": "PerseusAgentDown",
-                "exp_alerts": [expected(rules, "PerseusAgentDown", down, 0)],
-            },
-            {"eval_time": "10m", "alertname": "PerseusOperatorDown", "exp_alerts": []},
-        ],
-    }
+        quiet("PerseusAgentDown", 6),
+        fires(rules, "PerseusAgentDown", 7, down, 0),
+        quiet("PerseusOperatorDown", 10),
+    )
 
 
 def operator_absent_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
@@ -189,125 +187,71 @@ def operator_absent_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     quiet); absent() holds once the last sample is out of the 5m lookback, and fires 10m later.
     Another release's replicas answer, but none leads."""
     target = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
-    return {
-        "interval": "1m",
-        "input_series": [
-            series("up", target, "1x3"),
-            series("perseus_operator_leader", target, "1x3"),
-        ],
-        "alert_rule_test": [
-            {"eval_time": "16m", "alertname": "PerseusOperatorAbsent", "exp_alerts": []},
-            {
-                "eval_time": "21m",
-                "alertname": "PerseusOperatorAbsent",
-                "exp_alerts": [expected(rules, "PerseusOperatorAbsent", {"job": OPERATOR_JOB}, 1)],
-            },
-            {"eval_time": "21m", "alertname": "PerseusOperatorDown", "exp_alerts": []},
-        ],
-    }
+    return case(
+        [series("up", target, "1x3"), series("perseus_operator_leader", target, "1x3")],
+        quiet("PerseusOperatorAbsent", 16),
+        fires(rules, "PerseusOperatorAbsent", 21, {"job": OPERATOR_JOB}, 1),
+        quiet("PerseusOperatorDown", 21),
+    )
 
 
 def no_leader_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     """Two replicas scraped, neither holds the Lease from 2m on; the alert fires 10m later."""
     a = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
     b = {"job": OPERATOR_JOB, "instance": "10.0.0.10:8080"}
-    return {
-        "interval": "1m",
-        "input_series": [
+    return case(
+        [
             series("perseus_operator_leader", a, "1 1 0x20"),
             series("perseus_operator_leader", b, "0x22"),
             series("up", a, "1x22"),
             series("up", b, "1x22"),
         ],
-        "alert_rule_test": [
-            {"eval_time": "11m", "alertname": "PerseusOperatorNoLeader", "exp_alerts": []},
-            {
-                "eval_time": "13m",
-                "alertname": "PerseusOperatorNoLeader",
-                "exp_alerts": [expected(rules, "PerseusOperatorNoLeader", {}, 0)],
-            },
-            {"eval_time": "13m", "alertname": "PerseusOperatorAbsent", "exp_alerts": []},
-        ],
-    }
+        quiet("PerseusOperatorNoLeader", 11),
+        fires(rules, "PerseusOperatorNoLeader", 13, {}, 0),
+        quiet("PerseusOperatorAbsent", 13),
+    )
 
 
 def operator_down_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     target = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080"}
-    return {
-        "interval": "1m",
-        "input_series": [series("up", target, "0x10")],
-        "alert_rule_test": [
-            {"eval_time": "4m", "alertname": "PerseusOperatorDown", "exp_alerts": []},
-            {
-                "eval_time": "5m",
-                "alertname": "PerseusOperatorDown",
-                "exp_alerts": [expected(rules, "PerseusOperatorDown", target, 0)],
-            },
-            {"eval_time": "5m", "alertname": "PerseusAgentDown", "exp_alerts": []},
-        ],
-    }
+    return case(
+        [series("up", target, "0x10")],
+        quiet("PerseusOperatorDown", 4),
+        fires(rules, "PerseusOperatorDown", 5, target, 0),
+        quiet("PerseusAgentDown", 5),
+    )
 
 
 def agent_unavailable_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     ds = {"namespace": NAMESPACE, "daemonset": DAEMONSET}
     other = {"namespace": "kube-system", "daemonset": "kube-proxy"}
-    return {
-        "interval": "1m",
-        "input_series": [
+    return case(
+        [
             series("kube_daemonset_status_desired_number_scheduled", ds, "4x12"),
             series("kube_daemonset_status_number_available", ds, "4 4 3x10"),
             series("kube_daemonset_status_desired_number_scheduled", other, "5x12"),
             series("kube_daemonset_status_number_available", other, "0x12"),
         ],
-        "alert_rule_test": [
-            {"eval_time": "6m", "alertname": "PerseusAgentUnavailable", "exp_alerts": []},
-            {
-                "eval_time": "7m",
-                "alertname": "PerseusAgentUnavailable",
-                "exp_alerts": [expected(rules, "PerseusAgentUnavailable", ds, 1)],
-            },
-        ],
-    }
+        quiet("PerseusAgentUnavailable", 6),
+        fires(rules, "PerseusAgentUnavailable", 7, ds, 1),
+    )
 
 
 def apply_error_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     def errors(node: str, reason: str, values: str) -> dict[str, str]:
         return series("perseus_agent_apply_errors_total", {"node": node, "reason": reason}, values)
 
-    return {
-        "interval": "1m",
-        "input_series": [
+    return case(
+        [
             errors("n1", "no_permission", "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1"),
             errors("n1", "invalid_plan", "0x19"),
             errors("n2", "read_gpu_lost", "0 0 0 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2"),
         ],
-        "alert_rule_test": [
-            {"eval_time": "2m", "alertname": "PerseusPlanApplyErrors", "exp_alerts": []},
-            {
-                "eval_time": "3m",
-                "alertname": "PerseusPlanApplyErrors",
-                "exp_alerts": [
-                    expected(
-                        rules,
-                        "PerseusPlanApplyErrors",
-                        {"node": "n1", "reason": "no_permission"},
-                        1,
-                    )
-                ],
-            },
-            {
-                "eval_time": "3m",
-                "alertname": "PerseusGpuReadErrors",
-                "exp_alerts": [
-                    expected(
-                        rules, "PerseusGpuReadErrors", {"node": "n2", "reason": "read_gpu_lost"}, 2
-                    )
-                ],
-            },
-            # An error older than the window is forgotten.
-            {"eval_time": "15m", "alertname": "PerseusPlanApplyErrors", "exp_alerts": []},
-        ],
-    }
+        quiet("PerseusPlanApplyErrors", 2),
+        fires(rules, "PerseusPlanApplyErrors", 3, {"node": "n1", "reason": "no_permission"}, 1),
+        fires(rules, "PerseusGpuReadErrors", 3, {"node": "n2", "reason": "read_gpu_lost"}, 2),
+        quiet("PerseusPlanApplyErrors", 15),  # an error older than the window is forgotten
+    )
 
 
 def locked_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
@@ -356,16 +300,12 @@ def locked_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
     alert = "PerseusGpuLockedWithoutPlan"
     n2 = expected(rules, alert, {"node": "n2", "gpu": "0", "uuid": "GPU-n2-0"}, 1.2e9)
     n4 = expected(rules, alert, {"node": "n4", "gpu": "0", "uuid": "GPU-n4-0"}, 1.2e9)
-    return {
-        "interval": "1m",
-        "input_series": inputs,
-        "alert_rule_test": [
-            {"eval_time": "10m", "alertname": alert, "exp_alerts": []},
-            {"eval_time": "12m", "alertname": alert, "exp_alerts": [n2, n4]},
-            # Past the lookback the GPU no longer counts as having had a plan.
-            {"eval_time": "45m", "alertname": alert, "exp_alerts": []},
-        ],
-    }
+    return case(
+        inputs,
+        quiet(alert, 10),
+        {"eval_time": "12m", "alertname": alert, "exp_alerts": [n2, n4]},
+        quiet(alert, 45),  # past the lookback the GPU no longer counts as having had a plan
+    )
 
 
 def power_budget_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
@@ -376,9 +316,8 @@ def power_budget_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
         operator = {"job": OPERATOR_JOB, "instance": "10.0.0.9:8080", "namespace": NAMESPACE}
         return series(f"perseus_power_budget_{metric}", {**operator, "budget": name}, values)
 
-    return {
-        "interval": "1m",
-        "input_series": [
+    return case(
+        [
             budget("rack-a", "watts", "40000x20"),
             budget("rack-a", "measured_watts", "38000 39000 39500 41000x17"),
             budget("rack-a", "missing_watts", "0x20"),
@@ -388,33 +327,31 @@ def power_budget_cases(rules: Mapping[str, Any]) -> dict[str, Any]:
             budget("rack-c", "watts", "1000x20"),
             budget("rack-c", "missing_watts", "0 2500x19"),
         ],
-        "alert_rule_test": [
-            {"eval_time": "4m", "alertname": "PerseusPowerBudgetExceeded", "exp_alerts": []},
-            {
-                "eval_time": "5m",
-                "alertname": "PerseusPowerBudgetExceeded",
-                "exp_alerts": [
-                    expected(rules, "PerseusPowerBudgetExceeded", {"budget": "rack-a"}, 41000)
-                ],
-            },
-            {"eval_time": "2m", "alertname": "PerseusPowerBudgetInfeasible", "exp_alerts": []},
-            {
-                "eval_time": "3m",
-                "alertname": "PerseusPowerBudgetInfeasible",
-                "exp_alerts": [
-                    expected(rules, "PerseusPowerBudgetInfeasible", {"budget": "rack-c"}, 2500)
-                ],
-            },
-        ],
-    }
+        quiet("PerseusPowerBudgetExceeded", 4),
+        fires(rules, "PerseusPowerBudgetExceeded", 5, {"budget": "rack-a"}, 41000),
+        quiet("PerseusPowerBudgetInfeasible", 2),
+        fires(rules, "PerseusPowerBudgetInfeasible", 3, {"budget": "rack-c"}, 2500),
+    )
 
 
 # -- tests ---------------------------------------------------------------------------------------
 
 
-def test_default_alerts_pass_promtool_check_and_unit_tests(tmp_path: Path) -> None:
-    rules = rules_of({})
-    assert set(rules_by_alert(rules)) == {
+DEFAULT_CASES = [
+    operator_absent_cases,
+    no_leader_cases,
+    lambda rules: straggler_cases(rules, slowdown_for_m=10),
+    agent_down_cases,
+    operator_down_cases,
+    agent_unavailable_cases,
+    apply_error_cases,
+    locked_cases,
+    power_budget_cases,
+]
+
+
+def test_the_default_alerts() -> None:
+    assert set(rules_by_alert(rules_of({}))) == {
         "PerseusStragglerPersistent",
         "PerseusAgentDown",
         "PerseusAgentUnavailable",
@@ -427,18 +364,28 @@ def test_default_alerts_pass_promtool_check_and_unit_tests(tmp_path: Path) -> No
         "PerseusPowerBudgetExceeded",
         "PerseusPowerBudgetInfeasible",
     }
-    tests = [
-        operator_absent_cases(rules),
-        no_leader_cases(rules),
-        straggler_cases(rules, slowdown_for_m=10),
-        agent_down_cases(rules),
-        operator_down_cases(rules),
-        agent_unavailable_cases(rules),
-        apply_error_cases(rules),
-        locked_cases(rules),
-        power_budget_cases(rules),
-    ]
-    run_rule_tests(rules, tests, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "cases",
+    DEFAULT_CASES,
+    ids=[
+        "operator-absent",
+        "no-leader",
+        "straggler",
+        "agent-down",
+        "operator-down",
+        "agent-unavailable",
+        "apply-errors",
+        "locked",
+        "power-budget",
+    ],
+)
+def test_default_alerts_pass_promtool_check_and_unit_tests(
+    cases: Callable[[Mapping[str, Any]], dict[str, Any]], tmp_path: Path
+) -> None:
+    rules = rules_of({})
+    run_rule_tests(rules, [cases(rules)], tmp_path)
 
 
 def test_alert_settings_from_values_change_what_fires(tmp_path: Path) -> None:

@@ -27,13 +27,14 @@ from perseus_api.job import (
     Mode,
     PerseusJobSpec,
     Policy,
-    Profiling,
     Stragglers,
 )
+from perseus_api.job_profiling import Profiling
 from perseus_api.job_status import PerseusJobStatus
 from perseus_api.node_plan import NodePlan
 from perseus_api.plan import Granularity
 from perseus_api.resources import node_plan_object
+from perseus_api.structural_schema import SchemaConversionError, structural_schema
 from support.factories import pipeline_plan_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -226,8 +227,8 @@ class _Untyped(BaseModel):
     [(_Union, "only X | None unions are supported"), (_Untyped, "_Untyped.value: no type")],
 )
 def test_unstructural_models_are_refused(model: type[BaseModel], message: str) -> None:
-    with pytest.raises(crd.SchemaConversionError, match=re.escape(message)):
-        crd.structural_schema(model)
+    with pytest.raises(SchemaConversionError, match=re.escape(message)):
+        structural_schema(model)
 
 
 def test_conversions() -> None:

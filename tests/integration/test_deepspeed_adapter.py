@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from perseus_api.schedule import stage_instruction_order
-from support.framework_job import DEEPSPEED_EXAMPLE, require, run_recorded, steps_of
-from support.torch_job import Event
+from support.framework_job import DEEPSPEED_EXAMPLE, require, run_recorded
+from support.torch_job import computations, iteration_times_s, steps_of, unchunked
 
 MICROBATCHES = 4
 
@@ -23,20 +23,6 @@ MICROBATCHES = 4
 @pytest.fixture(autouse=True)
 def _deepspeed() -> None:
     require("deepspeed", "deepspeed")
-
-
-def computations(step: list[Event]) -> list[tuple[str, int]]:
-    """``(name, microbatch)`` of each computation; every begin is followed by its own end."""
-    out: list[tuple[str, int]] = []
-    body = step[1:-1]
-    assert len(body) % 2 == 0, body
-    for begin, end in zip(body[::2], body[1::2], strict=True):
-        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
-        assert end.msg["name"] == begin.msg["name"]
-        assert begin.msg.get("chunk") is None
-        assert begin.t_ns <= end.t_ns
-        out.append((begin.msg["name"], begin.msg["microbatch"]))
-    return out
 
 
 def test_hooks_follow_the_planners_1f1b_order_and_eval_reports_nothing() -> None:
@@ -58,7 +44,7 @@ def test_hooks_follow_the_planners_1f1b_order_and_eval_reports_nothing() -> None
         recorded = steps_of(events)
         assert [s[0].msg["step"] for s in recorded] == list(range(steps))
         for step in recorded:
-            assert computations(step) == expected, rank
+            assert computations(step) == unchunked(expected), rank  # no chunk: one stage
     assert "order the planner does not follow" not in run.stderr
 
 
@@ -77,10 +63,6 @@ def test_dualpipev_gets_step_hooks_and_one_warning() -> None:
     for events in run.events.values():
         assert [e.op for e in events] == ["hello"] + ["step_begin", "step_end"] * steps
     assert run.stderr.count("DualPipeVEngine runs DualPipeVSchedule") == pp
-
-
-def iteration_times_s(events: list[Event]) -> list[float]:
-    return [(s[-1].t_ns - s[0].t_ns) / 1e9 for s in steps_of(events)]
 
 
 def test_a_straggler_replica_reports_longer_iterations(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from perseus_api.schedule import gpu_computation_order
-from support.framework_job import MEGATRON_WORKER, require, run_recorded, steps_of
-from support.torch_job import Event
+from support.framework_job import MEGATRON_WORKER, require, run_recorded
+from support.torch_job import computations, iteration_times_s, steps_of
 
 MICROBATCHES = 4
 
@@ -24,22 +24,6 @@ MICROBATCHES = 4
 @pytest.fixture(autouse=True)
 def _megatron() -> None:
     require("megatron.core", "megatron")
-
-
-def chunked(step: list[Event]) -> list[tuple[str, int, int | None]]:
-    """``(name, microbatch, chunk)`` of each computation; each end names its begin's."""
-    out: list[tuple[str, int, int | None]] = []
-    body = step[1:-1]
-    assert len(body) % 2 == 0, body
-    for begin, end in zip(body[::2], body[1::2], strict=True):
-        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
-        assert (end.msg["name"], end.msg.get("chunk")) == (
-            begin.msg["name"],
-            begin.msg.get("chunk"),
-        )
-        assert begin.t_ns <= end.t_ns
-        out.append((begin.msg["name"], begin.msg["microbatch"], begin.msg.get("chunk")))
-    return out
 
 
 @pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved-1f1b", 2)])
@@ -71,7 +55,7 @@ def test_hooks_follow_the_planners_order_and_eval_reports_nothing(
         recorded = steps_of(events)
         assert [s[0].msg["step"] for s in recorded] == list(range(steps))
         for step in recorded:
-            assert chunked(step) == expected, rank
+            assert computations(step) == expected, rank
     assert "Perseus: Megatron" not in run.stderr  # no warning: plannable, attached in time
 
 
@@ -106,10 +90,7 @@ def test_a_straggler_replica_reports_longer_iterations(tmp_path: Path) -> None:
             *("--step-times", str(times_file)),
         ],
     )
-    reported = {
-        r: statistics.median([(s[-1].t_ns - s[0].t_ns) / 1e9 for s in steps_of(e)][1:])
-        for r, e in run.events.items()
-    }
+    reported = {r: statistics.median(iteration_times_s(e)[1:]) for r, e in run.events.items()}
     replica: dict[int, tuple[int, int]] = {}
     around: dict[int, list[float]] = {}
     for line in times_file.read_text().splitlines():

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from perseus_api.schedule import gpu_computation_order, stage_instruction_order
-from support.torch_job import Event, require_torch, run_example, run_recorded
+from support.torch_job import (
+    computations,
+    iteration_times_s,
+    require_torch,
+    run_example,
+    run_recorded,
+    steps_of,
+    unchunked,
+)
 
 MICROBATCHES = 4
 
@@ -22,39 +30,6 @@ MICROBATCHES = 4
 @pytest.fixture(autouse=True)
 def _torch() -> None:
     require_torch()
-
-
-def steps_of(events: list[Event]) -> list[list[Event]]:
-    """The events of each step, ``step_begin`` .. ``step_end``; nothing may fall outside."""
-    steps: list[list[Event]] = []
-    current: list[Event] | None = None
-    for event in events[1:]:  # after the hello
-        if event.op == "step_begin":
-            assert current is None, f"step_begin inside a step: {event}"
-            current = [event]
-        elif event.op == "step_end":
-            assert current is not None, f"step_end outside a step: {event}"
-            current.append(event)
-            steps.append(current)
-            current = None
-        else:
-            assert current is not None, f"{event.op} outside a step (eval?): {event}"
-            current.append(event)
-    assert current is None, "a step never ended"
-    return steps
-
-
-def computations(step: list[Event]) -> list[tuple[str, int]]:
-    """``(name, microbatch)`` of each computation; every begin is followed by its own end."""
-    out: list[tuple[str, int]] = []
-    body = step[1:-1]
-    assert len(body) % 2 == 0, body
-    for begin, end in zip(body[::2], body[1::2], strict=True):
-        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
-        assert end.msg["name"] == begin.msg["name"]
-        assert begin.t_ns <= end.t_ns
-        out.append((begin.msg["name"], begin.msg["microbatch"]))
-    return out
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -77,21 +52,7 @@ def test_hooks_follow_the_planners_order(schedule: str) -> None:
         recorded = steps_of(events)
         assert [s[0].msg["step"] for s in recorded] == list(range(steps))
         for step in recorded:
-            assert computations(step) == expected
-
-
-def chunked_computations(step: list[Event]) -> list[tuple[str, int, int | None]]:
-    """``(name, microbatch, chunk)`` of each computation; each end names its begin's."""
-    out: list[tuple[str, int, int | None]] = []
-    body = step[1:-1]
-    for begin, end in zip(body[::2], body[1::2], strict=True):
-        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
-        assert (end.msg["name"], end.msg.get("chunk")) == (
-            begin.msg["name"],
-            begin.msg.get("chunk"),
-        )
-        out.append((begin.msg["name"], begin.msg["microbatch"], begin.msg.get("chunk")))
-    return out
+            assert computations(step) == unchunked(expected)
 
 
 @pytest.mark.parametrize(("schedule", "virtual_stages"), [("interleaved-1f1b", 2), ("zb-h1", 1)])
@@ -118,7 +79,7 @@ def test_interleaved_and_zero_bubble_hooks_name_chunks_and_backward_halves(
         recorded = steps_of(events)
         assert len(recorded) == steps
         for step in recorded:
-            assert chunked_computations(step) == expected, rank
+            assert computations(step) == expected, rank
     assert "cannot be planned per instruction" not in run.stderr
 
 
@@ -130,10 +91,6 @@ def test_schedule_the_planner_cannot_follow_gets_step_hooks_and_one_warning() ->
         assert [e.op for e in events] == ["hello"] + ["step_begin", "step_end"] * 2
     assert run.stderr.count("ScheduleLoopedBFS with 2 stage(s) per rank") == 2  # one per rank
     assert run.stderr.count("cannot be planned per instruction") == 2
-
-
-def iteration_times_s(events: list[Event]) -> list[float]:
-    return [(s[-1].t_ns - s[0].t_ns) / 1e9 for s in steps_of(events)]
 
 
 def test_a_straggler_replica_reports_longer_iterations(tmp_path: Path) -> None:

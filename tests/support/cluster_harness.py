@@ -16,8 +16,10 @@ Without the binaries the tests are skipped with the reason, or fail under
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from support.agent_process import Agent
 from support.control_plane import ControlPlane, binaries
 
 OPERATOR_SA = "perseus-operator"
@@ -91,6 +94,31 @@ class Cluster:
                 self.namespace, AGENT_SA, bound_pod=pod
             )
         return self._agent_kubeconfigs[node]
+
+    def node_agents(
+        self, stack: ExitStack, workdir: Path, nodes: Sequence[str], gpus: int, socket_prefix: str
+    ) -> list[Agent]:
+        """Each of ``nodes`` (``gpus`` GPUs) and its node agent in Kubernetes mode, not started:
+        its work directory under ``workdir``, its socket in a short directory that ``stack``
+        removes (Unix socket paths are limited to 108 bytes, which pytest's tmp paths exceed)."""
+        agents = []
+        for node in nodes:
+            self.node(node, gpus)
+            (workdir / node).mkdir()
+            socket_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix=socket_prefix))
+            )
+            agents.append(
+                Agent(
+                    workdir / node,
+                    socket_dir,
+                    num_gpus=gpus,
+                    kubeconfig=self.agent_kubeconfig(node),
+                    node=node,
+                    log_level="info",
+                )
+            )
+        return agents
 
 
 # The workload kinds a PerseusJob may point at, as schema-less stand-ins of their CRDs (no

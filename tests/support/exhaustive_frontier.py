@@ -11,7 +11,7 @@ import pytest
 
 from perseus_api.profile import Profile, parse_profile
 from perseus_planner.dag import topological_order
-from perseus_planner.solver import FrontierProblem
+from perseus_planner.solver import FrontierProblem, iterate_frontier
 
 UNIT_S = 0.001
 BLOCKING_W = 20.0
@@ -105,3 +105,38 @@ def best_cost_by_makespan(problem: FrontierProblem) -> tuple[int, npt.NDArray[np
             assert problem.makespan(durations) == makespan[row]
             assert problem.cost_j(durations) == pytest.approx(cost[row], abs=1e-9)
     return t_lo, np.minimum.accumulate(best)
+
+
+def assert_frontier_is_optimal(problem: FrontierProblem) -> None:
+    """Every point ``iterate_frontier`` emits, one unit apart from ``T_max`` (all slowest) down
+    to ``T_min``, is a feasible assignment whose cost is the exhaustive search's minimum."""
+    n = problem.dag.num_nodes
+    t_lo, best = best_cost_by_makespan(problem)
+    points = list(iterate_frontier(problem))
+    t_max = problem.makespan(problem.slowest_durations)
+    t_min = problem.makespan(problem.fastest_durations)
+    assert t_max > t_min + 2, "the synthetic problem should have room for several steps"
+    assert [p.quant_time for p in points] == list(range(t_max, t_max - len(points), -1))
+    assert points[0].quant_durations.tolist() == problem.slowest_durations.tolist()
+    assert points[-1].quant_time == t_min
+    for point in points:
+        durations = point.quant_durations
+        assert np.all(durations >= problem.fastest_durations)
+        assert np.all(durations <= problem.slowest_durations)
+        assert problem.makespan(durations) == point.quant_time
+        assert point.cost_j == pytest.approx(problem.cost_j(durations), abs=1e-9)
+        optimum = float(best[point.quant_time - t_lo])
+        assert point.cost_j == pytest.approx(optimum, abs=1e-6 * n), (
+            f"point at {point.quant_time} units costs {point.cost_j} J, optimum {optimum} J"
+        )
+
+
+def assert_one_option_per_clock(problem: FrontierProblem, specs: Spec) -> None:
+    """Guards the test design: the problem has one duration per profiled clock of every
+    (stage, instruction) of ``specs``, looked up by its (model) stage."""
+    assert set(problem.models) == set(specs)
+    for (stage, instruction), (fastest_ms, _, clocks) in specs.items():
+        options = problem.models[(stage, instruction)].options
+        expected = list(range(fastest_ms + clocks - 1, fastest_ms - 1, -1))
+        assert options.quant_times.tolist() == expected
+        assert options.frequencies_mhz.tolist() == [1410 - 105 * k for k in reversed(range(clocks))]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.torch_job import REPO_ROOT, Event, JobRun, recording_socket
+from support import torch_job
+from support.torch_job import REPO_ROOT, JobRun
 
 DEEPSPEED_EXAMPLE = REPO_ROOT / "examples" / "deepspeed_pipeline.py"
 MEGATRON_WORKER = REPO_ROOT / "tests" / "support" / "megatron_cpu_worker.py"
@@ -41,52 +41,24 @@ def require(module: str, extra: str) -> None:
     pytest.skip(reason)
 
 
+def framework_env() -> dict[str, str]:
+    """What a framework job needs on top of ours: DeepSpeed on the CPU, its compiled op kept
+    in the project's cache (unless the environment says where)."""
+    return {
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR)),
+        "DS_ACCELERATOR": "cpu",
+    }
+
+
 def run_script(
     script: Path, args: list[str], *, socket_path: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` to completion (it stops its own processes); raise on failure."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "node_agent"), str(REPO_ROOT / "operator"), env.get("PYTHONPATH", "")]
+    """Run a framework job to completion (see :func:`support.torch_job.run_script`)."""
+    return torch_job.run_script(
+        script, args, socket_path=socket_path, env=framework_env(), timeout_s=JOB_TIMEOUT_S
     )
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
-    env["DS_ACCELERATOR"] = "cpu"
-    env.pop("PERSEUS_AGENT_SOCKET", None)
-    if socket_path is not None:
-        env["PERSEUS_AGENT_SOCKET"] = str(socket_path)
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-        check=False,
-    )
-    assert result.returncode == 0, f"{script.name} failed:\n{result.stderr[-6000:]}"
-    return result
 
 
 def run_recorded(script: Path, args: list[str]) -> JobRun:
-    with recording_socket() as (path, recorder):
-        result = run_script(script, args, socket_path=path)
-    return JobRun(result.stderr, recorder.by_rank())
-
-
-def steps_of(events: list[Event]) -> list[list[Event]]:
-    """The events of each step, ``step_begin`` .. ``step_end``; nothing may fall outside."""
-    steps: list[list[Event]] = []
-    current: list[Event] | None = None
-    for event in events[1:]:  # after the hello
-        if event.op == "step_begin":
-            assert current is None, f"step_begin inside a step: {event}"
-            current = [event]
-        elif event.op == "step_end":
-            assert current is not None, f"step_end outside a step: {event}"
-            current.append(event)
-            steps.append(current)
-            current = None
-        else:
-            assert current is not None, f"{event.op} outside a step (eval?): {event}"
-            current.append(event)
-    assert current is None, "a step never ended"
-    return steps
+    """Run a framework job against a recording agent socket."""
+    return torch_job.run_recorded(args, script=script, env=framework_env(), timeout_s=JOB_TIMEOUT_S)

@@ -124,33 +124,103 @@ def recording_socket() -> Iterator[tuple[Path, Recorder]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_example(
-    args: list[str], *, socket_path: Path | None = None
+def run_script(
+    script: Path,
+    args: list[str],
+    *,
+    socket_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = JOB_TIMEOUT_S,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the example to completion (it stops its own processes); raise on failure."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "node_agent"), str(REPO_ROOT / "operator"), env.get("PYTHONPATH", "")]
+    """Run ``script`` to completion (it stops its own processes), with the project's source
+    on its path, ``env`` on top of ours and its hooks pointed at ``socket_path``; raise on
+    failure."""
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT / "node_agent"), str(REPO_ROOT / "operator"), environ.get("PYTHONPATH", "")]
     )
-    env.pop("PERSEUS_AGENT_SOCKET", None)
+    environ.update(env or {})
+    environ.pop("PERSEUS_AGENT_SOCKET", None)
     if socket_path is not None:
-        env["PERSEUS_AGENT_SOCKET"] = str(socket_path)
+        environ["PERSEUS_AGENT_SOCKET"] = str(socket_path)
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args],
-        env=env,
+        [sys.executable, str(script), *args],
+        env=environ,
         capture_output=True,
         text=True,
-        timeout=JOB_TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
     )
-    assert result.returncode == 0, f"example failed:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{script.name} failed:\n{result.stderr[-6000:]}"
     return result
 
 
-def run_recorded(args: list[str]) -> JobRun:
+def run_example(
+    args: list[str], *, socket_path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/torch_pipeline.py`` (see :func:`run_script`)."""
+    return run_script(EXAMPLE, args, socket_path=socket_path)
+
+
+def run_recorded(
+    args: list[str],
+    *,
+    script: Path = EXAMPLE,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = JOB_TIMEOUT_S,
+) -> JobRun:
+    """Run ``script`` (default the torch example) against a :func:`recording_socket`."""
     with recording_socket() as (path, recorder):
-        result = run_example(args, socket_path=path)
+        result = run_script(script, args, socket_path=path, env=env, timeout_s=timeout_s)
     return JobRun(result.stderr, recorder.by_rank())
+
+
+def steps_of(events: list[Event]) -> list[list[Event]]:
+    """The events of each step, ``step_begin`` .. ``step_end``; nothing may fall outside."""
+    steps: list[list[Event]] = []
+    current: list[Event] | None = None
+    for event in events[1:]:  # after the hello
+        if event.op == "step_begin":
+            assert current is None, f"step_begin inside a step: {event}"
+            current = [event]
+        elif event.op == "step_end":
+            assert current is not None, f"step_end outside a step: {event}"
+            current.append(event)
+            steps.append(current)
+            current = None
+        else:
+            assert current is not None, f"{event.op} outside a step (eval?): {event}"
+            current.append(event)
+    assert current is None, "a step never ended"
+    return steps
+
+
+def computations(step: list[Event]) -> list[tuple[str, int, int | None]]:
+    """``(name, microbatch, chunk)`` of each computation of a step; every begin is followed by
+    its own end (same name and chunk, not earlier)."""
+    out: list[tuple[str, int, int | None]] = []
+    body = step[1:-1]
+    assert len(body) % 2 == 0, body
+    for begin, end in zip(body[::2], body[1::2], strict=True):
+        assert begin.op == "instruction_begin" and end.op == "instruction_end", (begin, end)
+        assert (end.msg["name"], end.msg.get("chunk")) == (
+            begin.msg["name"],
+            begin.msg.get("chunk"),
+        )
+        assert begin.t_ns <= end.t_ns
+        out.append((begin.msg["name"], begin.msg["microbatch"], begin.msg.get("chunk")))
+    return out
+
+
+def unchunked(order: list[tuple[str, int]]) -> list[tuple[str, int, int | None]]:
+    """``(instruction, microbatch)`` pairs as :func:`computations` reports them when no chunk
+    is named (one stage per rank)."""
+    return [(name, microbatch, None) for name, microbatch in order]
+
+
+def iteration_times_s(events: list[Event]) -> list[float]:
+    """Each step's time from its begin to its end, in seconds."""
+    return [(s[-1].t_ns - s[0].t_ns) / 1e9 for s in steps_of(events)]
 
 
 @dataclass

@@ -70,6 +70,21 @@ def ancestry(stages: dict[str, list[tuple[str, str]]], stage: str) -> list[str]:
 PROJECT_FILES = ("pyproject.toml", "README.md", "operator", "node_agent")
 
 
+INSTALL_DEPS = "/opt/tools/image_install_deps.sh"
+
+
+def test_dependencies_install_from_the_pins_alone() -> None:
+    """Both images' dependency stages run one script: --no-deps from the pins given, into a
+    venv without pip."""
+    text = (SCRIPTS / "image_install_deps.sh").read_text()
+    assert '--no-deps -r "$constraints"' in text
+    assert "python3 -m venv --without-pip /opt/perseus" in text
+    assert (
+        f"COPY scripts/image_install_deps.sh {INSTALL_DEPS.rsplit('/', 1)[0]}/"
+        in (REPO_ROOT / "Dockerfile").read_text()
+    )
+
+
 def test_no_syntax_line_so_no_frontend_image_is_pulled() -> None:
     first = (REPO_ROOT / "Dockerfile").read_text().splitlines()
     assert not any(re.match(r"#\s*syntax\s*=", line, re.IGNORECASE) for line in first)
@@ -84,7 +99,7 @@ def test_dependencies_are_installed_before_any_project_file_is_copied() -> None:
             assert not any(f in c.split() for c in copies for f in PROJECT_FILES), (stage, copies)
         runs = [rest for kw, rest in stages[f"{target}-deps"] if kw == "RUN"]
         pins = f"image-constraints-{COMPONENTS[target]}.txt"
-        assert any("--no-deps -r" in r and pins in r for r in runs), runs
+        assert any(INSTALL_DEPS in r and pins in r for r in runs), runs
         # The project goes on top, alone, without dependencies.
         (app_run,) = [rest for kw, rest in stages[f"{target}-app"] if kw == "RUN"]
         assert "--no-deps" in app_run and "--root /out" in app_run
@@ -189,6 +204,7 @@ def test_dockerignore_keeps_the_build_context_to_what_the_dockerfile_copies() ->
     assert kept == {
         "pyproject.toml", "README.md", "operator/", "node_agent/",
         "scripts/image-constraints-*.txt", "scripts/image_wheel.py",
+        "scripts/image_install_deps.sh",
     }  # fmt: skip
 
 

@@ -13,16 +13,16 @@ interpolates exactly.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from perseus_planner.dag import Schedule, build_pipeline_dag
-from perseus_planner.solver import build_problem, iterate_frontier
+from perseus_planner.solver import build_problem
 from support.exhaustive_frontier import (
     BLOCKING_W,
     UNIT_S,
     Spec,
-    best_cost_by_makespan,
+    assert_frontier_is_optimal,
+    assert_one_option_per_clock,
     synthetic_profile,
 )
 
@@ -78,28 +78,7 @@ def test_every_frontier_point_is_optimal(
         UNIT_S,
         BLOCKING_W,
     )
-    n = problem.dag.num_nodes
-    t_lo, best = best_cost_by_makespan(problem)
-
-    points = list(iterate_frontier(problem))
-    t_max = problem.makespan(problem.slowest_durations)
-    t_min = problem.makespan(problem.fastest_durations)
-    assert t_max > t_min + 2, "the synthetic problem should have room for several steps"
-    assert [p.quant_time for p in points] == list(range(t_max, t_max - len(points), -1))
-    assert points[0].quant_durations.tolist() == problem.slowest_durations.tolist()
-
-    for point in points:
-        durations = point.quant_durations
-        assert np.all(durations >= problem.fastest_durations)
-        assert np.all(durations <= problem.slowest_durations)
-        assert problem.makespan(durations) == point.quant_time
-        assert point.cost_j == pytest.approx(problem.cost_j(durations), abs=1e-9)
-        optimum = float(best[point.quant_time - t_lo])
-        assert point.cost_j == pytest.approx(optimum, abs=1e-6 * n), (
-            f"point at {point.quant_time} units costs {point.cost_j} J, optimum {optimum} J"
-        )
-
-    assert points[-1].quant_time == t_min
+    assert_frontier_is_optimal(problem)
 
 
 @pytest.mark.parametrize(
@@ -113,8 +92,4 @@ def test_synthetic_profiles_keep_one_option_per_clock(specs: Spec) -> None:
     problem = build_problem(
         synthetic_profile(specs), build_pipeline_dag("1f1b", num_stages, 2), UNIT_S, BLOCKING_W
     )
-    for (stage, instruction), (fastest_ms, _, clocks) in specs.items():
-        options = problem.models[(stage, instruction)].options
-        expected = list(range(fastest_ms + clocks - 1, fastest_ms - 1, -1))
-        assert options.quant_times.tolist() == expected
-        assert options.frequencies_mhz.tolist() == [1410 - 105 * k for k in reversed(range(clocks))]
+    assert_one_option_per_clock(problem, specs)

@@ -10,17 +10,17 @@ M=2 has 12 and gets four or five, a real least-squares fit.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from perseus_planner.dag import build_pipeline_dag
 from perseus_planner.model_stages import solver_profile
-from perseus_planner.solver import build_problem, iterate_frontier
+from perseus_planner.solver import build_problem
 from support.exhaustive_frontier import (
     BLOCKING_W,
     UNIT_S,
     Spec,
-    best_cost_by_makespan,
+    assert_frontier_is_optimal,
+    assert_one_option_per_clock,
     synthetic_profile,
 )
 
@@ -58,25 +58,8 @@ def test_every_frontier_point_is_optimal(
     problem = build_problem(solver_profile(synthetic_profile(specs), dag), dag, UNIT_S, BLOCKING_W)
     # Blocking power counts GPUs, not model stages.
     assert problem.num_stages == gpus
-    n = problem.dag.num_nodes
-    assert n == len(specs) * microbatches
-    t_lo, best = best_cost_by_makespan(problem)
-
-    points = list(iterate_frontier(problem))
-    t_max = problem.makespan(problem.slowest_durations)
-    t_min = problem.makespan(problem.fastest_durations)
-    assert t_max > t_min + 2, "the synthetic problem should have room for several steps"
-    assert [p.quant_time for p in points] == list(range(t_max, t_max - len(points), -1))
-    assert points[-1].quant_time == t_min
-    for point in points:
-        durations = point.quant_durations
-        assert np.all(durations >= problem.fastest_durations)
-        assert np.all(durations <= problem.slowest_durations)
-        assert problem.makespan(durations) == point.quant_time
-        optimum = float(best[point.quant_time - t_lo])
-        assert point.cost_j == pytest.approx(optimum, abs=1e-6 * n), (
-            f"point at {point.quant_time} units costs {point.cost_j} J, optimum {optimum} J"
-        )
+    assert problem.dag.num_nodes == len(specs) * microbatches
+    assert_frontier_is_optimal(problem)
 
 
 @pytest.mark.parametrize(("schedule", "gpus", "microbatches", "virtual", "specs"), CASES)
@@ -86,9 +69,4 @@ def test_each_computation_uses_its_own_model_stage(
     # Guards the test design: one option per profiled clock, looked up by model stage.
     dag = build_pipeline_dag(schedule, gpus, microbatches, virtual)
     problem = build_problem(solver_profile(synthetic_profile(specs), dag), dag, UNIT_S, BLOCKING_W)
-    assert set(problem.models) == set(specs)
-    for (stage, instruction), (fastest_ms, _, clocks) in specs.items():
-        options = problem.models[(stage, instruction)].options
-        assert options.quant_times.tolist() == list(
-            range(fastest_ms + clocks - 1, fastest_ms - 1, -1)
-        )
+    assert_one_option_per_clock(problem, specs)

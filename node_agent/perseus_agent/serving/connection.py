@@ -26,6 +26,8 @@ from perseus_agent.serving.client_dispatch import ClientHandler, ClientSession, 
 from perseus_client.protocol import MAX_MESSAGE_BYTES, encode_reply, error_reply
 
 __all__ = [
+    "DEFAULT_HELLO_TIMEOUT_S",
+    "DEFAULT_IDLE_TIMEOUT_S",
     "RECV_BYTES",
     "Connection",
     "RequestLoop",
@@ -35,6 +37,11 @@ __all__ = [
 
 logger = logging.getLogger("perseus_agent.serving.local_server")  # the server's log, as before
 
+DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
+"""A client sends hello right after connecting: this is seconds of slack for a loaded node."""
+DEFAULT_IDLE_TIMEOUT_S: Final = 1800.0
+"""Longer than any pause of a training loop between hooks but a checkpoint or an evaluation;
+after one of those the client reconnects by itself (its GPUs are at default clocks meanwhile)."""
 RECV_BYTES: Final = 65536
 DISCARD_LIMIT_BYTES: Final = 1 << 20
 

@@ -30,16 +30,11 @@ so no connection holds a slot for free (see :class:`LocalServer` for the numbers
 
 * a connection must say hello within ``hello_timeout_s`` of connecting (a slow drip of bytes
   does not extend that), and is closed after ``idle_timeout_s`` without a request (a training
-  process's client reconnects by itself at its next hook);
-* connections that have not said hello yet are capped, per peer process (``SO_PEERCRED``) and
-  in all; the oldest such connection makes room for a new one, so a flood of silent
-  connections cannot keep a newcomer from its hello;
-* each peer process has a cap on its connections, and when every slot is taken a newcomer
-  displaces the longest-idle connection of the peer holding the most (if that peer holds more
-  than the newcomer's), so one process cannot hold every slot.
+  process's client reconnects by itself at its next hook; :mod:`perseus_agent.serving.connection`);
+* connections are capped per peer process (``SO_PEERCRED``) and in all, those without hello
+  tighter, and older or idler connections make room for a newcomer
+  (:mod:`perseus_agent.serving.socket_limits` has the rules and the default numbers).
 
-A peer outside the agent's PID namespace (no ``hostPID``) shows as pid 0: all such peers of one
-uid then count as one peer, and only the hello timeout and the all-peer caps tell them apart.
 Connections closed by these rules are logged at a limited rate.
 
 Failures stay per connection: a malformed or unknown request gets an
@@ -65,15 +60,14 @@ from types import TracebackType
 from typing import Any, Final
 
 from perseus_agent.log_limit import RateLimitedLog
-
-# The handler's side (sessions, requests, errors) and the socket file's are modules of their
-# own; their names are re-exported here, where the agent's callers have always found them.
 from perseus_agent.serving.client_dispatch import (
     ClientHandler,
     ClientSession,
     RequestError,
 )
 from perseus_agent.serving.connection import (
+    DEFAULT_HELLO_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
     RECV_BYTES,
     Connection,
     RequestLoop,
@@ -88,34 +82,19 @@ from perseus_agent.serving.socket_file import (
     bind_unix_socket,
     unlink_socket,
 )
-from perseus_agent.serving.socket_limits import Limits, make_room
+from perseus_agent.serving.socket_limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_PER_PEER,
+    Limits,
+    make_room,
+)
 from perseus_client.protocol import MAX_MESSAGE_BYTES, encode_reply, error_reply
 
-__all__ = [
-    "DEFAULT_HELLO_TIMEOUT_S",
-    "DEFAULT_IDLE_TIMEOUT_S",
-    "DEFAULT_MAX_CONNECTIONS",
-    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
-    "DEFAULT_MAX_PENDING",
-    "DEFAULT_MAX_PENDING_PER_PEER",
-    "LocalServer",
-]
+__all__ = ["LocalServer"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_CONNECTIONS: Final = 256
-DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
-"""A client sends hello right after connecting: this is seconds of slack for a loaded node."""
-DEFAULT_IDLE_TIMEOUT_S: Final = 1800.0
-"""Longer than any pause of a training loop between hooks but a checkpoint or an evaluation;
-after one of those the client reconnects by itself (its GPUs are at default clocks meanwhile)."""
-DEFAULT_MAX_PENDING: Final = 64
-"""Connections that have not said hello yet, all peers together."""
-DEFAULT_MAX_PENDING_PER_PEER: Final = 16
-"""Room for every rank of a pod connecting at once (the pods of one uid are one peer to an
-agent without ``hostPID``)."""
-DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
-"""A training process needs one connection (per rank it drives)."""
 
 _ACCEPT_RETRY_S: Final = 1.0
 _ACCEPT_BATCH: Final = 64
@@ -345,14 +324,11 @@ class LocalServer:
             for conn in list(self._waiting.values()):
                 self._close_waiting(conn)
 
-    def _hello_deadline_s(self, session: ClientSession) -> float:
-        return self._requests.hello_deadline_s(session)
-
     def _poll_timeout_ms(self) -> int | None:
         """Until the first hello deadline of a waiting connection; ``None``: no deadline."""
         if not self._waiting:
             return None
-        first_s = min(self._hello_deadline_s(c.session) for c in self._waiting.values())
+        first_s = min(self._requests.hello_deadline_s(c.session) for c in self._waiting.values())
         return max(0, math.ceil((first_s - time.monotonic()) * 1000))
 
     def _accept_pending(self, listener: socket.socket) -> None:
@@ -473,8 +449,8 @@ class LocalServer:
     def _expire_waiting(self) -> None:
         now_s = time.monotonic()
         for conn in list(self._waiting.values()):
-            if now_s >= self._hello_deadline_s(conn.session):
-                self._log_hello_timeout(conn.session)
+            if now_s >= self._requests.hello_deadline_s(conn.session):
+                self._requests.log_hello_timeout(conn.session)
                 self._close_waiting(conn)
 
     def _close_waiting(self, conn: Connection) -> None:
@@ -487,9 +463,6 @@ class LocalServer:
             self._connections.pop(conn.session.connection_id, None)
             discard_input(conn.sock)
             conn.sock.close()
-
-    def _log_hello_timeout(self, session: ClientSession) -> None:
-        self._requests.log_hello_timeout(session)
 
     def _release(self, cid: int, sock: socket.socket) -> None:
         """A connection's thread is done with it: forget it and close its socket."""

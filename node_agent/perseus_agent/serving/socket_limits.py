@@ -12,6 +12,9 @@ hello; older connections that have not said hello, or have been idle longest, ma
 4. with ``max_connections`` in all, the oldest connection without hello goes, or else the
    longest-idle connection of the peer holding the most, if that peer holds more than the
    newcomer's would; or else the newcomer is refused.
+
+A peer outside the agent's PID namespace (no ``hostPID``) shows as pid 0: all such peers of one
+uid then count as one peer, and only the hello timeout and the all-peer caps tell them apart.
 """
 
 from __future__ import annotations
@@ -19,9 +22,26 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
-__all__ = ["Limits", "Slot", "make_room"]
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
+    "DEFAULT_MAX_PENDING",
+    "DEFAULT_MAX_PENDING_PER_PEER",
+    "Limits",
+    "Slot",
+    "make_room",
+]
+
+DEFAULT_MAX_CONNECTIONS: Final = 256
+DEFAULT_MAX_PENDING: Final = 64
+"""Connections that have not said hello yet, all peers together."""
+DEFAULT_MAX_PENDING_PER_PEER: Final = 16
+"""Room for every rank of a pod connecting at once (the pods of one uid are one peer to an
+agent without ``hostPID``)."""
+DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 64
+"""A training process needs one connection (per rank it drives)."""
 
 
 class Slot(Protocol):

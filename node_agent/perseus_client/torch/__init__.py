@@ -71,8 +71,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from perseus_client.attaching import Iteration, attach_client, distributed_rank
 from perseus_client.client import PerseusClient
-from perseus_client.default_client import configure
 from perseus_client.identity import gpu_uuids_from_env
 from perseus_client.torch import ddp
 
@@ -132,28 +132,21 @@ class Attachment:
         self._restore.clear()
 
 
-class _StepState:
+class _StepState(Iteration):
     """Where the wrapped schedule is: inside a training ``step()`` or not, and its end."""
 
     def __init__(self, client: PerseusClient, sync: Callable[[], object] | None) -> None:
-        self.client = client
-        self.sync = sync
-        self.lock = threading.Lock()  # the end may come from autograd's device thread
-        self.in_step = False
-        self.step = 0
-        self.ended = True
+        super().__init__(client, sync)
         self.after_step: list[Callable[[], None]] = []
         self.stages = 1
         """Stages of the rank: the iteration ends at the last backward of the last of them."""
         self.stages_left = 1
 
     def begin(self, step: int) -> None:
-        if self.sync is not None and self.client.connected:
-            self.sync()  # the previous iteration's kernels belong to it, not to this one
-        with self.lock:
-            self.step, self.ended, self.in_step = step, False, True
+        def reset() -> None:
             self.stages_left = self.stages
-        self.client.on_step_begin(step)
+
+        self.begin_iteration(step, reset)
 
     def stage_done(self) -> None:
         """A stage's last backward ended: the iteration ends with the last stage's."""
@@ -162,14 +155,6 @@ class _StepState:
             if self.stages_left > 0:
                 return
         self.end()
-
-    def end(self) -> None:
-        """Report the iteration's end, once (the last backward or the return of step())."""
-        with self.lock:
-            if self.ended:
-                return
-            self.ended = True
-        self.client.on_step_end(self.step)
 
 
 def attach(schedule: Any, client: PerseusClient | None = None, **client_options: Any) -> Attachment:
@@ -208,25 +193,17 @@ def attach(schedule: Any, client: PerseusClient | None = None, **client_options:
     device = stages[0].device
     sync = _device_sync(torch, device)
     gpu_uuid = _gpu_uuid(torch, device)
-    rank = world_size = None
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = distributed_rank(dist)
     name = _plannable(torch_schedules, schedule, stages)
     needs_version = 2 if name in _VERSION_2_SCHEDULES else 1
-    if client is None:
-        client = configure(
-            rank=rank,
-            gpu_uuids=[gpu_uuid] if gpu_uuid else [],
-            synchronize=sync,
-            needs_protocol_version=needs_version,
-            **client_options,
-        )
-    else:
-        if client_options:
-            raise TypeError("client options go with a client made here, not with client=")
-        if client.synchronize is None and sync is not None:
-            client.synchronize = sync
-        client.needs_protocol_version = max(client.needs_protocol_version, needs_version)
+    client = attach_client(
+        client,
+        client_options,
+        rank=rank,
+        gpu_uuid=gpu_uuid,
+        sync=sync,
+        needs_protocol_version=needs_version,
+    )
     attachment = Attachment(
         client=client,
         rank=rank,

@@ -18,15 +18,8 @@ from perseus_api.conventions import parse_rfc3339, rfc3339
 from perseus_api.job import PerseusJobSpec
 from perseus_api.job_status import ConditionType, FrontierSummary, Phase, PlanStatus
 from perseus_api.job_status import PerseusJobStatus as Status
-from perseus_api.plan import (
-    Granularity,
-    InstructionClock,
-    PipelinePlan,
-    PlanEstimate,
-    PlanObjective,
-    StagePlan,
-)
-from perseus_api.schedule import Schedule, gpu_computation_order
+from perseus_api.plan import Granularity, PipelinePlan, placeholder_plan
+from perseus_api.schedule import Schedule
 from perseus_operator.jobs.job_decisions import (
     Decision,
     JobRef,
@@ -394,40 +387,7 @@ def profiling_placeholder_plan(spec: PerseusJobSpec) -> PipelinePlan:
     p = spec.parallelism
     schedule = Schedule.parse(p.schedule.value).value
     clock = get_profiling_spec(spec.policy, spec.profiling).frequencies_mhz[0]
-    estimate = PlanEstimate(iteration_time_s=1.0, energy_j=1.0, savings_ratio=0.0)
-    return PipelinePlan(
-        schedule=schedule,
-        num_stages=p.pipeline_stages,
-        num_microbatches=p.microbatches,
-        virtual_stages=p.virtual_stages,
-        granularity=Granularity.INSTRUCTION,
-        objective=PlanObjective.MIN_TIME,
-        unit_time_s=0.001,
-        blocking_power_w=1.0,
-        t_min_s=1.0,
-        t_star_s=1.0,
-        baseline_iteration_time_s=1.0,
-        instruction_estimate=estimate,
-        stage_estimate=estimate,
-        stages=[
-            StagePlan(
-                stage=s,
-                frequency_mhz=clock,
-                instructions=[
-                    InstructionClock(
-                        instruction=step.instruction,
-                        microbatch=step.microbatch,
-                        frequency_mhz=clock,
-                        virtual_stage=step.virtual_stage if p.virtual_stages > 1 else None,
-                    )
-                    for step in gpu_computation_order(
-                        schedule, p.pipeline_stages, p.microbatches, s, p.virtual_stages
-                    )
-                ],
-            )
-            for s in range(p.pipeline_stages)
-        ],
-    )
+    return placeholder_plan(schedule, p.pipeline_stages, p.microbatches, p.virtual_stages, clock)
 
 
 def _unix_s(stamp: str, default_s: float) -> float:

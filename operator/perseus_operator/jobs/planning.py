@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
+from perseus_api.job import FrequencyRange, Mode, Policy, ScheduleName
+from perseus_api.job_profiling import Profiling
 from perseus_api.node_plan import GpuAssignment, NodePlan, ProfilingSpec
 from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PipelinePlan

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from perseus_api.job import FrequencyRange, Mode, Policy, Profiling, ScheduleName
+from perseus_api.job import FrequencyRange, Mode, Policy, ScheduleName
+from perseus_api.job_profiling import Profiling
 from perseus_api.node_report import GpuProfilingReport
 from perseus_api.plan import Granularity, PlanObjective
 from perseus_api.profile import load_profile, parse_profile

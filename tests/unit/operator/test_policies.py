@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from perseus_api.crd import structural_schema
 from perseus_api.job import Mode, Parallelism, PerseusJobSpec, WorkloadKind, with_default_policy
 from perseus_api.job_status import PerseusJob
 from perseus_api.policy import (
@@ -20,6 +19,7 @@ from perseus_api.policy import (
     PolicyError,
     parse_policy,
 )
+from perseus_api.structural_schema import structural_schema
 from perseus_operator.policies.parallelism import UnreadableParallelismError, infer_parallelism
 from perseus_operator.policies.selection import (
     MAX_JOB_NAME,
@@ -166,8 +166,8 @@ def test_a_policy_without_name_or_spec_is_rejected() -> None:
 
 
 def test_the_models_convert_to_structural_schemas() -> None:
-    """As the CRD generator needs (perseus_api.crd), with the CEL rules and no defaults in
-    spec.policy (the operator's default policy fills them)."""
+    """As the CRD generator needs (perseus_api.structural_schema), with the CEL rules and no
+    defaults in spec.policy (the operator's default policy fills them)."""
     spec = structural_schema(PerseusPolicySpec)
     assert spec["required"] == ["namespaceSelector", "workloads"]
     rules = spec["properties"]["namespaceSelector"]["x-kubernetes-validations"]
