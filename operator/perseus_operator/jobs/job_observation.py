@@ -25,6 +25,7 @@ from perseus_planner import Frontier
 __all__ = [
     "JobIO",
     "Planner",
+    "ReadSnapshots",
     "observe_conflict",
     "observe_gpu_product",
     "observe_profile",
@@ -74,6 +75,21 @@ class JobIO(Protocol):
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None: ...
 
     async def delete_node_plan(self, namespace: str, name: str) -> None: ...
+
+
+class ReadSnapshots:
+    """A JobIO that can tell whether a step would read the same as an earlier one
+    (:class:`~perseus_operator.cluster.cluster_index.IndexedJobIO`): what lets a quiet step be
+    reused (:mod:`perseus_operator.jobs.quiet_steps`). A base class, not a protocol: asked at
+    every step, and ``isinstance`` of a runtime protocol costs tens of microseconds."""
+
+    def snapshot(self) -> object | None:
+        """What this step read, if the next step can compare it (None: it cannot)."""
+        return None
+
+    def unchanged_since(self, snapshot: object) -> bool:
+        """Whether the reads of ``snapshot`` would return the same objects now."""
+        return False
 
 
 class Planner(Protocol):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -52,6 +52,7 @@ from perseus_operator.jobs.job_decisions import (
 from perseus_operator.jobs.job_observation import (
     JobIO,
     Planner,
+    ReadSnapshots,
     observe_conflict,
     observe_gpu_product,
     observe_profile,
@@ -78,11 +79,20 @@ from perseus_operator.jobs.phase_decisions import (
 from perseus_operator.jobs.planning import PlanningError, choose_plan
 from perseus_operator.jobs.power_limits import limits_changed, power_limits_w
 from perseus_operator.jobs.profile_store import GpuProducts
+from perseus_operator.jobs.quiet_steps import (
+    Observation,
+    QuietStep,
+    is_quiet,
+    may_reuse,
+    same_verdict,
+    step_inputs,
+)
 from perseus_operator.jobs.running_decisions import (
     decide_running,
     fastest_planned_s,
     planned_target_s,
     rank_samples,
+    reports_timed,
 )
 from perseus_operator.jobs.stragglers import StragglerDetector
 from perseus_operator.workloads.objects import owner_reference
@@ -109,6 +119,21 @@ class JobMemo:
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
     gpu_products: GpuProducts = field(default_factory=GpuProducts)
+    quiet: QuietStep | None = None
+    """The last step, when it changed nothing (:mod:`perseus_operator.jobs.quiet_steps`)."""
+
+    def used(self) -> tuple[object, ...]:
+        """What a ``Running`` step takes from the memo (see :class:`QuietStep`)."""
+        return (
+            self.frontier,
+            self.frontier_key,
+            self.frontier_generation,
+            self.detector,
+            self.detector_key,
+            self.retarget_s,
+            self.power_target_s,
+            self.plan,
+        )
 
 
 @dataclass
@@ -151,15 +176,33 @@ async def reconcile(
         owner=owner_reference(body),
         created=str(metadata.get("creationTimestamp") or ""),
     )
+    saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
+    now = time.time() if now_s is None else now_s
+    # A step that would decide what the last one did (quiet_steps): only the detector runs.
+    reads = io if isinstance(io, ReadSnapshots) else None
+    inputs = None if reads is None else step_inputs(body, default_policy)
+    last, memo.quiet = memo.quiet, None
+    preobserved = None
+    if reads is not None and may_reuse(last, inputs, memo.used()):
+        assert last is not None and memo.detector is not None  # a quiet step observed
+        if reads.unchanged_since(last.reads):
+            detector = memo.detector
+            verdict = detector.observe(last.observed.samples, now)
+            if same_verdict(last, verdict, detector.reference_s):
+                memo.quiet = last
+                state = detector.state_to_save(saved_detector)
+                return Outcome(
+                    last.status, [], last.plan, last.iterations, last.new_stragglers, state
+                )
+            preobserved = replace(last.observed, verdict=verdict, reference_s=detector.reference_s)
     try:
         status = PerseusJobStatus.model_validate(body.get("status") or {})
     except ValidationError:
         status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
-    saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
-    now = time.time() if now_s is None else now_s
     step = _Step(ref, status, io, planner, memo, now, saved_detector)
     step.power_target_s = power_target_s(metadata.get("annotations"))
     step.power_limits_w = power_limits_w(metadata.get("annotations"))
+    step.preobserved = preobserved
     try:
         raw_spec = body.get("spec") or {}
         spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
@@ -168,7 +211,30 @@ async def reconcile(
         await step.apply(invalid_spec(step.status, ref.generation, message))
         return step.outcome()
     await step.run(spec)
-    return step.outcome()
+    outcome = step.outcome()
+    snapshot = reads.snapshot() if reads is not None and inputs is not None else None
+    before = body.get("status")
+    if snapshot is not None and is_quiet(
+        before if isinstance(before, Mapping) else {},
+        outcome.status.model_dump(mode="json", by_alias=True),
+        status.phase,
+        outcome.status.phase,
+        acted=step.acted,
+        events=len(outcome.events),
+        observed=step.observed,
+    ):
+        assert inputs is not None and step.observed is not None
+        memo.quiet = QuietStep(
+            inputs,
+            snapshot,
+            memo.used(),
+            step.observed,
+            outcome.status,
+            outcome.plan,
+            outcome.iterations,
+            outcome.new_stragglers,
+        )
+    return outcome
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -201,6 +267,13 @@ class _Step:
         self.new_stragglers = 0
         self.power_target_s: float | None = None
         self.power_limits_w: dict[str, float] = {}
+        self.acted = False
+        """Whether the step took some action (a write, a change of the memo)."""
+        self.observed: Observation | None = None
+        """The detector's round in this step."""
+        self.preobserved: Observation | None = None
+        """The detector's round already made for this step's samples (by the quiet step's
+        check, which found the verdict changed): not observed twice."""
 
     def outcome(self) -> Outcome:
         changed = phase_event(self.before, self.status)
@@ -219,6 +292,7 @@ class _Step:
         """Take ``decision``: its status, events and actions; whether the step goes on."""
         self.status = decision.status
         self.events.extend(decision.events)
+        self.acted = self.acted or bool(decision.actions)
         for action in decision.actions:
             await self._act(action)
         return decision.go_on
@@ -378,7 +452,13 @@ class _Step:
             self.memo.plan = await asyncio.to_thread(
                 choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
             )
-        verdict = detector.observe(rank_samples(plans, ranks, now_s=self.now_s), self.now_s)
+        samples = tuple(rank_samples(plans, ranks, now_s=self.now_s))
+        pre = self.preobserved
+        if pre is not None and pre.samples == samples:
+            verdict = pre.verdict
+        else:
+            verdict = detector.observe(samples, self.now_s)
+        self.observed = Observation(samples, verdict, detector.reference_s, reports_timed(plans))
         gen = self.ref.generation
         running = decide_running(spec, self.status, gen, plans, verdict, detector.reference_s)
         self.iterations, self.new_stragglers = running.iterations, running.new_stragglers

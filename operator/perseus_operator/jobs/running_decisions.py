@@ -35,6 +35,7 @@ __all__ = [
     "fastest_planned_s",
     "planned_target_s",
     "rank_samples",
+    "reports_timed",
 ]
 
 
@@ -155,7 +156,7 @@ def rank_samples(
     """
     placed = {r.rank: r for r in ranks}
     expected = [expected_iteration_s(plan) for plan in plans]
-    fastest_s = fastest_planned_s(plans)
+    fastest_s = min((s for by_rank in expected for s in by_rank.values()), default=None)
     samples = []
     for plan, expected_s in zip(plans, expected, strict=True):
         status = node_plan_status(plan)
@@ -187,6 +188,18 @@ def rank_samples(
                 )
             )
     return samples
+
+
+def reports_timed(plans: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every report in ``plans`` says when it was made (:func:`rank_samples` times
+    the others by ``now_s``)."""
+    for plan in plans:
+        status = node_plan_status(plan)
+        if status.ranks and (
+            status.reported_at is None or parse_rfc3339(status.reported_at) is None
+        ):
+            return False
+    return True
 
 
 def fastest_planned_s(plans: Sequence[Mapping[str, Any]]) -> float | None:
