@@ -19,8 +19,8 @@ started, or none), and a missing workload is a job's problem to report, not a fa
 
 A step's reads from the indexes are recorded (:meth:`IndexedJobIO.snapshot`): the next step
 can ask whether the same reads would return the same objects now
-(:meth:`IndexedJobIO.unchanged_since`, by the indexed bytes, without parsing anything), which
-is what lets a reconcile whose inputs have not changed reuse its last decision
+(:meth:`IndexedJobIO.changes_since`, by the indexed bytes, without parsing anything), which
+is what lets a reconcile whose inputs have not changed reuse what its last step decided
 (:mod:`perseus_operator.jobs.quiet_steps`).
 """
 
@@ -35,7 +35,7 @@ from typing import Any, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
-from perseus_operator.jobs.job_observation import JobIO, ReadSnapshots
+from perseus_operator.jobs.job_observation import JobIO, ReadChanges, ReadSnapshots
 from perseus_operator.workloads.selectors import matches, parse_selector
 
 __all__ = [
@@ -244,6 +244,8 @@ class IndexedJobIO(ReadSnapshots):
         self._shown: list[tuple[IndexedObject, ...]] = []
         self._off_index = False
         """Something was read from the API, or written: no snapshot of this step's reads."""
+        self._unchanged: list[tuple[_Read, tuple[IndexedObject, ...]]] = []
+        """The reads :meth:`changes_since` found unchanged (but the job's own node plans)."""
 
     # -- from the indexes --
 
@@ -307,21 +309,33 @@ class IndexedJobIO(ReadSnapshots):
             return None
         return ReadSnapshot(tuple(self._reads), tuple(map(_by_name, self._shown)))
 
-    def unchanged_since(self, snapshot: object) -> bool:
-        """Whether the reads of ``snapshot`` (:meth:`snapshot` of an earlier step of this job)
-        would return the same objects now, byte for byte; and whether the job's own node
-        plans would come from the index (none of its writes unseen)."""
+    def changes_since(self, snapshot: object) -> ReadChanges:
+        """What the reads of ``snapshot`` (:meth:`snapshot` of an earlier step of this job)
+        would return differently now, object by object, byte for byte; the job's own node
+        plans count as changed while some of its writes are not shown."""
+        self._unchanged.clear()
         if not isinstance(snapshot, ReadSnapshot):
-            return False
-        namespace, job = self._job
-        if self._writes.pending and not self._writes.shown_in(
-            self._node_plans.get(job_key(namespace, job), ())
-        ):
-            return False
+            return ReadChanges.OTHER
+        own = ("plans", *self._job)
+        own_changed = False
         for read, shown in zip(snapshot.reads, snapshot.shown, strict=True):
-            if _by_name(self._lookup(read)) != shown:
-                return False
-        return True
+            found = _by_name(self._lookup(read))
+            if read == own:
+                own_changed = found != shown
+            elif found == shown:
+                self._unchanged.append((read, found))
+            else:
+                self._unchanged.clear()
+                return ReadChanges.OTHER
+        if own_changed or not self._writes.shown_in(self._node_plans.get(job_key(*self._job), ())):
+            return ReadChanges.OWN_PLANS
+        return ReadChanges.NONE
+
+    def adopt(self, snapshot: object) -> None:
+        for read, found in self._unchanged:
+            self._reads.append(read)
+            self._shown.append(found)
+        self._unchanged.clear()
 
     # -- writes, noted until the index shows them --
 

@@ -10,6 +10,7 @@ other jobs' node plans only those on the job's nodes are read.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from enum import Enum
 from typing import Any, Protocol
 
 from perseus_api.job import PerseusJobSpec, WorkloadKind
@@ -25,6 +26,7 @@ from perseus_planner import Frontier
 __all__ = [
     "JobIO",
     "Planner",
+    "ReadChanges",
     "ReadSnapshots",
     "observe_conflict",
     "observe_gpu_product",
@@ -77,19 +79,33 @@ class JobIO(Protocol):
     async def delete_node_plan(self, namespace: str, name: str) -> None: ...
 
 
+class ReadChanges(Enum):
+    """What changed in a step's reads since an earlier step of the job."""
+
+    NONE = "none"
+    OWN_PLANS = "its own node plans only"
+    OTHER = "other reads"
+
+
 class ReadSnapshots:
-    """A JobIO that can tell whether a step would read the same as an earlier one
-    (:class:`~perseus_operator.cluster.cluster_index.IndexedJobIO`): what lets a quiet step be
-    reused (:mod:`perseus_operator.jobs.quiet_steps`). A base class, not a protocol: asked at
-    every step, and ``isinstance`` of a runtime protocol costs tens of microseconds."""
+    """A JobIO that can tell what changed in a job's reads since an earlier step
+    (:class:`~perseus_operator.cluster.cluster_index.IndexedJobIO`): what lets a step reuse
+    what an earlier one decided (:mod:`perseus_operator.jobs.quiet_steps`). A base class, not
+    a protocol: asked at every step, and ``isinstance`` of a runtime protocol costs tens of
+    microseconds."""
 
     def snapshot(self) -> object | None:
-        """What this step read, if the next step can compare it (None: it cannot)."""
+        """What this step read, if a later step can compare it (None: it cannot)."""
         return None
 
-    def unchanged_since(self, snapshot: object) -> bool:
-        """Whether the reads of ``snapshot`` would return the same objects now."""
-        return False
+    def changes_since(self, snapshot: object) -> ReadChanges:
+        """What the reads of ``snapshot`` would return differently now: nothing, the job's own
+        node plans only (or those would come from the API), or more."""
+        return ReadChanges.OTHER
+
+    def adopt(self, snapshot: object) -> None:
+        """Count the reads of ``snapshot`` that :meth:`changes_since` found unchanged, but the
+        job's own node plans, as this step's (a step that reuses what they decided)."""
 
 
 class Planner(Protocol):

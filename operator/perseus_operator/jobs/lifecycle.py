@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -52,6 +52,7 @@ from perseus_operator.jobs.job_decisions import (
 from perseus_operator.jobs.job_observation import (
     JobIO,
     Planner,
+    ReadChanges,
     ReadSnapshots,
     observe_conflict,
     observe_gpu_product,
@@ -80,12 +81,14 @@ from perseus_operator.jobs.planning import PlanningError, choose_plan
 from perseus_operator.jobs.power_limits import limits_changed, power_limits_w
 from perseus_operator.jobs.profile_store import GpuProducts
 from perseus_operator.jobs.quiet_steps import (
+    LastStep,
     Observation,
-    QuietStep,
-    is_quiet,
-    may_reuse,
+    Reusable,
+    Settled,
+    same_memo,
     same_verdict,
     step_inputs,
+    unchanged,
 )
 from perseus_operator.jobs.running_decisions import (
     decide_running,
@@ -119,8 +122,9 @@ class JobMemo:
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
     gpu_products: GpuProducts = field(default_factory=GpuProducts)
-    quiet: QuietStep | None = None
-    """The last step, when it changed nothing (:mod:`perseus_operator.jobs.quiet_steps`)."""
+    last_step: LastStep | None = None
+    """What the last step decided, as far as the next may reuse it
+    (:mod:`perseus_operator.jobs.quiet_steps`)."""
 
     def used(self) -> tuple[object, ...]:
         """What a ``Running`` step takes from the memo (see :class:`QuietStep`)."""
@@ -178,63 +182,90 @@ async def reconcile(
     )
     saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     now = time.time() if now_s is None else now_s
-    # A step that would decide what the last one did (quiet_steps): only the detector runs.
+    # What the last step decided, where this one would decide the same (quiet_steps).
     reads = io if isinstance(io, ReadSnapshots) else None
     inputs = None if reads is None else step_inputs(body, default_policy)
-    last, memo.quiet = memo.quiet, None
+    last, memo.last_step = memo.last_step, None
+    changes = ReadChanges.OTHER
+    if reads is not None and last is not None and inputs is not None and inputs == last.inputs:
+        changes = reads.changes_since(last.reads)
+    whole = last.whole if last is not None and changes is ReadChanges.NONE else None
     preobserved = None
-    if reads is not None and may_reuse(last, inputs, memo.used()):
-        assert last is not None and memo.detector is not None  # a quiet step observed
-        if reads.unchanged_since(last.reads):
-            detector = memo.detector
-            verdict = detector.observe(last.observed.samples, now)
-            if same_verdict(last, verdict, detector.reference_s):
-                memo.quiet = last
-                state = detector.state_to_save(saved_detector)
-                return Outcome(
-                    last.status, [], last.plan, last.iterations, last.new_stragglers, state
-                )
-            preobserved = replace(last.observed, verdict=verdict, reference_s=detector.reference_s)
-    try:
-        status = PerseusJobStatus.model_validate(body.get("status") or {})
-    except ValidationError:
-        status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
-    step = _Step(ref, status, io, planner, memo, now, saved_detector)
-    step.power_target_s = power_target_s(metadata.get("annotations"))
-    step.power_limits_w = power_limits_w(metadata.get("annotations"))
-    step.preobserved = preobserved
-    try:
-        raw_spec = body.get("spec") or {}
-        spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
-    except ValidationError as exc:
-        message = f"invalid spec: {validation_summary(exc)}"
-        await step.apply(invalid_spec(step.status, ref.generation, message))
-        return step.outcome()
-    await step.run(spec)
+    detector = memo.detector
+    if whole is not None and detector is not None and same_memo(memo.used(), whole.memo):
+        # Only the detector runs: it counts report rounds by the clock.
+        verdict = detector.observe(whole.observed.samples, now)
+        if same_verdict(whole, verdict, detector.reference_s):
+            memo.last_step = last
+            state = detector.state_to_save(saved_detector)
+            return Outcome(
+                whole.status, [], whole.plan, whole.iterations, whole.new_stragglers, state
+            )
+        preobserved = replace(whole.observed, verdict=verdict, reference_s=detector.reference_s)
+    settled = last.settled if last is not None and changes is not ReadChanges.OTHER else None
+    if settled is not None:
+        assert reads is not None and last is not None
+        reads.adopt(last.reads)
+        step = _Step(ref, settled.before, io, planner, memo, now, saved_detector)
+        step.power_target_s = power_target_s(metadata.get("annotations"))
+        step.power_limits_w = power_limits_w(metadata.get("annotations"))
+        step.preobserved = preobserved
+        await step.resume(settled)
+    else:
+        try:
+            status = PerseusJobStatus.model_validate(body.get("status") or {})
+        except ValidationError:
+            status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
+        step = _Step(ref, status, io, planner, memo, now, saved_detector)
+        step.power_target_s = power_target_s(metadata.get("annotations"))
+        step.power_limits_w = power_limits_w(metadata.get("annotations"))
+        try:
+            raw_spec = body.get("spec") or {}
+            spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
+        except ValidationError as exc:
+            message = f"invalid spec: {validation_summary(exc)}"
+            await step.apply(invalid_spec(step.status, ref.generation, message))
+            return step.outcome()
+        await step.run(spec)
     outcome = step.outcome()
-    snapshot = reads.snapshot() if reads is not None and inputs is not None else None
-    before = body.get("status")
-    if snapshot is not None and is_quiet(
-        before if isinstance(before, Mapping) else {},
-        outcome.status.model_dump(mode="json", by_alias=True),
-        status.phase,
-        outcome.status.phase,
-        acted=step.acted,
-        events=len(outcome.events),
-        observed=step.observed,
-    ):
-        assert inputs is not None and step.observed is not None
-        memo.quiet = QuietStep(
-            inputs,
-            snapshot,
-            memo.used(),
-            step.observed,
-            outcome.status,
-            outcome.plan,
-            outcome.iterations,
-            outcome.new_stragglers,
-        )
+    if reads is not None and inputs is not None:
+        _remember(memo, step, outcome, body.get("status"), inputs, reads.snapshot())
     return outcome
+
+
+def _remember(
+    memo: JobMemo,
+    step: _Step,
+    outcome: Outcome,
+    before: object,
+    inputs: bytes,
+    snapshot: object | None,
+) -> None:
+    """Keep what ``step`` decided for the job's next step, as far as it may reuse it
+    (:mod:`perseus_operator.jobs.quiet_steps`): the stages before the Running stage when they
+    left the status as it was read (``before``), the whole step when it did too."""
+    settled = step.settled
+    if snapshot is None or settled is None:
+        return
+    if not step.resumed and not unchanged(before, settled.status.model_dump(**_AS_WRITTEN)):
+        return
+    whole = None
+    observed = step.observed
+    if (
+        observed is not None
+        and observed.timed
+        and not step.acted
+        and not outcome.events
+        and outcome.status.phase == Phase.RUNNING
+        and unchanged(before, outcome.status.model_dump(**_AS_WRITTEN))
+    ):
+        plan, iterations, new = outcome.plan, outcome.iterations, outcome.new_stragglers
+        whole = Reusable(memo.used(), observed, outcome.status, plan, iterations, new)
+    memo.last_step = LastStep(inputs, snapshot, settled, whole)
+
+
+_AS_WRITTEN: Final[dict[str, Any]] = {"mode": "json", "by_alias": True}
+"""How the handler writes a status (what "unchanged" compares)."""
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -272,8 +303,12 @@ class _Step:
         self.observed: Observation | None = None
         """The detector's round in this step."""
         self.preobserved: Observation | None = None
-        """The detector's round already made for this step's samples (by the quiet step's
-        check, which found the verdict changed): not observed twice."""
+        """The detector's round already made for this step's samples (by the check of the
+        last step, which found the verdict changed): not observed twice."""
+        self.settled: Settled | None = None
+        """What the stages before the Running stage decided, when they took no action."""
+        self.resumed = False
+        """Whether the step began at the Running stage, with the last step's ``settled``."""
 
     def outcome(self) -> Outcome:
         changed = phase_event(self.before, self.status)
@@ -343,7 +378,14 @@ class _Step:
         if self.status.phase == Phase.OPTIMIZING:
             await self._optimize(spec, ranks)
         if self.status.phase == Phase.RUNNING:
+            if not self.acted and not self.events:
+                self.settled = Settled(self.before, spec, ranks, self.status)
             await self._run(spec, ranks)
+
+    async def resume(self, settled: Settled) -> None:
+        """The Running stage, after stages that would decide what they did last time."""
+        self.settled, self.resumed, self.status = settled, True, settled.status
+        await self._run(settled.spec, settled.ranks)
 
     async def _gpus_free(self, ranks: Sequence[RankPlacement]) -> bool:
         """Whether no other, older job's node plans hold some of this job's GPUs (if one does,
