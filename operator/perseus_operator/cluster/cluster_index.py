@@ -29,13 +29,15 @@ from __future__ import annotations
 import functools
 import json
 import marshal
+from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
 from perseus_operator.jobs.job_observation import JobIO, ReadChanges, ReadSnapshots
+from perseus_operator.jobs.node_status import PlanReport, plan_report
 from perseus_operator.workloads.selectors import matches, parse_selector
 
 __all__ = [
@@ -260,6 +262,14 @@ class IndexedJobIO(ReadSnapshots):
             return await self._api.list_node_plans(namespace, job)
         return read_all(self._record(("plans", namespace, job)))
 
+    async def node_plan_reports(self, namespace: str, job: str) -> list[PlanReport]:
+        if (namespace, job) == self._job and not self._writes.shown_in(
+            self._node_plans.get(job_key(namespace, job), ())
+        ):
+            self._off_index = True
+            return [plan_report(p) for p in await self._api.list_node_plans(namespace, job)]
+        return [_report(o) for o in _by_name(self._record(("plans", namespace, job)))]
+
     async def list_node_plans_on(
         self, namespace: str, nodes: Collection[str]
     ) -> list[dict[str, Any]]:
@@ -405,4 +415,26 @@ def _name(obj: IndexedObject) -> str:
 
 
 _selector = functools.lru_cache(maxsize=4096)(parse_selector)
+"""Selectors parsed once: every step of every job parses its own again."""
+
+_REPORTS_MAX: Final = 8192
+"""Node plan versions whose report is kept: more than the plans of the jobs one operator
+runs (the least recently read are forgotten)."""
+_reports: OrderedDict[bytes, PlanReport] = OrderedDict()
+
+
+def _report(obj: IndexedObject) -> PlanReport:
+    """The :class:`PlanReport` of an indexed node plan, made once per version (by its bytes,
+    whose hash Python keeps with them): a Running job's step reads its plans every time,
+    and most have not changed since the last."""
+    found = _reports.get(obj.data)
+    if found is None:
+        found = _reports[obj.data] = plan_report(obj.read())
+        if len(_reports) > _REPORTS_MAX:
+            _reports.popitem(last=False)
+    else:
+        _reports.move_to_end(obj.data)
+    return found
+
+
 """Selectors parsed once: every step of every job parses its own again."""

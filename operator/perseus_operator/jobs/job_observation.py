@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from perseus_api.job import PerseusJobSpec, WorkloadKind
 from perseus_operator.jobs.job_decisions import ConflictView, JobRef, WorkloadView, overlaps
+from perseus_operator.jobs.node_status import PlanReport, plan_report
 from perseus_operator.jobs.phase_decisions import profile_config_map_name
 from perseus_operator.jobs.planning import PlanningInput
 from perseus_operator.jobs.profile_store import GpuProducts, Lookup, find_profile
@@ -32,6 +33,7 @@ __all__ = [
     "observe_gpu_product",
     "observe_profile",
     "observe_workload",
+    "plan_reports",
 ]
 
 
@@ -106,6 +108,17 @@ class ReadSnapshots:
     def adopt(self, snapshot: object) -> None:
         """Count the reads of ``snapshot`` that :meth:`changes_since` found unchanged, but the
         job's own node plans, as this step's (a step that reuses what they decided)."""
+
+    async def node_plan_reports(self, namespace: str, job: str) -> list[PlanReport]:
+        """:func:`plan_reports` of the job's node plans (one kept per object version)."""
+        raise NotImplementedError
+
+
+async def plan_reports(io: JobIO, namespace: str, job: str) -> list[PlanReport]:
+    """The job's node plans as the Running stage reads them, by name."""
+    if isinstance(io, ReadSnapshots):
+        return await io.node_plan_reports(namespace, job)
+    return [plan_report(p) for p in await io.list_node_plans(namespace, job)]
 
 
 class Planner(Protocol):

@@ -58,6 +58,7 @@ from perseus_operator.jobs.job_observation import (
     observe_gpu_product,
     observe_profile,
     observe_workload,
+    plan_reports,
 )
 from perseus_operator.jobs.job_release import (
     DeleteNodePlan,
@@ -92,9 +93,9 @@ from perseus_operator.jobs.quiet_steps import (
 )
 from perseus_operator.jobs.running_decisions import (
     decide_running,
-    fastest_planned_s,
+    fastest_reported_s,
     planned_target_s,
-    rank_samples,
+    report_samples,
     reports_timed,
 )
 from perseus_operator.jobs.stragglers import StragglerDetector
@@ -485,16 +486,17 @@ class _Step:
         if solved is None:
             return
         frontier, _ = solved
-        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        # Read as reports: the parts of the plans this stage reads, kept per plan version.
+        plans = await plan_reports(self.io, self.ref.namespace, self.ref.name)
         detector = self._detector(spec)
         if self.memo.plan is None:  # after a restart: the plan of the target in effect
             self.memo.retarget_s = planned_target_s(
-                detector.published_target_s, detector.reference_s, fastest_planned_s(plans)
+                detector.published_target_s, detector.reference_s, fastest_reported_s(plans)
             )
             self.memo.plan = await asyncio.to_thread(
                 choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
             )
-        samples = tuple(rank_samples(plans, ranks, now_s=self.now_s))
+        samples = tuple(report_samples(plans, ranks, now_s=self.now_s))
         pre = self.preobserved
         if pre is not None and pre.samples == samples:
             verdict = pre.verdict

@@ -209,7 +209,7 @@ def test_a_reused_step_decides_what_deciding_everything_again_would(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = {"workload": 0, "samples": 0}
-    decide_workload, rank_samples = lifecycle.decide_workload, lifecycle.rank_samples
+    decide_workload, report_samples = lifecycle.decide_workload, lifecycle.report_samples
 
     def counted_workload(*args: Any, **kwargs: Any) -> Any:
         calls["workload"] += 1
@@ -217,10 +217,10 @@ def test_a_reused_step_decides_what_deciding_everything_again_would(
 
     def counted_samples(*args: Any, **kwargs: Any) -> Any:
         calls["samples"] += 1
-        return rank_samples(*args, **kwargs)
+        return report_samples(*args, **kwargs)
 
     monkeypatch.setattr(lifecycle, "decide_workload", counted_workload)
-    monkeypatch.setattr(lifecycle, "rank_samples", counted_samples)
+    monkeypatch.setattr(lifecycle, "report_samples", counted_samples)
 
     runs = {reuse: Run(clock, reuse=reuse) for reuse in (True, False)}
     for run in runs.values():
