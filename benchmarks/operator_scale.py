@@ -121,6 +121,18 @@ STARVED_LATENESS_P99_R: Final = 0.25
 process (measured on a loaded VM: a p50 of 23 ms and a p99 of 760 ms, with the process at
 16 % of a core, came with a reaction p99 of 3.4 R)."""
 RESULT: Final = {True: "PASS", False: "FAIL", None: "not judged"}
+STEP_OVER_ANCHOR_MAX: Final = 12.0
+"""--ci: the most CPU a handler step without plan writes may take, in anchors (:func:`anchor_cpu_s`,
+measured in the same run, so that a loaded machine inflates both alike). Measured on the loaded
+2-core VM, 2026-12-05 (see docs/measurements/operator-scale.md): main's operator before the quiet
+steps ~30 anchors, after ~5-8."""
+ANCHOR_DOCUMENT: Final = {
+    "items": [
+        {"rank": i, "node": f"gpu-node-{i:05d}", "mhz": [1410.0 + k for k in range(8)], "ok": True}
+        for i in range(64)
+    ]
+}
+"""A fixed document (~11 KiB of JSON, a node plan's size) for :func:`anchor_cpu_s`."""
 PRODUCTION_REPORT_S: Final = 10.0
 PRODUCTION_RECONCILE_S: Final = 5.0
 TARGET_REACTION_R: Final = 2.0
@@ -617,6 +629,8 @@ class Simulation:
         self.watch_events = 0
         """Node plan watch events delivered to the index in the window."""
         self.watch_cpu_s = 0.0
+        self.anchor_s = math.nan
+        """:func:`anchor_cpu_s`, measured right after the window."""
 
     # -- set-up --
 
@@ -913,6 +927,7 @@ class Simulation:
                 profiler.disable()
                 profiler.dump_stats(s.profile)
             cpu, calls = cpu_seconds() - cpu0, self.cluster.calls - calls0
+            self.anchor_s = anchor_cpu_s()
             self.calls_by = self.cluster.calls_by - by0
             self.watch_events = self.cluster.watch_events - events0
             self.watch_cpu_s = self.cluster.watch_cpu_s - watch_cpu0
@@ -972,6 +987,20 @@ class CountingInlinePlanner(InlinePlanner):
             return await super().solve(request)
         finally:
             self._solves.append(time.monotonic() - started)
+
+
+def anchor_cpu_s(repeats: int = 300) -> float:
+    """CPU time (this thread) of one JSON round trip of :data:`ANCHOR_DOCUMENT`: the fixed
+    unit the operator's CPU per step is compared with in the same run (the best of three
+    rounds: the least disturbed by the machine)."""
+    text = json.dumps(ANCHOR_DOCUMENT)
+    best = math.inf
+    for _ in range(3):
+        c0 = time.thread_time()
+        for _ in range(repeats):
+            json.dumps(json.loads(text))
+        best = min(best, (time.thread_time() - c0) / repeats)
+    return best
 
 
 def rfc3339_now() -> str:
@@ -1244,6 +1273,9 @@ def report(results: Results) -> bool:
         ["handler step without plan writes, mean, µs", 1e6 * tick_cpu_s],
         ["  p50, µs", 1e6 * percentile(quiet, 0.5)],
         ["watch event (parse + file in the index), µs", 1e6 * event_cpu_s],
+        ["anchor (JSON round trip of a fixed 11 KiB document), µs", 1e6 * sim.anchor_s],
+        ["handler step without plan writes, anchors", tick_cpu_s / sim.anchor_s],
+        ["watch event, anchors", event_cpu_s / sim.anchor_s],
         ["reports written (of those made)", written],
         [
             f"needed at the nominal cadence ({s.jobs / s.reconcile_s:.0f} steps/s, "
@@ -1291,6 +1323,15 @@ def report(results: Results) -> bool:
         ),
         ("no false positive", str(len(results.false_positives)), not results.false_positives),
     ]
+    if s.ci:  # CPU per step, against the anchor of the same run: holds on a loaded machine
+        anchors = tick_cpu_s / sim.anchor_s
+        checks.append(
+            (
+                f"handler step CPU < {STEP_OVER_ANCHOR_MAX:g} anchors",
+                f"{anchors:.1f}",
+                anchors < STEP_OVER_ANCHOR_MAX,
+            )
+        )
     print("\n== Target")
     print(
         table(
