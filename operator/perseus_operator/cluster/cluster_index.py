@@ -29,10 +29,9 @@ from __future__ import annotations
 import functools
 import json
 import marshal
-from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import Any, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
@@ -74,6 +73,10 @@ class IndexedObject:
     writing them, at every watch event, a third), by ``benchmarks/operator_scale.py``'s
     profile. Kept in memory only, by the process that wrote it (marshal's format is the
     interpreter's)."""
+
+    report: list[PlanReport] = field(default_factory=list, compare=False, repr=False)
+    """A node plan's :class:`~perseus_operator.jobs.node_status.PlanReport`, once read (at
+    most one; kept with the object, so it goes when the index replaces the object)."""
 
     def read(self) -> dict[str, Any]:
         copied: dict[str, Any] = marshal.loads(self.data)
@@ -417,24 +420,13 @@ def _name(obj: IndexedObject) -> str:
 _selector = functools.lru_cache(maxsize=4096)(parse_selector)
 """Selectors parsed once: every step of every job parses its own again."""
 
-_REPORTS_MAX: Final = 8192
-"""Node plan versions whose report is kept: more than the plans of the jobs one operator
-runs (the least recently read are forgotten)."""
-_reports: OrderedDict[bytes, PlanReport] = OrderedDict()
-
 
 def _report(obj: IndexedObject) -> PlanReport:
-    """The :class:`PlanReport` of an indexed node plan, made once per version (by its bytes,
-    whose hash Python keeps with them): a Running job's step reads its plans every time,
-    and most have not changed since the last."""
-    found = _reports.get(obj.data)
-    if found is None:
-        found = _reports[obj.data] = plan_report(obj.read())
-        if len(_reports) > _REPORTS_MAX:
-            _reports.popitem(last=False)
-    else:
-        _reports.move_to_end(obj.data)
-    return found
+    """The :class:`PlanReport` of an indexed node plan, made once per indexed version: a
+    Running job's step reads its plans every time, and most have not changed since the last."""
+    if not obj.report:
+        obj.report.append(plan_report(obj.read()))
+    return obj.report[0]
 
 
 """Selectors parsed once: every step of every job parses its own again."""
