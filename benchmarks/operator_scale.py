@@ -91,7 +91,7 @@ from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_ROOT = REPO / "operator"
@@ -113,6 +113,7 @@ from perseus_operator.cluster.cluster_index import (  # noqa: E402
 )
 from perseus_operator.cluster.kube.client import config_map_object  # noqa: E402
 from perseus_operator.jobs.job_decisions import STRAGGLER_STATE_ANNOTATION  # noqa: E402
+from perseus_operator.jobs.job_observation import JobIO  # noqa: E402
 from perseus_operator.jobs.lifecycle import JobMemo, Outcome, reconcile  # noqa: E402
 from perseus_operator.jobs.planner_pool import CachingPlanner, InlinePlanner, PoolPlanner  # noqa: E402
 from perseus_operator.jobs.planning import RETARGETED_PLAN, PlanningInput  # noqa: E402
@@ -534,6 +535,8 @@ class Settings:
     heartbeat_r: float = 3.0
     dead_band: float = 0.01
     profile: str = ""
+    decide_every_step: bool = False
+    """Quiet steps off (:class:`DecidingEveryStep`), for comparison."""
     ci: bool = False
     """The quick form for CI: the wall-clock reaction is not judged on a starved process."""
     """cProfile the measured window into this file (the figures then include its cost)."""
@@ -699,7 +702,7 @@ class Simulation:
         writes = len(self.cluster.writes.get((job.namespace, job.name), ()))
         timed: list[float] = []
         c = self.cluster
-        io = IndexedJobIO(
+        io: JobIO = IndexedJobIO(
             c,
             job=(job.namespace, job.name),
             pods=c.pod_index,
@@ -707,6 +710,8 @@ class Simulation:
             workloads={},  # the jobs' workloads are of kind Pods
             writes=job.plan_writes,
         )
+        if self.s.decide_every_step:
+            io = cast(JobIO, DecidingEveryStep(io))
 
         async def timed_reconcile() -> Outcome:
             r0 = time.perf_counter()
@@ -978,6 +983,18 @@ class GcWatch:
 
     def __exit__(self, *_: object) -> None:
         gc.callbacks.remove(self)
+
+
+class DecidingEveryStep:
+    """The same reads and writes, without the snapshots that let a step reuse the last one's
+    decisions (``--decide-every-step``: the operator's behaviour is the same, its CPU that of
+    a step deciding everything again)."""
+
+    def __init__(self, io: JobIO) -> None:
+        self._io = io
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._io, name)
 
 
 class CountingInlinePlanner(InlinePlanner):
@@ -1413,6 +1430,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         help="cProfile the measured window (not the start-up) into FILE (pstats format)",
     )
     parser.add_argument(
+        "--decide-every-step",
+        action="store_true",
+        help="every step decides everything again (no quiet steps): the same decisions, for "
+        "comparing the CPU and timing in one script",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 20 jobs, 4 stragglers, 14 report intervals",
@@ -1455,6 +1478,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         heartbeat_r=args.heartbeat_r,
         dead_band=args.dead_band,
         profile=args.profile,
+        decide_every_step=args.decide_every_step,
         ci=args.ci,
     )
 
