@@ -123,6 +123,12 @@ class JobMemo:
     plan: PipelinePlan | None = None
     """The plan of the healthy replicas now (for the savings metrics)."""
     gpu_products: GpuProducts = field(default_factory=GpuProducts)
+    tmin_plan: PipelinePlan | None = None
+    """The plan for the policy without a straggler target, chosen for ``tmin_for``: the same
+    at every re-plan of the job (a straggler's onset and recovery), and tens to hundreds of
+    milliseconds of a worker thread holding the interpreter's lock to build."""
+    tmin_for: tuple[Frontier | None, str] = (None, "")
+    """The frontier (by identity) and the policy (as JSON) ``tmin_plan`` was chosen for."""
     last_step: LastStep | None = None
     """What the last step decided, as far as the next may reuse it
     (:mod:`perseus_operator.jobs.quiet_steps`)."""
@@ -470,7 +476,11 @@ class _Step:
         """Plans for T_min (or the slowdown budget) for every replica, or, for a straggler
         target ``retarget_s``, that target for all but the ``stragglers``."""
         # Building a plan takes tens of milliseconds: not on the event loop.
-        tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
+        memo, policy_key = self.memo, spec.policy.model_dump_json()
+        tmin = memo.tmin_plan
+        if memo.tmin_for != (frontier, policy_key) or tmin is None:
+            tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
+            memo.tmin_plan, memo.tmin_for = tmin, (frontier, policy_key)
         retargeted = None
         if retarget_s is not None:
             retargeted = await asyncio.to_thread(
