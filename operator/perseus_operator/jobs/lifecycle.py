@@ -518,7 +518,8 @@ class _Step:
         self.iterations, self.new_stragglers = running.iterations, running.new_stragglers
         await self.apply(running.decision)
         power_changed = self.power_target_s != self.memo.power_target_s or (
-            limits_changed(self.power_limits_w, plans)  # a budget's backstop, in the plans
+            # a budget's backstop, in the plans
+            limits_changed(self.power_limits_w, [p.power_limits for p in plans])
         )
         if running.replan or power_changed:
             # A power budget's target slows every healthy replica as a straggler's T' does;

@@ -82,13 +82,27 @@ class PlanReport:
     revision: Any
     expected_s: Mapping[int, float]
     status: NodePlanStatus
+    power_limits: Mapping[str, Any]
+    """The plan as far as its GPUs' power limits go (``spec.node``, and each assignment's
+    ``powerLimitWatts``), for :func:`~perseus_operator.jobs.power_limits.limits_changed`."""
 
 
 def plan_report(obj: Mapping[str, Any]) -> PlanReport:
     """Node plan ``obj`` as :class:`PlanReport`."""
     spec = obj.get("spec") or {}
+    assignments = spec.get("assignments")
+    if isinstance(assignments, list):
+        assignments = [
+            {"powerLimitWatts": a.get("powerLimitWatts")} if isinstance(a, Mapping) else a
+            for a in assignments
+        ]
+    limits = {"spec": {"node": spec.get("node"), "assignments": assignments}}
     return PlanReport(
-        spec.get("node"), spec.get("revision"), expected_iteration_s(obj), node_plan_status(obj)
+        spec.get("node"),
+        spec.get("revision"),
+        expected_iteration_s(obj),
+        node_plan_status(obj),
+        limits,
     )
 
 
