@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from dataclasses import replace
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -28,7 +28,6 @@ from perseus_api import resources
 from perseus_api.errors import validation_summary
 from perseus_api.job import PerseusJobSpec, with_default_policy
 from perseus_api.job_status import PerseusJobStatus, Phase
-from perseus_api.plan import PipelinePlan
 from perseus_operator.jobs.job_decisions import (
     STRAGGLER_STATE_ANNOTATION,
     Action,
@@ -49,6 +48,7 @@ from perseus_operator.jobs.job_decisions import (
     phase_event,
     power_target_s,
 )
+from perseus_operator.jobs.job_memo import JobMemo, Outcome, remember_step
 from perseus_operator.jobs.job_observation import (
     JobIO,
     Planner,
@@ -80,16 +80,12 @@ from perseus_operator.jobs.phase_decisions import (
 )
 from perseus_operator.jobs.planning import PlanningError, choose_plan
 from perseus_operator.jobs.power_limits import limits_changed, power_limits_w
-from perseus_operator.jobs.profile_store import GpuProducts
 from perseus_operator.jobs.quiet_steps import (
-    LastStep,
     Observation,
-    Reusable,
     Settled,
     same_memo,
     same_verdict,
     step_inputs,
-    unchanged,
 )
 from perseus_operator.jobs.running_decisions import (
     decide_running,
@@ -104,60 +100,7 @@ from perseus_operator.workloads.ranks import RankPlacement
 from perseus_planner import Frontier
 
 __all__ = ["JobMemo", "Outcome", "force_release", "reconcile", "release"]
-
-
-@dataclass
-class JobMemo:
-    """In-memory state of one job; everything here can be rebuilt from the cluster."""
-
-    frontier: Frontier | None = None
-    frontier_key: str = ""
-    frontier_generation: int | None = None
-    """The job generation the frontier was checked against its stored profile for."""
-    detector: StragglerDetector | None = None
-    detector_key: str = ""
-    retarget_s: float | None = None
-    """The straggler target the current plans were written for (None: T_min for all)."""
-    power_target_s: float | None = None
-    """The power budget's target the current plans were written for (None: none)."""
-    plan: PipelinePlan | None = None
-    """The plan of the healthy replicas now (for the savings metrics)."""
-    gpu_products: GpuProducts = field(default_factory=GpuProducts)
-    tmin_plan: PipelinePlan | None = None
-    """The plan for the policy without a straggler target, chosen for ``tmin_for``: the same
-    at every re-plan of the job (a straggler's onset and recovery), and tens to hundreds of
-    milliseconds of a worker thread holding the interpreter's lock to build."""
-    tmin_for: tuple[Frontier | None, str] = (None, "")
-    """The frontier (by identity) and the policy (as JSON) ``tmin_plan`` was chosen for."""
-    last_step: LastStep | None = None
-    """What the last step decided, as far as the next may reuse it
-    (:mod:`perseus_operator.jobs.quiet_steps`)."""
-
-    def used(self) -> tuple[object, ...]:
-        """What a ``Running`` step takes from the memo (see :class:`QuietStep`)."""
-        return (
-            self.frontier,
-            self.frontier_key,
-            self.frontier_generation,
-            self.detector,
-            self.detector_key,
-            self.retarget_s,
-            self.power_target_s,
-            self.plan,
-        )
-
-
-@dataclass
-class Outcome:
-    status: PerseusJobStatus
-    events: list[Event] = field(default_factory=list)
-    plan: PipelinePlan | None = None
-    """The plan now in effect (for metrics)."""
-    iterations: int = 0
-    """Most iterations a rank of the job has reported."""
-    new_stragglers: int = 0
-    detector_state: str | None = None
-    """JSON for :data:`STRAGGLER_STATE_ANNOTATION` (None: leave it as it is)."""
+# JobMemo and Outcome live in job_memo; importers of lifecycle keep finding them here.
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -236,43 +179,18 @@ async def reconcile(
         await step.run(spec)
     outcome = step.outcome()
     if reads is not None and inputs is not None:
-        _remember(memo, step, outcome, body.get("status"), inputs, reads.snapshot())
+        remember_step(
+            memo,
+            settled=step.settled,
+            resumed=step.resumed,
+            observed=step.observed,
+            acted=step.acted,
+            outcome=outcome,
+            before=body.get("status"),
+            inputs=inputs,
+            snapshot=reads.snapshot(),
+        )
     return outcome
-
-
-def _remember(
-    memo: JobMemo,
-    step: _Step,
-    outcome: Outcome,
-    before: object,
-    inputs: bytes,
-    snapshot: object | None,
-) -> None:
-    """Keep what ``step`` decided for the job's next step, as far as it may reuse it
-    (:mod:`perseus_operator.jobs.quiet_steps`): the stages before the Running stage when they
-    left the status as it was read (``before``), the whole step when it did too."""
-    settled = step.settled
-    if snapshot is None or settled is None:
-        return
-    if not step.resumed and not unchanged(before, settled.status.model_dump(**_AS_WRITTEN)):
-        return
-    whole = None
-    observed = step.observed
-    if (
-        observed is not None
-        and observed.timed
-        and not step.acted
-        and not outcome.events
-        and outcome.status.phase == Phase.RUNNING
-        and unchanged(before, outcome.status.model_dump(**_AS_WRITTEN))
-    ):
-        plan, iterations, new = outcome.plan, outcome.iterations, outcome.new_stragglers
-        whole = Reusable(memo.used(), observed, outcome.status, plan, iterations, new)
-    memo.last_step = LastStep(inputs, snapshot, settled, whole)
-
-
-_AS_WRITTEN: Final[dict[str, Any]] = {"mode": "json", "by_alias": True}
-"""How the handler writes a status (what "unchanged" compares)."""
 
 
 # -- the step ----------------------------------------------------------------------------------
