@@ -16,10 +16,17 @@ each job keeps its writes the index has not shown yet (:class:`PlanWrites`), and
 index shows them all, that job's node plans come from the API. A workload the index does not
 hold is asked of the API too: its kind may not be watched (a CRD installed after the operator
 started, or none), and a missing workload is a job's problem to report, not a fast path.
+
+A step's reads from the indexes are recorded (:meth:`IndexedJobIO.snapshot`): the next step
+can ask whether the same reads would return the same objects now
+(:meth:`IndexedJobIO.changes_since`, by the indexed bytes, without parsing anything), which
+is what lets a reconcile whose inputs have not changed reuse what its last step decided
+(:mod:`perseus_operator.jobs.quiet_steps`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import marshal
 from collections.abc import Collection, Hashable, Iterable, Mapping
@@ -28,7 +35,8 @@ from typing import Any, TypeAlias
 
 from perseus_api import resources
 from perseus_api.job import WorkloadKind
-from perseus_operator.jobs.job_observation import JobIO
+from perseus_operator.jobs.job_observation import JobIO, ReadChanges, ReadSnapshots
+from perseus_operator.jobs.node_status import PlanReport, plan_report
 from perseus_operator.workloads.selectors import matches, parse_selector
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "IndexedJobIO",
     "IndexedObject",
     "PlanWrites",
+    "ReadSnapshot",
     "indexed",
     "job_key",
     "node_key",
@@ -64,6 +73,10 @@ class IndexedObject:
     writing them, at every watch event, a third), by ``benchmarks/operator_scale.py``'s
     profile. Kept in memory only, by the process that wrote it (marshal's format is the
     interpreter's)."""
+
+    report: list[PlanReport] = field(default_factory=list, compare=False, repr=False)
+    """A node plan's :class:`~perseus_operator.jobs.node_status.PlanReport`, once read (at
+    most one; kept with the object, so it goes when the index replaces the object)."""
 
     def read(self) -> dict[str, Any]:
         copied: dict[str, Any] = marshal.loads(self.data)
@@ -146,7 +159,11 @@ def node_plan_entries(obj: Mapping[str, Any]) -> dict[Hashable, IndexedObject]:
     spec = obj.get("spec")
     claim = entry
     if isinstance(spec, Mapping):
-        rest = {k: v for k, v in obj.items() if k not in ("spec", "status")}
+        rest = {k: v for k, v in obj.items() if k not in ("spec", "status", "metadata")}
+        # Nor its resourceVersion, which every report changes: a claim changes with its spec
+        # only, and so does what a job's quiet steps compare (quiet_steps).
+        metadata = obj.get("metadata") or {}
+        rest["metadata"] = {k: v for k, v in metadata.items() if k != "resourceVersion"}
         claim = indexed({**rest, "spec": {k: v for k, v in spec.items() if k != "plans"}})
     labels = entry.labels
     return {
@@ -198,7 +215,7 @@ class PlanWrites:
         return not self.pending
 
 
-class IndexedJobIO:
+class IndexedJobIO(ReadSnapshots):
     """The :class:`~perseus_operator.jobs.job_observation.JobIO` of one job's reconcile step
     (``job``: namespace and name) whose pods and node plans come from the indexes.
 
@@ -228,56 +245,133 @@ class IndexedJobIO:
         self._node_plans = node_plans
         self._workloads = workloads
         self._writes = writes
+        self._reads: list[_Read] = []
+        self._shown: list[tuple[IndexedObject, ...]] = []
+        self._off_index = False
+        """Something was read from the API, or written: no snapshot of this step's reads."""
+        self._unchanged: list[tuple[_Read, tuple[IndexedObject, ...]]] = []
+        """The reads :meth:`changes_since` found unchanged (but the job's own node plans)."""
 
     # -- from the indexes --
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        wanted = parse_selector(selector)
-        if wanted is None:
-            return read_all(self._pods.get(namespace, ()))
-        candidates = self._pods.get(namespace, ())
-        for key, value in sorted(wanted.match_labels.items())[:1]:
-            candidates = self._pods.get((namespace, key, value), ())
-        return read_all(p for p in candidates if matches(wanted, p.labels))
+        return read_all(self._record(("pods", namespace, selector)))
 
     async def list_node_plans(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        plans = self._node_plans.get(job_key(namespace, job), ())
-        if (namespace, job) == self._job and not self._writes.shown_in(plans):
+        if (namespace, job) == self._job and not self._writes.shown_in(
+            self._node_plans.get(job_key(namespace, job), ())
+        ):
+            self._off_index = True
             return await self._api.list_node_plans(namespace, job)
-        return read_all(plans)
+        return read_all(self._record(("plans", namespace, job)))
+
+    async def node_plan_reports(self, namespace: str, job: str) -> list[PlanReport]:
+        if (namespace, job) == self._job and not self._writes.shown_in(
+            self._node_plans.get(job_key(namespace, job), ())
+        ):
+            self._off_index = True
+            return [plan_report(p) for p in await self._api.list_node_plans(namespace, job)]
+        return [_report(o) for o in _by_name(self._record(("plans", namespace, job)))]
 
     async def list_node_plans_on(
         self, namespace: str, nodes: Collection[str]
     ) -> list[dict[str, Any]]:
         # Read for the other jobs' plans: this job's own writes do not matter there.
-        on_nodes = (self._node_plans.get(node_key(namespace, n), ()) for n in set(nodes))
-        return read_all(p for plans in on_nodes for p in plans)
+        return read_all(self._record(("plans on", namespace, frozenset(nodes))))
 
     async def get_workload(
         self, namespace: str, kind: WorkloadKind, name: str
     ) -> dict[str, Any] | None:
-        for found in self._workloads.get((namespace, kind, name), ()):
+        for found in self._record(("workload", namespace, kind, name)):
             return found.read()
+        self._off_index = True
         return await self._api.get_workload(namespace, kind, name)
+
+    # -- what this step read, and whether it still reads the same --
+
+    def _record(self, read: _Read) -> tuple[IndexedObject, ...]:
+        found = self._lookup(read)
+        self._reads.append(read)
+        self._shown.append(found)
+        return found
+
+    def _lookup(self, read: _Read) -> tuple[IndexedObject, ...]:
+        """The index entries that ``read`` returns (parsed only by the caller)."""
+        match read:
+            case ("pods", str(namespace), str(selector)):
+                wanted = _selector(selector)
+                if wanted is None:
+                    return tuple(self._pods.get(namespace, ()))
+                candidates = self._pods.get(namespace, ())
+                for key, value in sorted(wanted.match_labels.items())[:1]:
+                    candidates = self._pods.get((namespace, key, value), ())
+                return tuple(p for p in candidates if matches(wanted, p.labels))
+            case ("plans", str(namespace), str(job)):
+                return tuple(self._node_plans.get(job_key(namespace, job), ()))
+            case ("plans on", str(namespace), frozenset() as nodes):
+                plans = self._node_plans
+                return tuple(p for n in nodes for p in plans.get(node_key(namespace, n), ()))
+            case ("workload", str(namespace), kind, str(name)):
+                return tuple(self._workloads.get((namespace, kind, name), ()))[:1]
+        raise ValueError(f"not a read of the indexes: {read!r}")
+
+    def snapshot(self) -> ReadSnapshot | None:
+        """This step's reads and what they returned, if all came from the indexes and the
+        step wrote nothing (None otherwise: the next step cannot tell what changed)."""
+        if self._off_index:
+            return None
+        return ReadSnapshot(tuple(self._reads), tuple(map(_by_name, self._shown)))
+
+    def changes_since(self, snapshot: object) -> ReadChanges:
+        """What the reads of ``snapshot`` (:meth:`snapshot` of an earlier step of this job)
+        would return differently now, object by object, byte for byte; the job's own node
+        plans count as changed while some of its writes are not shown."""
+        self._unchanged.clear()
+        if not isinstance(snapshot, ReadSnapshot):
+            return ReadChanges.OTHER
+        own = ("plans", *self._job)
+        own_changed = False
+        for read, shown in zip(snapshot.reads, snapshot.shown, strict=True):
+            found = _by_name(self._lookup(read))
+            if read == own:
+                own_changed = found != shown
+            elif found == shown:
+                self._unchanged.append((read, found))
+            else:
+                self._unchanged.clear()
+                return ReadChanges.OTHER
+        if own_changed or not self._writes.shown_in(self._node_plans.get(job_key(*self._job), ())):
+            return ReadChanges.OWN_PLANS
+        return ReadChanges.NONE
+
+    def adopt(self, snapshot: object) -> None:
+        for read, found in self._unchanged:
+            self._reads.append(read)
+            self._shown.append(found)
+        self._unchanged.clear()
 
     # -- writes, noted until the index shows them --
 
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None:
+        self._off_index = True
         await self._api.put_node_plan(body, owner)
         _, name = resources.object_key(body)
         revision = int((body.get("spec") or {}).get("revision") or 0)
         self._writes.wrote(name, revision, str(owner.get("uid") or ""))
 
     async def delete_node_plan(self, namespace: str, name: str) -> None:
+        self._off_index = True
         await self._api.delete_node_plan(namespace, name)
         self._writes.deleted(name)
 
     # -- from the API --
 
     async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._off_index = True
         return await self._api.get_config_map(namespace, name)
 
     async def list_config_maps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self._off_index = True
         return await self._api.list_config_maps(namespace, selector)
 
     async def put_config_map(
@@ -289,10 +383,50 @@ class IndexedJobIO:
         annotations: Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> None:
+        self._off_index = True
         await self._api.put_config_map(namespace, name, data, owner, annotations, labels)
 
     async def get_node(self, name: str) -> dict[str, Any] | None:
+        self._off_index = True
         return await self._api.get_node(name)
 
     async def list_jobs(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        self._off_index = True
         return await self._api.list_jobs(namespace, selector)
+
+
+_Read: TypeAlias = tuple[Hashable, ...]
+"""One read of the indexes: its kind and arguments (see :meth:`IndexedJobIO._lookup`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSnapshot:
+    """What one step read from the indexes: each read, and the objects it returned."""
+
+    reads: tuple[_Read, ...]
+    shown: tuple[tuple[IndexedObject, ...], ...]
+
+
+def _by_name(found: Iterable[IndexedObject]) -> tuple[IndexedObject, ...]:
+    """What a read returned, in a fixed order: two compare equal when they hold the same
+    objects, byte for byte (by identity, most often: the index's own objects)."""
+    return tuple(sorted(found, key=_name))
+
+
+def _name(obj: IndexedObject) -> str:
+    return obj.name
+
+
+_selector = functools.lru_cache(maxsize=4096)(parse_selector)
+"""Selectors parsed once: every step of every job parses its own again."""
+
+
+def _report(obj: IndexedObject) -> PlanReport:
+    """The :class:`PlanReport` of an indexed node plan, made once per indexed version: a
+    Running job's step reads its plans every time, and most have not changed since the last."""
+    if not obj.report:
+        obj.report.append(plan_report(obj.read()))
+    return obj.report[0]
+
+
+"""Selectors parsed once: every step of every job parses its own again."""

@@ -10,10 +10,12 @@ other jobs' node plans only those on the job's nodes are read.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from enum import Enum
 from typing import Any, Protocol
 
 from perseus_api.job import PerseusJobSpec, WorkloadKind
 from perseus_operator.jobs.job_decisions import ConflictView, JobRef, WorkloadView, overlaps
+from perseus_operator.jobs.node_status import PlanReport, plan_report
 from perseus_operator.jobs.phase_decisions import profile_config_map_name
 from perseus_operator.jobs.planning import PlanningInput
 from perseus_operator.jobs.profile_store import GpuProducts, Lookup, find_profile
@@ -25,10 +27,13 @@ from perseus_planner import Frontier
 __all__ = [
     "JobIO",
     "Planner",
+    "ReadChanges",
+    "ReadSnapshots",
     "observe_conflict",
     "observe_gpu_product",
     "observe_profile",
     "observe_workload",
+    "plan_reports",
 ]
 
 
@@ -74,6 +79,46 @@ class JobIO(Protocol):
     async def put_node_plan(self, body: Mapping[str, Any], owner: Mapping[str, Any]) -> None: ...
 
     async def delete_node_plan(self, namespace: str, name: str) -> None: ...
+
+
+class ReadChanges(Enum):
+    """What changed in a step's reads since an earlier step of the job."""
+
+    NONE = "none"
+    OWN_PLANS = "its own node plans only"
+    OTHER = "other reads"
+
+
+class ReadSnapshots:
+    """A JobIO that can tell what changed in a job's reads since an earlier step
+    (:class:`~perseus_operator.cluster.cluster_index.IndexedJobIO`): what lets a step reuse
+    what an earlier one decided (:mod:`perseus_operator.jobs.quiet_steps`). A base class, not
+    a protocol: asked at every step, and ``isinstance`` of a runtime protocol costs tens of
+    microseconds."""
+
+    def snapshot(self) -> object | None:
+        """What this step read, if a later step can compare it (None: it cannot)."""
+        return None
+
+    def changes_since(self, snapshot: object) -> ReadChanges:
+        """What the reads of ``snapshot`` would return differently now: nothing, the job's own
+        node plans only (or those would come from the API), or more."""
+        return ReadChanges.OTHER
+
+    def adopt(self, snapshot: object) -> None:
+        """Count the reads of ``snapshot`` that :meth:`changes_since` found unchanged, but the
+        job's own node plans, as this step's (a step that reuses what they decided)."""
+
+    async def node_plan_reports(self, namespace: str, job: str) -> list[PlanReport]:
+        """:func:`plan_reports` of the job's node plans (one kept per object version)."""
+        raise NotImplementedError
+
+
+async def plan_reports(io: JobIO, namespace: str, job: str) -> list[PlanReport]:
+    """The job's node plans as the Running stage reads them, by name."""
+    if isinstance(io, ReadSnapshots):
+        return await io.node_plan_reports(namespace, job)
+    return [plan_report(p) for p in await io.list_node_plans(namespace, job)]
 
 
 class Planner(Protocol):

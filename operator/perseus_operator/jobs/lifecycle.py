@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,7 +28,6 @@ from perseus_api import resources
 from perseus_api.errors import validation_summary
 from perseus_api.job import PerseusJobSpec, with_default_policy
 from perseus_api.job_status import PerseusJobStatus, Phase
-from perseus_api.plan import PipelinePlan
 from perseus_operator.jobs.job_decisions import (
     STRAGGLER_STATE_ANNOTATION,
     Action,
@@ -49,13 +48,17 @@ from perseus_operator.jobs.job_decisions import (
     phase_event,
     power_target_s,
 )
+from perseus_operator.jobs.job_memo import JobMemo, Outcome, remember_step
 from perseus_operator.jobs.job_observation import (
     JobIO,
     Planner,
+    ReadChanges,
+    ReadSnapshots,
     observe_conflict,
     observe_gpu_product,
     observe_profile,
     observe_workload,
+    plan_reports,
 )
 from perseus_operator.jobs.job_release import (
     DeleteNodePlan,
@@ -77,12 +80,19 @@ from perseus_operator.jobs.phase_decisions import (
 )
 from perseus_operator.jobs.planning import PlanningError, choose_plan
 from perseus_operator.jobs.power_limits import limits_changed, power_limits_w
-from perseus_operator.jobs.profile_store import GpuProducts
+from perseus_operator.jobs.quiet_steps import (
+    Observation,
+    Settled,
+    same_memo,
+    same_verdict,
+    step_inputs,
+)
 from perseus_operator.jobs.running_decisions import (
     decide_running,
-    fastest_planned_s,
+    fastest_reported_s,
     planned_target_s,
-    rank_samples,
+    report_samples,
+    reports_timed,
 )
 from perseus_operator.jobs.stragglers import StragglerDetector
 from perseus_operator.workloads.objects import owner_reference
@@ -90,38 +100,7 @@ from perseus_operator.workloads.ranks import RankPlacement
 from perseus_planner import Frontier
 
 __all__ = ["JobMemo", "Outcome", "force_release", "reconcile", "release"]
-
-
-@dataclass
-class JobMemo:
-    """In-memory state of one job; everything here can be rebuilt from the cluster."""
-
-    frontier: Frontier | None = None
-    frontier_key: str = ""
-    frontier_generation: int | None = None
-    """The job generation the frontier was checked against its stored profile for."""
-    detector: StragglerDetector | None = None
-    detector_key: str = ""
-    retarget_s: float | None = None
-    """The straggler target the current plans were written for (None: T_min for all)."""
-    power_target_s: float | None = None
-    """The power budget's target the current plans were written for (None: none)."""
-    plan: PipelinePlan | None = None
-    """The plan of the healthy replicas now (for the savings metrics)."""
-    gpu_products: GpuProducts = field(default_factory=GpuProducts)
-
-
-@dataclass
-class Outcome:
-    status: PerseusJobStatus
-    events: list[Event] = field(default_factory=list)
-    plan: PipelinePlan | None = None
-    """The plan now in effect (for metrics)."""
-    iterations: int = 0
-    """Most iterations a rank of the job has reported."""
-    new_stragglers: int = 0
-    detector_state: str | None = None
-    """JSON for :data:`STRAGGLER_STATE_ANNOTATION` (None: leave it as it is)."""
+# JobMemo and Outcome live in job_memo; importers of lifecycle keep finding them here.
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -151,24 +130,67 @@ async def reconcile(
         owner=owner_reference(body),
         created=str(metadata.get("creationTimestamp") or ""),
     )
-    try:
-        status = PerseusJobStatus.model_validate(body.get("status") or {})
-    except ValidationError:
-        status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
     saved_detector = (metadata.get("annotations") or {}).get(STRAGGLER_STATE_ANNOTATION)
     now = time.time() if now_s is None else now_s
-    step = _Step(ref, status, io, planner, memo, now, saved_detector)
-    step.power_target_s = power_target_s(metadata.get("annotations"))
-    step.power_limits_w = power_limits_w(metadata.get("annotations"))
-    try:
-        raw_spec = body.get("spec") or {}
-        spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
-    except ValidationError as exc:
-        message = f"invalid spec: {validation_summary(exc)}"
-        await step.apply(invalid_spec(step.status, ref.generation, message))
-        return step.outcome()
-    await step.run(spec)
-    return step.outcome()
+    # What the last step decided, where this one would decide the same (quiet_steps).
+    reads = io if isinstance(io, ReadSnapshots) else None
+    inputs = None if reads is None else step_inputs(body, default_policy)
+    last, memo.last_step = memo.last_step, None
+    changes = ReadChanges.OTHER
+    if reads is not None and last is not None and inputs is not None and inputs == last.inputs:
+        changes = reads.changes_since(last.reads)
+    whole = last.whole if last is not None and changes is ReadChanges.NONE else None
+    preobserved = None
+    detector = memo.detector
+    if whole is not None and detector is not None and same_memo(memo.used(), whole.memo):
+        # Only the detector runs: it counts report rounds by the clock.
+        verdict = detector.observe(whole.observed.samples, now)
+        if same_verdict(whole, verdict, detector.reference_s):
+            memo.last_step = last
+            state = detector.state_to_save(saved_detector)
+            return Outcome(
+                whole.status, [], whole.plan, whole.iterations, whole.new_stragglers, state
+            )
+        preobserved = replace(whole.observed, verdict=verdict, reference_s=detector.reference_s)
+    settled = last.settled if last is not None and changes is not ReadChanges.OTHER else None
+    if settled is not None:
+        assert reads is not None and last is not None
+        reads.adopt(last.reads)
+        step = _Step(ref, settled.before, io, planner, memo, now, saved_detector)
+        step.power_target_s = power_target_s(metadata.get("annotations"))
+        step.power_limits_w = power_limits_w(metadata.get("annotations"))
+        step.preobserved = preobserved
+        await step.resume(settled)
+    else:
+        try:
+            status = PerseusJobStatus.model_validate(body.get("status") or {})
+        except ValidationError:
+            status = PerseusJobStatus()  # an unreadable status is rebuilt, not trusted
+        step = _Step(ref, status, io, planner, memo, now, saved_detector)
+        step.power_target_s = power_target_s(metadata.get("annotations"))
+        step.power_limits_w = power_limits_w(metadata.get("annotations"))
+        try:
+            raw_spec = body.get("spec") or {}
+            spec = PerseusJobSpec.model_validate(with_default_policy(raw_spec, default_policy))
+        except ValidationError as exc:
+            message = f"invalid spec: {validation_summary(exc)}"
+            await step.apply(invalid_spec(step.status, ref.generation, message))
+            return step.outcome()
+        await step.run(spec)
+    outcome = step.outcome()
+    if reads is not None and inputs is not None:
+        remember_step(
+            memo,
+            settled=step.settled,
+            resumed=step.resumed,
+            observed=step.observed,
+            acted=step.acted,
+            outcome=outcome,
+            before=body.get("status"),
+            inputs=inputs,
+            snapshot=reads.snapshot(),
+        )
+    return outcome
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -201,6 +223,17 @@ class _Step:
         self.new_stragglers = 0
         self.power_target_s: float | None = None
         self.power_limits_w: dict[str, float] = {}
+        self.acted = False
+        """Whether the step took some action (a write, a change of the memo)."""
+        self.observed: Observation | None = None
+        """The detector's round in this step."""
+        self.preobserved: Observation | None = None
+        """The detector's round already made for this step's samples (by the check of the
+        last step, which found the verdict changed): not observed twice."""
+        self.settled: Settled | None = None
+        """What the stages before the Running stage decided, when they took no action."""
+        self.resumed = False
+        """Whether the step began at the Running stage, with the last step's ``settled``."""
 
     def outcome(self) -> Outcome:
         changed = phase_event(self.before, self.status)
@@ -219,6 +252,7 @@ class _Step:
         """Take ``decision``: its status, events and actions; whether the step goes on."""
         self.status = decision.status
         self.events.extend(decision.events)
+        self.acted = self.acted or bool(decision.actions)
         for action in decision.actions:
             await self._act(action)
         return decision.go_on
@@ -269,7 +303,14 @@ class _Step:
         if self.status.phase == Phase.OPTIMIZING:
             await self._optimize(spec, ranks)
         if self.status.phase == Phase.RUNNING:
+            if not self.acted and not self.events:
+                self.settled = Settled(self.before, spec, ranks, self.status)
             await self._run(spec, ranks)
+
+    async def resume(self, settled: Settled) -> None:
+        """The Running stage, after stages that would decide what they did last time."""
+        self.settled, self.resumed, self.status = settled, True, settled.status
+        await self._run(settled.spec, settled.ranks)
 
     async def _gpus_free(self, ranks: Sequence[RankPlacement]) -> bool:
         """Whether no other, older job's node plans hold some of this job's GPUs (if one does,
@@ -353,7 +394,11 @@ class _Step:
         """Plans for T_min (or the slowdown budget) for every replica, or, for a straggler
         target ``retarget_s``, that target for all but the ``stragglers``."""
         # Building a plan takes tens of milliseconds: not on the event loop.
-        tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
+        memo, policy_key = self.memo, spec.policy.model_dump_json()
+        tmin = memo.tmin_plan
+        if memo.tmin_for != (frontier, policy_key) or tmin is None:
+            tmin = await asyncio.to_thread(choose_plan, frontier, spec.policy)
+            memo.tmin_plan, memo.tmin_for = tmin, (frontier, policy_key)
         retargeted = None
         if retarget_s is not None:
             retargeted = await asyncio.to_thread(
@@ -369,22 +414,30 @@ class _Step:
         if solved is None:
             return
         frontier, _ = solved
-        plans = await self.io.list_node_plans(self.ref.namespace, self.ref.name)
+        # Read as reports: the parts of the plans this stage reads, kept per plan version.
+        plans = await plan_reports(self.io, self.ref.namespace, self.ref.name)
         detector = self._detector(spec)
         if self.memo.plan is None:  # after a restart: the plan of the target in effect
             self.memo.retarget_s = planned_target_s(
-                detector.published_target_s, detector.reference_s, fastest_planned_s(plans)
+                detector.published_target_s, detector.reference_s, fastest_reported_s(plans)
             )
             self.memo.plan = await asyncio.to_thread(
                 choose_plan, frontier, spec.policy, straggler_target_s=self.memo.retarget_s
             )
-        verdict = detector.observe(rank_samples(plans, ranks, now_s=self.now_s), self.now_s)
+        samples = tuple(report_samples(plans, ranks, now_s=self.now_s))
+        pre = self.preobserved
+        if pre is not None and pre.samples == samples:
+            verdict = pre.verdict
+        else:
+            verdict = detector.observe(samples, self.now_s)
+        self.observed = Observation(samples, verdict, detector.reference_s, reports_timed(plans))
         gen = self.ref.generation
         running = decide_running(spec, self.status, gen, plans, verdict, detector.reference_s)
         self.iterations, self.new_stragglers = running.iterations, running.new_stragglers
         await self.apply(running.decision)
         power_changed = self.power_target_s != self.memo.power_target_s or (
-            limits_changed(self.power_limits_w, plans)  # a budget's backstop, in the plans
+            # a budget's backstop, in the plans
+            limits_changed(self.power_limits_w, [p.power_limits for p in plans])
         )
         if running.replan or power_changed:
             # A power budget's target slows every healthy replica as a straggler's T' does;

@@ -16,14 +16,27 @@ once per object version.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from perseus_api.node_report import NodePlanStatus
-from perseus_api.resources import NodePlanObjectError, object_key, parse_node_plan_status
+from perseus_api.plan import Granularity
+from perseus_api.resources import (
+    NodePlanObjectError,
+    either,
+    object_key,
+    parse_node_plan_status,
+)
 
-__all__ = ["max_iterations", "node_plan_status"]
+__all__ = [
+    "PlanReport",
+    "expected_iteration_s",
+    "node_plan_status",
+    "plan_report",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +70,62 @@ def node_plan_status(obj: Mapping[str, Any]) -> NodePlanStatus:
     return status
 
 
-def max_iterations(plans: Sequence[Mapping[str, Any]]) -> int:
-    """Most iterations any rank of the job reported (the job's progress, roughly)."""
-    return max([0, *(r.iterations for plan in plans for r in node_plan_status(plan).ranks)])
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """What a ``Running`` job's step reads of one of its node plans: its node and revision
+    (``spec.node``, ``spec.revision`` as written), each rank's planned iteration time
+    (:func:`expected_iteration_s`) and the agent's report. Small and immutable: an index can
+    keep one per object version, so that a step does not parse the whole plan (most of it
+    the pipeline plans' clocks) again for these."""
+
+    node: Any
+    revision: Any
+    expected_s: Mapping[int, float]
+    status: NodePlanStatus
+    power_limits: Mapping[str, Any]
+    """The plan as far as its GPUs' power limits go (``spec.node``, and each assignment's
+    ``powerLimitWatts``), for :func:`~perseus_operator.jobs.power_limits.limits_changed`."""
+
+
+def plan_report(obj: Mapping[str, Any]) -> PlanReport:
+    """Node plan ``obj`` as :class:`PlanReport`."""
+    spec = obj.get("spec") or {}
+    assignments = spec.get("assignments")
+    if isinstance(assignments, list):
+        assignments = [
+            {"powerLimitWatts": a.get("powerLimitWatts")} if isinstance(a, Mapping) else a
+            for a in assignments
+        ]
+    limits = {"spec": {"node": spec.get("node"), "assignments": assignments}}
+    return PlanReport(
+        spec.get("node"),
+        spec.get("revision"),
+        expected_iteration_s(obj),
+        node_plan_status(obj),
+        limits,
+    )
+
+
+def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
+    """Expected iteration time (seconds) of each rank's plan in a node plan's spec."""
+    spec = plan.get("spec") or {}
+    pipelines = spec.get("plans") or {}
+    # camelCase, or snake_case in a plan written by an operator of an older version.
+    if spec.get("granularity") == Granularity.STAGE:
+        estimate_keys = ("stageEstimate", "stage_estimate")
+    else:
+        estimate_keys = ("instructionEstimate", "instruction_estimate")
+    out: dict[int, float] = {}
+    for assignment in spec.get("assignments") or ():
+        try:
+            estimate = either(pipelines[assignment["plan"]], *estimate_keys)
+            seconds = float(either(estimate, "iterationTimeSeconds", "iteration_time_s"))
+            rank = int(assignment["rank"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(seconds) and seconds > 0:
+            out[rank] = seconds
+    return out
 
 
 def _version(obj: Mapping[str, Any]) -> _Version | None:

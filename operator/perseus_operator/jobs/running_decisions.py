@@ -20,10 +20,12 @@ from perseus_api.job import Mode, PerseusJobSpec
 from perseus_api.job_status import ConditionType, StragglerStatus
 from perseus_api.job_status import PerseusJobStatus as Status
 from perseus_api.node_report import NodePlanStatus
-from perseus_api.plan import Granularity
-from perseus_api.resources import either
 from perseus_operator.jobs.job_decisions import Decision, StatusDraft, TargetFor
-from perseus_operator.jobs.node_status import max_iterations, node_plan_status
+from perseus_operator.jobs.node_status import (
+    PlanReport,
+    expected_iteration_s,
+    plan_report,
+)
 from perseus_operator.jobs.planning import applies_clocks
 from perseus_operator.jobs.stragglers import RankSample, StragglerVerdict
 from perseus_operator.workloads.ranks import RankPlacement
@@ -33,8 +35,11 @@ __all__ = [
     "decide_running",
     "expected_iteration_s",
     "fastest_planned_s",
+    "fastest_reported_s",
     "planned_target_s",
     "rank_samples",
+    "report_samples",
+    "reports_timed",
 ]
 
 
@@ -56,7 +61,7 @@ def decide_running(
     spec: PerseusJobSpec,
     status: Status,
     generation: int,
-    plans: Sequence[Mapping[str, Any]],
+    plans: Sequence[PlanReport],
     verdict: StragglerVerdict,
     reference_s: float | None,
 ) -> RunningDecision:
@@ -70,10 +75,11 @@ def decide_running(
     retarget_s = None
     if replan:
         if verdict.stragglers:
-            planned_s = fastest_planned_s(plans)
+            planned_s = fastest_reported_s(plans)
             retarget_s = planned_target_s(verdict.target_s, reference_s, planned_s)
         d.do(TargetFor(retarget_s))
-    return RunningDecision(d.decision(), max_iterations(plans), new_stragglers, replan, retarget_s)
+    iterations = max([0, *(r.iterations for p in plans for r in p.status.ranks)])
+    return RunningDecision(d.decision(), iterations, new_stragglers, replan, retarget_s)
 
 
 def _report_stragglers(d: StatusDraft, verdict: StragglerVerdict) -> int:
@@ -112,12 +118,12 @@ def _report_stragglers(d: StatusDraft, verdict: StragglerVerdict) -> int:
     return len(set(verdict.stragglers) - set(previous))
 
 
-def _applied_condition(d: StatusDraft, plans: Sequence[Mapping[str, Any]]) -> None:
+def _applied_condition(d: StatusDraft, plans: Sequence[PlanReport]) -> None:
     revision = d.status.revision
     behind, failed = [], []
     for p in plans:
-        status = node_plan_status(p)
-        node = (p.get("spec") or {}).get("node", "?")
+        status = p.status
+        node = "?" if p.node is None else p.node
         if status.observed_revision != revision:
             behind.append(node)
             continue
@@ -141,6 +147,13 @@ def _applied_condition(d: StatusDraft, plans: Sequence[Mapping[str, Any]]) -> No
 def rank_samples(
     plans: Sequence[Mapping[str, Any]], ranks: Sequence[RankPlacement], *, now_s: float
 ) -> list[RankSample]:
+    """:func:`report_samples` of node plans ``plans``."""
+    return report_samples([plan_report(p) for p in plans], ranks, now_s=now_s)
+
+
+def report_samples(
+    plans: Sequence[PlanReport], ranks: Sequence[RankPlacement], *, now_s: float
+) -> list[RankSample]:
     """The straggler detector's input from the agents' reports in the node plans' status.
 
     A report's time is its ``reportedAt`` (Unix seconds), else ``now_s``; with it, the agent's
@@ -154,13 +167,11 @@ def rank_samples(
     soon as the re-targeted plans took effect, and start it again once they were undone.
     """
     placed = {r.rank: r for r in ranks}
-    expected = [expected_iteration_s(plan) for plan in plans]
-    fastest_s = fastest_planned_s(plans)
+    fastest_s = fastest_reported_s(plans)
     samples = []
-    for plan, expected_s in zip(plans, expected, strict=True):
-        status = node_plan_status(plan)
-        spec = plan.get("spec") or {}
-        node = spec.get("node", "")
+    for plan in plans:
+        status, expected_s = plan.status, plan.expected_s
+        node = plan.node
         reported_at = _reported_at_s(status, now_s)
         for report in status.ranks:
             rank, mean_s, iterations = report.rank, report.mean_iteration_s, report.iterations
@@ -168,7 +179,7 @@ def rank_samples(
             if where is None or not math.isfinite(mean_s) or mean_s <= 0:
                 continue
             measured_under = report.revision
-            if measured_under is not None and measured_under != spec.get("revision"):
+            if measured_under is not None and measured_under != plan.revision:
                 continue
             own_s = expected_s.get(rank)
             if fastest_s is not None and own_s is not None:
@@ -189,10 +200,27 @@ def rank_samples(
     return samples
 
 
+def reports_timed(plans: Sequence[PlanReport]) -> bool:
+    """Whether every report in ``plans`` says when it was made (:func:`report_samples` times
+    the others by ``now_s``)."""
+    for plan in plans:
+        status = plan.status
+        if status.ranks and (
+            status.reported_at is None or parse_rfc3339(status.reported_at) is None
+        ):
+            return False
+    return True
+
+
 def fastest_planned_s(plans: Sequence[Mapping[str, Any]]) -> float | None:
     """The planned iteration time of the job's fastest plan: the pace :func:`rank_samples`
     gives every rank's measured time at (None without plans)."""
     return min((s for plan in plans for s in expected_iteration_s(plan).values()), default=None)
+
+
+def fastest_reported_s(plans: Sequence[PlanReport]) -> float | None:
+    """:func:`fastest_planned_s` of :class:`PlanReport` s."""
+    return min((s for plan in plans for s in plan.expected_s.values()), default=None)
 
 
 def planned_target_s(
@@ -211,28 +239,6 @@ def planned_target_s(
     if reference_s is None or reference_s <= 0 or planned_s is None:
         return measured_target_s
     return measured_target_s / reference_s * planned_s
-
-
-def expected_iteration_s(plan: Mapping[str, Any]) -> dict[int, float]:
-    """Expected iteration time (seconds) of each rank's plan in a node plan's spec."""
-    spec = plan.get("spec") or {}
-    pipelines = spec.get("plans") or {}
-    # camelCase, or snake_case in a plan written by an operator of an older version.
-    if spec.get("granularity") == Granularity.STAGE:
-        estimate_keys = ("stageEstimate", "stage_estimate")
-    else:
-        estimate_keys = ("instructionEstimate", "instruction_estimate")
-    out: dict[int, float] = {}
-    for assignment in spec.get("assignments") or ():
-        try:
-            estimate = either(pipelines[assignment["plan"]], *estimate_keys)
-            seconds = float(either(estimate, "iterationTimeSeconds", "iteration_time_s"))
-            rank = int(assignment["rank"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if math.isfinite(seconds) and seconds > 0:
-            out[rank] = seconds
-    return out
 
 
 def _reported_at_s(status: NodePlanStatus, now_s: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -18,6 +18,7 @@ __all__ = [
     "DetectorMemory",
     "Published",
     "ReplicaMemory",
+    "decisive_key",
     "memory_from_saved",
     "memory_from_state",
     "state_to_save",
@@ -119,6 +120,20 @@ def state_to_save(memory: DetectorMemory, saved: str | None) -> str | None:
     if saved is not None and _decisive(state) == _decisive_json(saved):
         return None
     return json.dumps(state, separators=(",", ":"))
+
+
+def decisive_key(memory: DetectorMemory) -> Hashable:
+    """What :func:`state_to_save` compares of ``memory`` (the published target, each replica's
+    streaks and flag), without writing the JSON: equal keys, the same answer for the same
+    ``saved``."""
+    return (
+        memory.published.dp_ranks,
+        memory.published.target_s,
+        tuple(
+            (dp, r.slow_streak, r.fast_streak, r.flagged)
+            for dp, r in sorted(memory.replicas.items())
+        ),
+    )
 
 
 def memory_from_saved(saved: str, persistence: int) -> DetectorMemory | None:

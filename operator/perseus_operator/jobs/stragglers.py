@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -39,6 +39,7 @@ from perseus_operator.jobs.straggler_state import (
     DetectorMemory,
     Published,
     ReplicaMemory,
+    decisive_key,
     memory_from_saved,
     memory_from_state,
     state_to_save,
@@ -247,6 +248,9 @@ class StragglerDetector:
         self._baseline_s: float | None = None
         """The last reference time measured, for rounds that measure no reference."""
         self._published = Published()
+        self._kept: tuple[str | None, Hashable] | None = None
+        """The ``saved`` state and :func:`decisive_key` for which :meth:`state_to_save` last
+        said to keep it (asked at every reconcile; the answer changes only with them)."""
 
     @property
     def settings(self) -> Stragglers:
@@ -364,7 +368,13 @@ class StragglerDetector:
     def state_to_save(self, saved: str | None) -> str | None:
         """:meth:`to_state` as JSON when it differs from ``saved`` in what decides verdicts
         (:func:`~perseus_operator.jobs.straggler_state.state_to_save`); None: keep ``saved``."""
-        return state_to_save(self._memory(), saved)
+        memory = self._memory()
+        asked = (saved, decisive_key(memory))
+        if asked == self._kept:
+            return None
+        to_save = state_to_save(memory, saved)
+        self._kept = asked if to_save is None else None
+        return to_save
 
     @classmethod
     def from_saved(cls, settings: Stragglers, saved: str) -> StragglerDetector | None:
