@@ -7,12 +7,17 @@ see in ``kubectl describe ppb``: the allocation solved again and why (``Resolved
 whose plans it rewrote (``Retargeted``), the budget becoming ``Infeasible`` (with the watts
 missing), nodes selected by two budgets (``Overlapping``), the draw going over the budget
 (``OverBudget``) and back (``WithinBudget``). A condition's Event comes when it turns (or its
-numbers change with the spec), not every round it holds.
+numbers change with the spec), not every round it holds. No ``OverBudget`` in a round that
+solved the allocation again: the draw measured then is the old plans', which the new
+allocation is about to change (a budget lowered is over at first, by design).
+
+The gate is Kubernetes' own event spam filter (client-go's ``EventSourceObjectSpamFilter``):
+per budget, a burst of 25 and then one Event per 5 minutes; plus identical Events (reason and
+message) posted once per 10 minutes.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -76,7 +81,7 @@ def budget_events(
             out.append(BudgetEvent("Warning", reason, cond.message))
     met, was = now.get(BudgetConditionType.MET), before.get(BudgetConditionType.MET)
     if met is not None and was is not None and was.status != met.status:
-        if met.status == "False":
+        if met.status == "False" and decision.resolved is None:
             out.append(BudgetEvent("Warning", "OverBudget", met.message))
         elif met.status == "True" and was.status == "False":
             out.append(BudgetEvent("Normal", "WithinBudget", met.message))
@@ -105,51 +110,57 @@ def _retargeted(decision: BudgetDecision) -> str:
 
 @dataclass
 class _Budget:
+    tokens: float
+    refilled_s: float
     recent: dict[tuple[str, str], float] = field(default_factory=dict)  # (reason, message) -> t
-    posted: deque[float] = field(default_factory=deque)
     suppressed: int = 0
 
 
 class EventGate:
     """Which Events to post: an Event identical to one posted within ``dedupe_s`` is dropped,
-    and each budget posts at most ``burst`` Events per ``per_s``; what is dropped for the rate
-    is counted in the next Event that goes out.
+    and each budget has a bucket of ``burst`` Events, refilled one per ``refill_s``; what the
+    bucket holds back is counted in the next Event that goes out.
 
-    Memory is bounded by the budgets (:meth:`forget`) times ``burst`` plus the distinct
-    Events of the last ``dedupe_s``, themselves at most ``burst`` per ``per_s``.
+    Memory is bounded by the budgets (:meth:`forget`) times the distinct Events of the last
+    ``dedupe_s``: at most ``burst + dedupe_s / refill_s`` each.
     """
 
-    def __init__(self, *, burst: int = 5, per_s: float = 300.0, dedupe_s: float = 600.0) -> None:
+    def __init__(
+        self, *, burst: int = 25, refill_s: float = 300.0, dedupe_s: float = 600.0
+    ) -> None:
         self._burst = burst
-        self._per_s = per_s
+        self._refill_s = refill_s
         self._dedupe_s = dedupe_s
         self._budgets: dict[str, _Budget] = {}
 
     def admit(self, budget: str, events: Sequence[BudgetEvent], now_s: float) -> list[BudgetEvent]:
         """The ``events`` of ``budget`` to post now (their messages may say how many were
         held back)."""
-        state = self._budgets.setdefault(budget, _Budget())
+        state = self._budgets.get(budget)
+        if state is None:
+            state = self._budgets[budget] = _Budget(float(self._burst), now_s)
         state.recent = {k: t for k, t in state.recent.items() if now_s - t < self._dedupe_s}
-        while state.posted and now_s - state.posted[0] >= self._per_s:
-            state.posted.popleft()
+        gained = (now_s - state.refilled_s) / self._refill_s
+        state.tokens = min(float(self._burst), state.tokens + max(0.0, gained))
+        state.refilled_s = now_s
         out = []
         for event in events:
             key = (event.reason, event.message)
             if key in state.recent:
                 continue
-            if len(state.posted) >= self._burst:
+            if state.tokens < 1.0:
                 state.suppressed += 1
                 continue
             if state.suppressed:
                 event = BudgetEvent(
                     event.type,
                     event.reason,
-                    f"{event.message} ({state.suppressed} earlier event(s) of this budget "
-                    f"not posted: more than {self._burst} in {self._per_s:.0f} s)",
+                    f"{event.message} ({state.suppressed} earlier event(s) of this budget not "
+                    f"posted: more than {self._burst}, then one per {self._refill_s:.0f} s)",
                 )
                 state.suppressed = 0
             state.recent[key] = now_s
-            state.posted.append(now_s)
+            state.tokens -= 1.0
             out.append(event)
         return out
 
