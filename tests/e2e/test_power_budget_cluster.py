@@ -14,8 +14,10 @@ agents; the operator (a process, the chart's service account) reads each domain'
 The scenarios run in this file's order: the all-max draw measured with no plan, then the jobs
 at ``T_min``; a budget at 85 % of the jobs' all-max draw (plus the unmanaged GPUs) met within
 three windows, as Prometheus measures it, with both jobs slowed; a lower budget slowing both
-more (iteration times measured); an infeasible one (``Infeasible``, with the watts missing);
-one job ended and deleted, and the other back at ``T_min``.
+more (iteration times measured); an infeasible one (``Infeasible``, with the watts missing,
+and the Events); one job ended and deleted, and the other back at ``T_min``; the budget deleted
+and the job at ``T_min`` again. Where the per-GPU power limits of ``PlansAndPowerLimits`` (the
+backstop) are to be checked is marked in the infeasible and the budget-deleted scenarios.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from perseus_operator.workloads.pods import (
 from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import scrape_jobs
-from support.emulated_training import BLOCKING_W, GPUS, STAGES, Training, Window
+from support.emulated_training import BLOCKING_W, GPUS, STAGES, Training, Window, window_of
 from support.operator_harness import OperatorProcess, cut_profile
 from support.prometheus_server import PROMETHEUS, Prometheus, free_port, running_prometheus
 
@@ -65,6 +67,7 @@ WINDOW_S = 10  # the budget's averaging window (the CRD's least)
 ROUND_S = 2.0  # the operator's budget rounds
 MARGIN = 0.05  # the budget's default safety margin
 MEASURED = 5  # iterations per measured window
+WINDOWS = 3  # windows per measurement
 TIMEOUT_S = 180.0
 # Iteration time under the budget vs the plan's frontier time: the emulation adds its own
 # latencies (hooks, hand-offs) on top of the profile's times, ~1-2 % (test_cluster_training.py
@@ -211,9 +214,14 @@ class Domain:
         return status
 
     def measure(self, job: str) -> Window:
+        """The job's pace: of :data:`WINDOWS` windows of :data:`MEASURED` iterations (each its
+        median), the fastest. A host stall only ever adds time (an emulated GPU never runs
+        faster than its clock), so the least-disturbed window is the plan's pace; with a core
+        busy on this machine every window can be a stalled one."""
         training = self.trainings[job]
         training.wait_iterations(2)  # the iteration the plan lands in, and one more
-        return training.measure(MEASURED)
+        windows = [window_of(training.wait_iterations(MEASURED)) for _ in range(WINDOWS)]
+        return min(windows, key=lambda w: w.iteration_s)
 
     def say(self, line: str) -> None:
         print(line)
@@ -361,7 +369,7 @@ def test_the_jobs_run_at_t_min_under_no_budget(domain: Domain) -> None:
     now = time.time()
     for job, node in JOBS.items():
         d.all_max_w[job] = d.draw_w([node], now)
-        d.all_max_s[job] = d.trainings[job].measure(MEASURED).iteration_s
+        d.all_max_s[job] = d.measure(job).iteration_s
     d.unmanaged_w = d.draw_w([IDLE_NODE], now)
     d.say(f"all-max: {d.all_max_w} W, {d.all_max_s} s/iteration; idle node {d.unmanaged_w:.1f} W")
     # The idle GPUs draw their blocking power, and Prometheus sees it.
@@ -535,3 +543,24 @@ def test_deleting_one_job_gives_the_other_its_t_min_back(domain: Domain) -> None
           f"unmanaged {status['unmanagedWatts']} W")  # fmt: skip
     assert status["jobs"][0]["slowdownRatio"] == 0
     assert window.iteration_s <= d.t_min_s["job-a"] * (1 + SLOWDOWN_TOLERANCE)
+
+
+def test_deleting_the_budget_gives_t_min_back(domain: Domain) -> None:
+    d = domain
+    unmanaged_w = d.budget()["status"]["unmanagedWatts"]  # job-b's idle GPUs and the idle node
+    d.set_budget(0.75 * d.all_max_w["job-a"] + unmanaged_w)
+    generation = d.budget()["metadata"]["generation"]
+    d.wait_for("job-a slowed again", lambda: d.retargeted(generation) and d.target_s("job-a"))
+    d.cluster.custom.delete_cluster_custom_object(
+        resources.GROUP, resources.VERSION, BUDGET_PLURAL, BUDGET
+    )
+
+    def at_t_min() -> bool:
+        plan = d.job("job-a")["status"]["plan"]
+        t_min_s = d.job("job-a")["status"]["frontier"]["tMinSeconds"]
+        back = d.target_s("job-a") is None and d.applied("job-a") is not None
+        return back and math.isclose(plan["targetIterationSeconds"], t_min_s, rel_tol=1e-4)
+
+    d.wait_for("job-a back at T_min once the budget is gone", at_t_min)
+    # PlansAndPowerLimits (another branch's work) belongs here too: every GPU's power limit
+    # is back at its default once the budget is gone.
