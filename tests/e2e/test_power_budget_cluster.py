@@ -69,12 +69,15 @@ MARGIN = 0.05  # the budget's default safety margin
 MEASURED = 5  # iterations per measured window
 WINDOWS = 3  # windows per measurement
 TIMEOUT_S = 180.0
-# Iteration time under the budget vs the plan's frontier time: the emulation adds its own
-# latencies (hooks, hand-offs) on top of the profile's times, ~1-2 % (test_cluster_training.py
-# measured +0.99 % to +2.5 % at T_min). Measured here over 3 runs (one with a core busy): see
-# SPREAD_NOTE below for the numbers this tolerance was derived from.
+# Measured slowdown (iteration time vs the job's measured T_min) vs the allocation's planned one
+# (frontier time vs T_min). Over 5 quiet runs on this 2-core machine (load average 8-10 from
+# other sessions) it ran -0.61 to +0.65 points off the plan; with one core kept busy
+# (load ~15) +0.50 to +0.55 at 85 % and -1.94 to -1.55 at 75 %: a loaded host inflates the
+# T_min reference (1.028-1.029 s for 1.009-1.013 s quiet) more than the slower plans, whose
+# computations have slack. A lower budget made each job's iterations 5.3 % to 9.0 % longer
+# than at 85 %. 3 points keeps a point above the worst of those, and well below what it checks
+# (planned slowdowns of 3-14 %, steps of 5 % and more).
 SLOWDOWN_TOLERANCE = 0.03
-SPREAD_NOTE = "filled in from the runs below"
 
 
 def draw_query(nodes: list[str]) -> str:
