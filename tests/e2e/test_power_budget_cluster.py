@@ -16,8 +16,9 @@ at ``T_min``; a budget at 85 % of the jobs' all-max draw (plus the unmanaged GPU
 three windows, as Prometheus measures it, with both jobs slowed; a lower budget slowing both
 more (iteration times measured); an infeasible one (``Infeasible``, with the watts missing,
 and the Events); one job ended and deleted, and the other back at ``T_min``; the budget deleted
-and the job at ``T_min`` again. Where the per-GPU power limits of ``PlansAndPowerLimits`` (the
-backstop) are to be checked is marked in the infeasible and the budget-deleted scenarios.
+and the job at ``T_min`` again. The per-GPU power limits of ``PlansAndPowerLimits`` (the
+backstop) have their own end-to-end test (``test_power_backstop.py``); where they would be
+checked in these scenarios is marked.
 """
 
 from __future__ import annotations
@@ -519,9 +520,9 @@ def test_an_infeasible_budget_says_by_how_many_watts(domain: Domain) -> None:
     assert reasons.count("Infeasible") == 1 and reasons.count("Resolved") <= 4, reasons
     [warning] = [e for e in events if e.reason == "Infeasible"]
     assert warning.type == "Warning" and "W missing" in warning.message
-    # PlansAndPowerLimits (the backstop: per-GPU NVML power limits, another branch's work)
-    # belongs here: with enforcement PlansAndPowerLimits the agents' GPUs get power limits of
-    # their share plus the margin, and the limits are reset when the budget is deleted.
+    # The backstop (enforcement PlansAndPowerLimits: per-GPU NVML power limits of each GPU's
+    # share plus the margin, reset when the budget goes) is checked end to end in
+    # tests/e2e/test_power_backstop.py; its limits on these jobs' GPUs would be asserted here.
 
 
 def test_deleting_one_job_gives_the_other_its_t_min_back(domain: Domain) -> None:
@@ -565,5 +566,5 @@ def test_deleting_the_budget_gives_t_min_back(domain: Domain) -> None:
         return back and math.isclose(plan["targetIterationSeconds"], t_min_s, rel_tol=1e-4)
 
     d.wait_for("job-a back at T_min once the budget is gone", at_t_min)
-    # PlansAndPowerLimits (another branch's work) belongs here too: every GPU's power limit
-    # is back at its default once the budget is gone.
+    # With PlansAndPowerLimits (tests/e2e/test_power_backstop.py), every GPU's power limit is
+    # back at its default here too, once the budget is gone.
