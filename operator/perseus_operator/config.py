@@ -39,6 +39,12 @@ class OperatorConfig:
     budget_interval_s: float = 10.0
     """Between two rounds of the PerseusPowerBudgets (measure the draw, re-solve when needed;
     a change of a budget itself is acted on at once)."""
+    prometheus_url: str = ""
+    """Base URL of the Prometheus that scrapes the node agents (e.g.
+    ``http://prometheus-operated.monitoring:9090``): the power budgets read each domain's draw,
+    unmanaged GPUs included, from it; empty: from the node plans' reports (managed GPUs only)."""
+    prometheus_timeout_s: float = 5.0
+    """Longest one query of that Prometheus may take."""
     metrics_port: int = 8080
     """Port of ``/metrics``; 0 disables it."""
     metrics_address: str = "0.0.0.0"
@@ -89,10 +95,14 @@ class OperatorConfig:
             "release_timeout_s",
             "policy_interval_s",
             "budget_interval_s",
+            "prometheus_timeout_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        url = self.prometheus_url
+        if url and not (url.startswith(("http://", "https://")) and len(url.split("/")[2]) > 0):
+            raise ConfigError(f"{PREFIX}PROMETHEUS_URL must be an http(s) URL, got {url!r}")
         if self.planner_workers < 1:
             raise ConfigError(f"{PREFIX}PLANNER_WORKERS must be >= 1, got {self.planner_workers}")
         if not 0 <= self.metrics_port <= 65535:

@@ -43,6 +43,7 @@ from perseus_operator.jobs.planner_pool import CachingPlanner, PoolPlanner
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.policies.policy_controller import PolicyController
 from perseus_operator.power.budget_controller import BudgetController, JobFrontier
+from perseus_operator.power.prometheus_draw import PrometheusDraw
 from perseus_operator.workloads.objects import owner_reference
 
 CONFIG: Final = OperatorConfig.from_env()
@@ -146,6 +147,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         interval_s=CONFIG.budget_interval_s,
         metrics=metrics,
         namespaces=_watched_namespaces,
+        draw=(
+            PrometheusDraw(CONFIG.prometheus_url, timeout_s=CONFIG.prometheus_timeout_s)
+            if CONFIG.prometheus_url
+            else None
+        ),
+        events_namespace=CONFIG.leader_election_namespace or "default",
     )
     state.budget_rounds = asyncio.create_task(state.budgets.run(), name="perseus-budgets")
     memo["perseus"] = state

@@ -127,7 +127,13 @@ OPERATOR_CLIENT_CALLS: dict[str, list[Call]] = {
         Call("list", CRD_GROUP, "customresourcedefinitions", True, "HookApi.crds (helm test)")
     ],
     "create_namespaced_event": [
-        Call("create", "", "events", False, "KubeClient.create_event (policies, on workloads)")
+        Call(
+            "create",
+            "",
+            "events",
+            False,
+            "KubeClient.create_event (policies, on workloads; power budgets: BUDGET_EVENT_GRANTS)",
+        )
     ],
 }
 
@@ -160,6 +166,10 @@ LEASE_GRANTS = {
     for verbs in LEASE_CLIENT_CALLS.values()
     for verb in verbs
 }
+
+# The power budgets' Events (cluster-scoped objects): in the release namespace, whatever the
+# watched namespaces (power/budget_controller, PERSEUS_OPERATOR_LEADER_ELECTION_NAMESPACE).
+BUDGET_EVENT_GRANTS = {(NAMESPACE, "", "events", "create")}
 
 # What kopf does for perseus_operator/handlers.py (kopf 1.45, standalone: no peering objects;
 # leader election is our own Lease, above).
@@ -339,7 +349,7 @@ def test_only_the_kube_modules_create_api_clients() -> None:
 def test_operator_rbac_is_exactly_its_calls_cluster_wide() -> None:
     rendered = render()
     assert grants_of(rendered, OPERATOR_SA) == (
-        expected_grants(operator_calls(namespaced=False)) | LEASE_GRANTS
+        expected_grants(operator_calls(namespaced=False)) | LEASE_GRANTS | BUDGET_EVENT_GRANTS
     )
 
 
@@ -347,7 +357,11 @@ def test_operator_rbac_is_exactly_its_calls_in_the_watched_namespaces() -> None:
     watched = ["ml", "team-b"]
     rendered = render({"operator": {"watchNamespaces": watched}})
     grants = grants_of(rendered, OPERATOR_SA)
-    assert grants == expected_grants(operator_calls(namespaced=True), watched) | LEASE_GRANTS
+    assert grants == (
+        expected_grants(operator_calls(namespaced=True), watched)
+        | LEASE_GRANTS
+        | BUDGET_EVENT_GRANTS
+    )
     assert not allows(grants, "update", "coordination.k8s.io", "leases", "ml")
     assert allows(grants, "list", "", "pods", "ml")
     assert not allows(grants, "list", "", "pods", "kube-system")

@@ -15,9 +15,13 @@ rounds by a known draw. Against that API:
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import kubernetes
 import pytest
@@ -29,6 +33,7 @@ from perseus_operator.cluster.kube.client import KubeClient, load_api_client
 from perseus_operator.jobs.job_decisions import power_target_s
 from perseus_operator.metrics import OperatorMetrics
 from perseus_operator.power.budget_controller import BudgetController, JobFrontier
+from perseus_operator.power.prometheus_draw import PrometheusDraw
 from perseus_planner.frontier import Frontier
 from perseus_planner.power.frontier_points import frontier_points
 from support.kmock_server import KmockServer
@@ -276,3 +281,112 @@ def test_a_node_of_another_rack_and_a_job_there_are_left_out(cluster: Cluster) -
     status = cluster.status("rack-b")
     assert status["nodes"] == 1 and status["managedJobs"] == 0
     assert cluster.targets_s() == dict.fromkeys(JOBS)
+
+
+# -- the draw from Prometheus: unmanaged GPUs at their measured draw; the budget's Events --
+
+
+class _PrometheusStandIn:
+    """Answers the controller's draw query as a Prometheus scraping the rack's agents would:
+    each job's GPUs, and GPUs no PerseusJob manages (``down``: the server refuses)."""
+
+    def __init__(self) -> None:
+        self.series: list[tuple[dict[str, str], float]] = []
+        self.queries: list[str] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stand_in.queries += parse_qs(urlsplit(self.path).query).get("query", [])
+                result = [{"metric": m, "value": [START_S, str(w)]} for m, w in stand_in.series]
+                body = json.dumps(
+                    {"status": "success", "data": {"resultType": "vector", "result": result}}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _with_draw(cluster: Cluster, url: str, frontiers: dict[tuple[str, str], Frontier]) -> None:
+    cluster.controller = BudgetController(
+        cluster.kube,
+        lambda: {key: JobFrontier(f) for key, f in frontiers.items()},
+        interval_s=3600,
+        now_s=lambda: cluster.now_s,
+        draw=PrometheusDraw(url, timeout_s=2.0),
+        events_namespace="perseus-system",
+    )
+
+
+def _events(cluster: Cluster) -> list[dict[str, Any]]:
+    response = cluster.core.list_namespaced_event("perseus-system", _preload_content=False)
+    items: list[dict[str, Any]] = json.loads(response.data).get("items") or []
+    return items
+
+
+def test_unmanaged_gpus_count_at_their_draw_from_prometheus_and_events_go_on_the_budget(
+    cluster: Cluster, frontiers: dict[tuple[str, str], Frontier]
+) -> None:
+    """Idle GPUs of rack a that no PerseusJob manages draw 1,500 W: the budget plans around
+    them (the jobs get that much less), and another rack's GPUs do not count at all."""
+    t_min_w = {job: _t_min_w(frontiers[(NAMESPACE, job)]) for job in JOBS}
+    unmanaged_w = 1500.0
+    prometheus = _PrometheusStandIn()
+    try:
+        prometheus.series = [
+            *(({"node": node, "job_namespace": NAMESPACE, "job_name": job}, t_min_w[job])
+              for job, (_, node) in JOBS.items()),
+            ({"node": "node-a1", "gpu": "7"}, 1000.0),  # no job: the label is absent
+            ({"node": "node-a2"}, 500.0),
+            ({"node": "node-b1"}, 9000.0),  # rack b
+        ]  # fmt: skip
+        cluster.core.create_namespace({"metadata": {"name": "perseus-system"}})
+        _with_draw(cluster, prometheus.url, frontiers)
+        budget_w = (sum(t_min_w.values()) + unmanaged_w) / 0.95 * 0.9
+        cluster.budget("rack-a", budget_w)
+        cluster.sync()
+        status = cluster.status("rack-a")
+        assert status["unmanagedWatts"] == pytest.approx(unmanaged_w, abs=0.1)
+        assert status["measuredWatts"] == pytest.approx(sum(t_min_w.values()) + unmanaged_w, 1e-3)
+        assert status["allocatedWatts"] <= 0.95 * budget_w - unmanaged_w + 0.1
+        assert prometheus.queries == [
+            "sum by (node, job_namespace, job_name) (rate(perseus_gpu_energy_joules_total[60s]))"
+        ]
+        events = _events(cluster)
+        assert {e["reason"] for e in events} == {"Resolved", "Retargeted"}
+        for event in events:
+            assert event["involvedObject"]["kind"] == "PerseusPowerBudget"
+            assert event["involvedObject"]["name"] == "rack-a"
+        cluster.sync()  # a steady round: nothing new to say
+        assert len(_events(cluster)) == len(events)
+    finally:
+        prometheus.close()
+
+
+def test_without_an_answer_from_prometheus_the_reports_measure_the_draw(
+    cluster: Cluster, frontiers: dict[tuple[str, str], Frontier]
+) -> None:
+    prometheus = _PrometheusStandIn()
+    prometheus.close()  # nothing listens there any more
+    _with_draw(cluster, prometheus.url, frontiers)
+    t_min_w = {job: _t_min_w(frontiers[(NAMESPACE, job)]) for job in JOBS}
+    cluster.report(t_min_w)
+    cluster.budget("rack-a", 2 * sum(t_min_w.values()))
+    cluster.sync()
+    cluster.report(t_min_w)
+    cluster.sync()
+    status = cluster.status("rack-a")
+    assert status["measuredWatts"] == pytest.approx(sum(t_min_w.values()), rel=1e-3)
+    assert status["unmanagedWatts"] == 0

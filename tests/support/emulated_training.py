@@ -68,7 +68,10 @@ def window_of(records: list[dict[str, Any]], stalled: int = 0) -> Window:
         {k: (v - first["node_energy_j"][k]) / n for k, v in last["node_energy_j"].items()},
         # The median: a 2-core machine stalls every process now and then (an iteration ~10%
         # longer on both replicas at once), which says nothing about the plan.
-        [statistics.median(r["replica_times_s"][d] for r in records[1:]) for d in range(REPLICAS)],
+        [
+            statistics.median(r["replica_times_s"][d] for r in records[1:])
+            for d in range(len(last["replica_times_s"]))
+        ],
         {k: statistics.mean(r["overheads"][k] for r in records[1:]) for k in OVERHEADS},
         stalled,
     )
@@ -82,11 +85,24 @@ def host_stalled(window: Window) -> bool:
 
 
 class Training:
-    """``perseus_emulation.job`` over the nodes' emulated GPUs, until :meth:`stop`."""
+    """``perseus_emulation.job`` over the nodes' emulated GPUs, until :meth:`stop`.
 
-    def __init__(self, workdir: Path, agents: list[Agent], *, hooks: bool) -> None:
-        self.log = workdir / f"iterations-{'hooks' if hooks else 'no-hooks'}.jsonl"
-        self.out = workdir / f"training-{'hooks' if hooks else 'no-hooks'}.out"
+    ``replicas`` and ``microbatches`` other than the module's: another job's shape (one replica
+    per agent); ``name`` tells its files apart from another training's in ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        agents: list[Agent],
+        *,
+        hooks: bool,
+        replicas: int = REPLICAS,
+        microbatches: int = MICROBATCHES,
+        name: str = "",
+    ) -> None:
+        kind = (f"{name}-" if name else "") + ("hooks" if hooks else "no-hooks")
+        self.log = workdir / f"iterations-{kind}.jsonl"
+        self.out = workdir / f"training-{kind}.out"
         self._records: list[dict[str, Any]] = []
         self._read_bytes = 0
         nodes = []
@@ -95,15 +111,15 @@ class Training:
             if hooks:
                 spec += f",socket={agent.socket_dir / 'agent.sock'}"
             nodes += ["--node", spec]
-        profile = workdir / "profile.csv"
+        profile = workdir / f"profile{'-' + name if name else ''}.csv"
         profile.write_text(cut_profile(STAGES) + "\n")
         with self.out.open("wb") as out:
             self.proc = subprocess.Popen(
                 [
                     sys.executable, "-m", "perseus_emulation.job",
                     f"--profile={profile}", f"--blocking-power={BLOCKING_W}",
-                    f"--stages={STAGES}", f"--replicas={REPLICAS}",
-                    f"--microbatches={MICROBATCHES}", f"--time-scale={TIME_SCALE}",
+                    f"--stages={STAGES}", f"--replicas={replicas}",
+                    f"--microbatches={microbatches}", f"--time-scale={TIME_SCALE}",
                     f"--log={self.log}", "--client-retry-s=1", *nodes,
                 ],
                 stdout=out,

@@ -23,6 +23,11 @@ node (:func:`~perseus_operator.power.budget_decisions.gpu_power_limits`), in its
 into its node plans. A job no ``PlansAndPowerLimits`` budget covers gets that annotation removed,
 so its plans lose their limits and the agents put the GPUs' own limits back.
 
+The domain's draw comes from Prometheus when the operator has its URL (``draw``: every GPU,
+the unmanaged ones included), else from the node plans' reports
+(:mod:`perseus_operator.power.domain`). What a round decides is also posted as Events on the
+budget (:mod:`perseus_operator.power.budget_events`, bounded).
+
 A round that cannot read everything changes nothing (a partial view could look like jobs
 ended); one failed write is logged and the rest of the round goes on.
 """
@@ -37,6 +42,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
+
+from perseus_api.conventions import now_rfc3339
 from perseus_api.power_budget import (
     PerseusPowerBudgetSpec,
     PerseusPowerBudgetStatus,
@@ -59,21 +67,30 @@ from perseus_operator.power.budget_decisions import (
     job_gpus_by_node,
     overlapping_nodes,
 )
+from perseus_operator.power.budget_events import (
+    BudgetEvent,
+    EventGate,
+    budget_events,
+    event_body,
+)
 from perseus_operator.power.domain import (
     DrawMeter,
     JobInput,
+    domain_draw,
     domain_gpus,
     job_inputs,
     selected_nodes,
 )
+from perseus_operator.power.prometheus_draw import DrawByJob, PrometheusDraw, PrometheusDrawError
 from perseus_planner import Frontier
-from perseus_planner.power import JobPoints, PowerBudgetError
+from perseus_planner.power import JobPoints, PowerBudgetError, allocate
 from perseus_planner.power.frontier_points import IntArray, frontier_points
 
 __all__ = ["BudgetController", "JobFrontier", "annotation_value"]
 
 log = logging.getLogger("perseus_operator.power")
 
+_COMPONENT: Final = "perseus-operator"
 _SIGNIFICANT: Final = 9
 """Digits of a target time written in the annotation (a frontier time, far finer than a clock
 step)."""
@@ -109,6 +126,9 @@ class BudgetController:
         metrics: Where the budgets' figures go (None: nowhere).
         namespaces: The namespaces the operator manages; empty: all of them.
         now_s: The clock (Unix seconds; the agents' report times are wall-clock times).
+        draw: Where to read the domains' draw (None: the node plans' reports).
+        events_namespace: Where the budgets' Events go (they are cluster-scoped; the
+            operator's own namespace).
     """
 
     def __init__(
@@ -120,6 +140,8 @@ class BudgetController:
         metrics: OperatorMetrics | None = None,
         namespaces: Collection[str] = (),
         now_s: Callable[[], float] = time.time,
+        draw: PrometheusDraw | None = None,
+        events_namespace: str = "default",
     ) -> None:
         self._kube = kube
         self._frontiers = frontiers
@@ -132,6 +154,10 @@ class BudgetController:
         self._meter = DrawMeter()
         self._points: dict[JobKey, tuple[tuple[object, ...], JobPoints, IntArray]] = {}
         self._crd_missing_logged = False
+        self._draw = draw
+        self._draw_error: str | None = None
+        self._gate = EventGate()
+        self._events_namespace = events_namespace
 
     def wake(self) -> None:
         """Run the next round now (a PerseusPowerBudget changed)."""
@@ -139,6 +165,9 @@ class BudgetController:
 
     async def run(self) -> None:
         """Rounds until cancelled; a failed round is logged and retried at the next one."""
+        # The allocation's compiled kernels load (or compile: ~20 s on a busy core) on first
+        # use: here, off the event loop, rather than in the round of the first budget.
+        await asyncio.to_thread(_warm_allocation)
         while True:
             self._wake.clear()
             try:
@@ -175,14 +204,16 @@ class BudgetController:
         shared = overlapping_nodes(domains)
         inputs = job_inputs(jobs)
         frontiers = self._frontiers()
+        scraped = await self._scrape({spec.averaging_window_seconds for _, spec in valid.values()})
         decisions: dict[str, BudgetDecision] = {}
         wanted: dict[JobKey, str | None] = {}
         limits: dict[JobKey, dict[str, float]] = {}
         for name, (body, spec) in sorted(valid.items()):
             own = domains[name] - shared[name]  # a node in two domains is in neither
             decision, targets = await self._round(
-                name, body, spec, own, shared[name], node_plans, inputs, frontiers
-            )
+                name, body, spec, own, shared[name], node_plans, inputs, frontiers,
+                scraped.get(spec.averaging_window_seconds),
+            )  # fmt: skip
             decisions[name] = decision
             wanted.update(targets)
             gpus = job_gpus_by_node(own, node_plans)
@@ -192,6 +223,7 @@ class BudgetController:
         await self._limit(limits, jobs)
         for gone in set(self._budgets) - set(valid):
             del self._budgets[gone]
+            self._gate.forget(gone)
             if self._metrics is not None:
                 self._metrics.forget_budget(gone)
         self._points = {k: v for k, v in self._points.items() if k in frontiers}
@@ -220,6 +252,7 @@ class BudgetController:
         node_plans: Sequence[Mapping[str, Any]],
         inputs: Mapping[JobKey, JobInput],
         frontiers: Mapping[JobKey, JobFrontier],
+        scraped: DrawByJob | None = None,
     ) -> tuple[BudgetDecision, dict[JobKey, str | None]]:
         """The budget's decision, and the annotation each of its jobs should carry."""
         metadata = body.get("metadata") or {}
@@ -236,13 +269,18 @@ class BudgetController:
             points = await self._job_points(key, solved, job)
             if points is not None:
                 domain_jobs.append(DomainJob(key[0], key[1], points[0], points[1], gpus))
-        measured_w = self._meter.watts(held.plans, spec.averaging_window_seconds, self._now_s())
+        measured_w, unmanaged_w = domain_draw(
+            own, {j.key for j in domain_jobs}, scraped=scraped, meter=self._meter,
+            plans=held.plans, window_s=spec.averaging_window_seconds, now_s=self._now_s(),
+        )  # fmt: skip
         previous = _status(body)
-        decision = decide_budget(
+        # Pure, but thousands of jobs' points take a while: off the event loop.
+        decision = await asyncio.to_thread(
+            decide_budget,
             spec,
             int(metadata.get("generation") or 0),
             domain_jobs,
-            unmanaged_w=0.0,  # GPUs outside node plans report no counters (module docstring)
+            unmanaged_w=unmanaged_w,
             measured_w=measured_w,
             memo=budget.memo,
             previous=previous,
@@ -250,9 +288,7 @@ class BudgetController:
             overlapping_nodes=overlapping,
         )
         budget.memo = decision.memo
-        for kind, reason, message in decision.events:
-            level = logging.INFO if kind == "Normal" else logging.WARNING
-            log.log(level, "PerseusPowerBudget %s: %s: %s", name, reason, message)
+        await self._post_events(body, budget_events(decision, previous))
         status = decision.status.model_dump(mode="json", by_alias=True)
         if previous is None or previous.model_dump(mode="json", by_alias=True) != status:
             try:
@@ -296,6 +332,40 @@ class BudgetController:
             return None
         self._points[key] = (version, points, indices)
         return points, indices
+
+    async def _scrape(self, windows: Collection[int]) -> dict[int, DrawByJob]:
+        """The draw by node and job over each window, from Prometheus; empty without it or
+        when it does not answer (the rounds then use the node plans' reports)."""
+        if self._draw is None or not windows:
+            return {}
+        out = {}
+        try:
+            for window_s in sorted(windows):
+                out[window_s] = await asyncio.to_thread(self._draw.draw, window_s)
+        except PrometheusDrawError as exc:
+            if str(exc) != self._draw_error:  # once per kind of failure, not every round
+                log.warning("power budgets: draw from the node plans' reports: %s", exc)
+            self._draw_error = str(exc)
+            return {}
+        if self._draw_error is not None:
+            log.info("power budgets: draw from %s again", self._draw.url)
+        self._draw_error = None
+        return out
+
+    async def _post_events(self, body: Mapping[str, Any], events: list[BudgetEvent]) -> None:
+        """Log the round's Events and post those the gate lets through (a failed post is
+        logged, never retried: the next change says more)."""
+        name = object_key(body)[1]
+        for event in events:
+            level = logging.INFO if event.type == "Normal" else logging.WARNING
+            log.log(level, "PerseusPowerBudget %s: %s: %s", name, event.reason, event.message)
+        for event in self._gate.admit(name, events, self._now_s()):
+            obj = event_body(body, event, self._events_namespace, now_rfc3339(), _COMPONENT)
+            try:
+                await self._kube.create_event(self._events_namespace, obj)
+            except KubeError as exc:
+                log.warning("could not post event %s on PerseusPowerBudget %s: %s",
+                            event.reason, name, exc)  # fmt: skip
 
     # -- the jobs --
 
@@ -355,6 +425,16 @@ class BudgetController:
             plans += await self._kube.list_all_node_plans(namespace)
             jobs += await self._kube.list_jobs(namespace)
         return plans, jobs
+
+
+def _warm_allocation() -> None:
+    """Solve a tiny allocation that takes every path of the solver (search included)."""
+    times_s = np.array([1.0, 1.1, 1.2, 1.4])
+    jobs = [
+        JobPoints(f"warm-{k}", times_s * (1 + k / 10), np.array([300.0, 260.0, 240.0, 200.0]))
+        for k in range(3)
+    ]
+    allocate(jobs, 760.0, 10.0)
 
 
 def _status(body: Mapping[str, Any]) -> PerseusPowerBudgetStatus | None:

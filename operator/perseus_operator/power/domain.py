@@ -5,18 +5,25 @@ Pure apart from :class:`DrawMeter`'s memory of past counter readings (no I/O): t
 controller (:mod:`perseus_operator.power.budget_controller`) reads the cluster and passes
 the objects here.
 
-The draw comes from the node agents' reports: each GPU of a node plan reports its NVML energy
-counter (``status.gpus[].energyJoules``) with the report's time (``status.reportedAt``), every
-report interval. A GPU's draw over the window is the growth of its counter between the oldest
-and the newest reading in the window over the time between them. Only GPUs under a node plan
-report: the draw of GPUs no PerseusJob manages is not measured (counted as 0 W).
+The draw comes, when the operator is given a Prometheus URL, from the Prometheus that scrapes
+the node agents (:mod:`perseus_operator.power.prometheus_draw`): every GPU of every node, by
+job, the GPUs no PerseusJob manages included. Without one, or when it does not answer, from
+the node agents' reports: each GPU of a node plan reports its NVML energy counter
+(``status.gpus[].energyJoules``) with the report's time (``status.reportedAt``), every report
+interval. A GPU's draw over the window is the growth of its counter between the oldest and the
+newest reading in the window over the time between them. Only GPUs under a node plan report
+there: the GPUs of nodes with no plan are then not measured (counted as 0 W).
+
+Either way the *unmanaged* draw the allocation plans around is the domain's draw less that of
+the jobs it allocates: GPUs of no PerseusJob, and of PerseusJobs not (yet) in the allocation
+(profiling, say), count at what they draw.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -25,11 +32,13 @@ from perseus_api.job import LabelSelector
 from perseus_api.resources import JOB_LABEL, object_key
 from perseus_operator.jobs.node_status import node_plan_status
 from perseus_operator.power.budget_decisions import JobKey
+from perseus_operator.power.prometheus_draw import DrawByJob
 from perseus_operator.workloads.selectors import matches
 
 __all__ = [
     "DomainGpus",
     "DrawMeter",
+    "domain_draw",
     "domain_gpus",
     "job_inputs",
     "selected_nodes",
@@ -159,6 +168,46 @@ class DrawMeter:
         keep = set(_gpus_of(plans))
         for gpu in set(self._samples) - keep:
             del self._samples[gpu]
+
+
+def domain_draw(
+    nodes: Collection[str],
+    allocated: Collection[JobKey],
+    *,
+    scraped: DrawByJob | None,
+    meter: DrawMeter,
+    plans: Sequence[Mapping[str, Any]],
+    window_s: float,
+    now_s: float,
+) -> tuple[float | None, float]:
+    """The domain's measured draw (None: none yet) and its unmanaged draw, in watts.
+
+    Args:
+        nodes: The domain's nodes.
+        allocated: The jobs the allocation plans for.
+        scraped: The draw by node and job from Prometheus (None: not asked or no answer).
+        meter: The node plans' readings, used without ``scraped``.
+        plans: The node plans on the domain's nodes.
+        window_s, now_s: The averaging window and the time (Unix seconds).
+    """
+    if scraped is not None:
+        inside = [(key, w) for key, w in scraped.items() if key[0] in nodes]
+        if not inside:
+            return None, 0.0
+        total_w = math.fsum(w for _, w in inside)
+        managed_w = math.fsum(w for (_, ns, job), w in inside if (ns, job) in allocated)
+        return total_w, max(0.0, total_w - managed_w)
+    measured_w = meter.watts(plans, window_s, now_s)
+    others = [p for p in plans if _job_of(p) not in allocated]
+    unmanaged_w = meter.watts(others, window_s, now_s) if others else None
+    return measured_w, unmanaged_w or 0.0
+
+
+def _job_of(plan: Mapping[str, Any]) -> JobKey:
+    namespace, _ = object_key(plan)
+    spec = plan.get("spec") or {}
+    job = spec.get("job") or ((plan.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
+    return namespace, str(job or "")
 
 
 def _gpus_of(plans: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:

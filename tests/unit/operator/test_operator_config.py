@@ -15,6 +15,7 @@ def test_defaults_and_overrides() -> None:
             "PERSEUS_OPERATOR_PLANNER_WORKERS": "2",
             "PERSEUS_OPERATOR_METRICS_PORT": "0",
             "PERSEUS_OPERATOR_KUBECONFIG": "/tmp/kubeconfig",
+            "PERSEUS_OPERATOR_PROMETHEUS_URL": "http://prometheus-operated.monitoring:9090",
             "PERSEUS_OPERATOR_DEFAULT_POLICY": '{"mode": "Observe", "maxSlowdown": 0.02}',
             "UNRELATED": "x",
         }
@@ -22,6 +23,7 @@ def test_defaults_and_overrides() -> None:
     assert (config.reconcile_interval_s, config.planner_workers) == (0.5, 2)
     assert (config.metrics_port, config.kubeconfig) == (0, "/tmp/kubeconfig")
     assert config.default_policy_fields() == {"mode": "Observe", "maxSlowdown": 0.02}
+    assert config.prometheus_url == "http://prometheus-operated.monitoring:9090"
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,11 @@ def test_defaults_and_overrides() -> None:
         ({"PERSEUS_OPERATOR_PLANNER_WORKERS": "0"}, "PLANNER_WORKERS must be >= 1"),
         ({"PERSEUS_OPERATOR_RECONCILE_INTERVAL_S": "-1"}, "RECONCILE_INTERVAL_S must be > 0"),
         ({"PERSEUS_OPERATOR_METRICS_PORT": "70000"}, "METRICS_PORT must be 0..65535"),
+        (
+            {"PERSEUS_OPERATOR_PROMETHEUS_URL": "prometheus:9090"},
+            "PROMETHEUS_URL must be an http",
+        ),
+        ({"PERSEUS_OPERATOR_PROMETHEUS_TIMEOUT_S": "0"}, "PROMETHEUS_TIMEOUT_S must be > 0"),
         ({"PERSEUS_OPERATOR_DEFAULT_POLICY": "{mode: Observe"}, "DEFAULT_POLICY is not JSON"),
         ({"PERSEUS_OPERATOR_DEFAULT_POLICY": "[1]"}, "must be a JSON object"),
         (
