@@ -23,7 +23,8 @@ from typing import Any, Final
 from perseus_agent.clocks.clock_owners import ClockOwnerGuard
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.errors import AgentError
-from perseus_agent.exporter import AgentMetrics, Health
+from perseus_agent.exporter import AgentMetrics
+from perseus_agent.metrics_server import Health
 from perseus_agent.gpu.releasable import ReleasableBackend
 from perseus_agent.kube import (
     KubeConfigError,
