@@ -22,9 +22,9 @@ from perseus_agent.clocks.clock_owners import ClockOwnerGuard, ForeignClockPolic
 from perseus_agent.clocks.reset_state import ResetState, StateDirBusyError, StateDirLock
 from perseus_agent.errors import AgentError, GpuError
 from perseus_agent.exporter import AgentMetrics, GpuCollector, ManagedGpu
-from perseus_agent.metrics_server import Health, MetricsServer
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.gpu.releasable import ReleasableBackend
+from perseus_agent.metrics_server import Health, MetricsServer
 from perseus_agent.modes.agent_config import (
     EXIT_FAILURE,
     EXIT_OK,
