@@ -113,7 +113,9 @@ class Domain:
         """The Events on the budget, oldest first (in any namespace, as kubectl describe
         finds them)."""
         items = self.cluster.core.list_event_for_all_namespaces(
-            field_selector=f"involvedObject.name={self.budget_name},involvedObject.kind=PerseusPowerBudget"
+            field_selector=(
+                f"involvedObject.name={self.budget_name},involvedObject.kind=PerseusPowerBudget"
+            )
         ).items
         return sorted(items, key=lambda e: e.metadata.creation_timestamp)
 
