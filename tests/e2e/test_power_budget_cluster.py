@@ -23,13 +23,11 @@ checked in these scenarios is marked.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ import pytest
 
 from perseus_api import resources
 from perseus_api.power_budget import BUDGET_PLURAL
-from perseus_operator.jobs.job_decisions import POWER_TARGET_ANNOTATION
 from perseus_operator.jobs.profile_source import PROFILE_KEY
 from perseus_operator.workloads.objects import PYTORCH_CONTAINER
 from perseus_operator.workloads.pods import (
@@ -49,9 +46,10 @@ from perseus_operator.workloads.pods import (
 from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import scrape_jobs
-from support.emulated_training import BLOCKING_W, GPUS, STAGES, Training, Window, window_of
+from support.emulated_training import BLOCKING_W, GPUS, STAGES, Training
 from support.operator_harness import OperatorProcess, cut_profile
-from support.prometheus_server import PROMETHEUS, Prometheus, free_port, running_prometheus
+from support.power_budget_domain import Domain
+from support.prometheus_server import PROMETHEUS, free_port, running_prometheus
 
 try:  # the agents ask a kubelet stand-in which GPUs each pod owns (needs grpcio, protobuf)
     from support.kubelet_pod_resources import KubeletStandIn, StandInPod
@@ -67,9 +65,6 @@ BUDGET = "rack-e2e"
 WINDOW_S = 10  # the budget's averaging window (the CRD's least)
 ROUND_S = 2.0  # the operator's budget rounds
 MARGIN = 0.05  # the budget's default safety margin
-MEASURED = 5  # iterations per measured window
-WINDOWS = 3  # windows per measurement
-TIMEOUT_S = 180.0
 # Measured slowdown (iteration time vs the job's measured T_min) vs the allocation's planned one
 # (frontier time vs T_min). Over 5 quiet runs on this 2-core machine (load average 8-10 from
 # other sessions) it ran -0.61 to +0.65 points off the plan; with one core kept busy
@@ -79,157 +74,6 @@ TIMEOUT_S = 180.0
 # than at 85 %. 3 points keeps a point above the worst of those, and well below what it checks
 # (planned slowdowns of 3-14 %, steps of 5 % and more).
 SLOWDOWN_TOLERANCE = 0.03
-
-
-def draw_query(nodes: list[str]) -> str:
-    """PromQL: the nodes' GPUs' draw over the budget's window, from the agents' counters."""
-    return f'sum(rate(perseus_gpu_energy_joules_total{{node=~"{"|".join(nodes)}"}}[{WINDOW_S}s]))'
-
-
-@dataclass
-class Domain:
-    cluster: Cluster
-    workdir: Path
-    agents: dict[str, Agent]
-    operator: OperatorProcess
-    prom: Prometheus
-    trainings: dict[str, Training] = field(default_factory=dict)
-    all_max_w: dict[str, float] = field(default_factory=dict)
-    all_max_s: dict[str, float] = field(default_factory=dict)
-    t_min_s: dict[str, float] = field(default_factory=dict)
-    unmanaged_w: float = 0.0
-    slowed_s: dict[str, float] = field(default_factory=dict)
-    log: list[str] = field(default_factory=list)
-
-    # -- reading the cluster --
-
-    def job(self, name: str) -> dict[str, Any]:
-        job: dict[str, Any] = self.cluster.custom.get_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, "perseusjobs", name
-        )
-        return job
-
-    def budget(self) -> dict[str, Any]:
-        budget: dict[str, Any] = self.cluster.custom.get_cluster_custom_object(
-            resources.GROUP, resources.VERSION, BUDGET_PLURAL, BUDGET
-        )
-        return budget
-
-    def node_plans(self, job: str) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self.cluster.custom.list_namespaced_custom_object(
-            resources.GROUP, resources.VERSION, NAMESPACE, resources.NODE_PLAN_PLURAL,
-            label_selector=f"{resources.JOB_LABEL}={job}",
-        )["items"]  # fmt: skip
-        return items
-
-    def applied(self, job: str) -> int | None:
-        """The job's plan revision once its agent reports it applied, else None."""
-        status = self.job(job).get("status", {})
-        if status.get("phase") != "Running" or status.get("plan") is None:
-            return None
-        revision = status["revision"]
-        plans = self.node_plans(job)
-        done = len(plans) == 1 and plans[0].get("status", {}).get("observedRevision") == revision
-        return int(revision) if done else None
-
-    def draw_w(self, nodes: list[str], at_s: float | None = None) -> float:
-        return self.prom.scalar(draw_query(nodes), at_s)
-
-    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = TIMEOUT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = check()
-            if value:
-                return value
-            for agent in self.agents.values():
-                if agent.proc is not None and agent.proc.poll() is not None:
-                    pytest.fail(f"agent {agent.node} exited waiting for {what}:\n{agent.log}")
-            if self.operator.proc.poll() is not None:
-                pytest.fail(f"the operator exited waiting for {what}:\n{self.operator.stop()}")
-            time.sleep(0.25)
-        budget = json.dumps(self.budget().get("status"), indent=1) if self.has_budget() else "-"
-        pytest.fail(
-            f"timed out waiting for {what}; budget status: {budget}\n"
-            f"operator output:\n{self.operator.stop()[-15000:]}"
-        )
-
-    def events(self) -> list[Any]:
-        """The Events on the budget, oldest first (in any namespace, as kubectl describe
-        finds them)."""
-        items = self.cluster.core.list_event_for_all_namespaces(
-            field_selector=f"involvedObject.name={BUDGET},involvedObject.kind=PerseusPowerBudget"
-        ).items
-        return sorted(items, key=lambda e: e.metadata.creation_timestamp)
-
-    def has_budget(self) -> bool:
-        items = self.cluster.custom.list_cluster_custom_object(
-            resources.GROUP, resources.VERSION, BUDGET_PLURAL
-        )["items"]
-        return bool(items)
-
-    # -- writing --
-
-    def set_budget(self, watts: float) -> float:
-        """Create or change the budget; the time it was written (Unix seconds)."""
-        body = {
-            "apiVersion": resources.API_VERSION,
-            "kind": "PerseusPowerBudget",
-            "metadata": {"name": BUDGET},
-            "spec": {
-                "budgetWatts": round(watts, 1),
-                "nodeSelector": {"matchLabels": RACK},
-                "averagingWindowSeconds": WINDOW_S,
-                "safetyMarginRatio": MARGIN,
-            },
-        }
-        custom = self.cluster.custom
-        if self.has_budget():
-            custom.patch_cluster_custom_object(
-                resources.GROUP, resources.VERSION, BUDGET_PLURAL, BUDGET,
-                {"spec": {"budgetWatts": round(watts, 1)}},
-            )  # fmt: skip
-        else:
-            custom.create_cluster_custom_object(
-                resources.GROUP, resources.VERSION, BUDGET_PLURAL, body
-            )
-        return time.time()
-
-    def target_s(self, job: str) -> float | None:
-        annotations = self.job(job)["metadata"].get("annotations") or {}
-        value = annotations.get(POWER_TARGET_ANNOTATION)
-        return None if value is None else float(value)
-
-    def retargeted(self, generation: int) -> dict[str, Any] | None:
-        """The budget's status once it describes ``generation`` and every job of it runs the
-        plan of its allocated target, else None."""
-        budget = self.budget()
-        status = budget.get("status") or {}
-        if status.get("observedGeneration") != generation:
-            return None
-        for job in status.get("jobs", []):
-            name = job["name"]
-            planned = (self.job(name)["status"].get("plan") or {}).get("targetIterationSeconds")
-            target = self.target_s(name)
-            if self.applied(name) is None or planned is None:
-                return None
-            # The plan's target is the frontier point's time, the annotation its 5 digits.
-            if target is not None and not math.isclose(planned, target, rel_tol=1e-4):
-                return None
-        return status
-
-    def measure(self, job: str) -> Window:
-        """The job's pace: of :data:`WINDOWS` windows of :data:`MEASURED` iterations (each its
-        median), the fastest. A host stall only ever adds time (an emulated GPU never runs
-        faster than its clock), so the least-disturbed window is the plan's pace; with a core
-        busy on this machine every window can be a stalled one."""
-        training = self.trainings[job]
-        training.wait_iterations(2)  # the iteration the plan lands in, and one more
-        windows = [window_of(training.wait_iterations(MEASURED)) for _ in range(WINDOWS)]
-        return min(windows, key=lambda w: w.iteration_s)
-
-    def say(self, line: str) -> None:
-        print(line)
-        self.log.append(line)
 
 
 def _pytorch_job(name: str) -> dict[str, Any]:
@@ -341,7 +185,10 @@ def domain(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 "PERSEUS_OPERATOR_BUDGET_INTERVAL_S": str(ROUND_S),
             },
         )
-        state = Domain(cluster, workdir, agents, operator, prom)
+        state = Domain(
+            cluster, workdir, agents, operator, prom, namespace=NAMESPACE, budget_name=BUDGET,
+            node_selector=RACK, window_s=WINDOW_S, margin_ratio=MARGIN,
+        )  # fmt: skip
         for job, node in JOBS.items():
             state.trainings[job] = Training(
                 workdir, [agents[node]], hooks=True, replicas=1, microbatches=MICROBATCHES,

@@ -9,9 +9,9 @@ profile or idle/blocked:
   was not measured there);
 * idle or blocked: power is ``blocking_power_w``.
 
-The energy counter integrates that piecewise-constant power exactly over ``clock()`` time: the
-energy so far is banked at every state change (activity, SM clock lock or reset).
-The profile's times and powers by clock are read through
+The energy counter integrates that piecewise-constant power exactly over ``clock()`` time
+(:mod:`perseus_agent.gpu.emulated_meter` reads clock, power and energy from a GPU's state). The
+profile's times and powers by clock are read through
 :class:`~perseus_agent.gpu.emulated_profile.ProfileModel`; this module owns the GPUs' state.
 
 The workload side (an emulated training rank) drives the activity with :meth:`set_activity`
@@ -56,6 +56,7 @@ from perseus_agent.gpu.base import (
     PowerLimitRange,
     check_power_limit,
 )
+from perseus_agent.gpu.emulated_meter import GpuMeter
 from perseus_agent.gpu.emulated_profile import ProfileModel, finite_number, slowdown_factor
 from perseus_agent.gpu.emulated_state import Activity, GpuState, SharedGpuStates, Transaction
 from perseus_api.profile import INSTRUCTIONS, Profile, load_profile
@@ -116,6 +117,7 @@ class EmulatedBackend(GpuBackend):
         self._lock = threading.Lock()
 
         self._model = model
+        self._meter = GpuMeter(model, self._blocking_power_w, clock)
         self._clocks_mhz = model.clocks_mhz
         self._clock_set = model.clock_set
         self._max_clock_mhz = model.max_clock_mhz
@@ -197,15 +199,15 @@ class EmulatedBackend(GpuBackend):
 
     def sm_clock_mhz(self, index: int) -> int:
         with self._transaction(write=False) as txn:
-            return self._current_clock_mhz(self._gpu(txn, index))
+            return self._meter.current_clock_mhz(self._gpu(txn, index))
 
     def power_w(self, index: int) -> float:
         with self._transaction(write=False) as txn:
-            return self._power_w(self._gpu(txn, index))
+            return self._meter.power_w(self._gpu(txn, index))
 
     def energy_j(self, index: int) -> float:
         with self._transaction(write=False) as txn:
-            return self._energy_j(self._gpu(txn, index))
+            return self._meter.energy_j(self._gpu(txn, index))
 
     def lock_sm_clock(self, index: int, clock_mhz: int) -> bool:
         with self._transaction(write=True) as txn:
@@ -222,7 +224,7 @@ class EmulatedBackend(GpuBackend):
                 )
             if gpu.locked_sm_clock_mhz == clock_mhz:
                 return False
-            self._bank_energy(gpu)
+            self._meter.bank_energy(gpu)
             gpu.locked_sm_clock_mhz = clock_mhz
             txn.dirty = True
             return True
@@ -232,7 +234,7 @@ class EmulatedBackend(GpuBackend):
             gpu = self._gpu(txn, index)
             if gpu.locked_sm_clock_mhz is None:
                 return False
-            self._bank_energy(gpu)
+            self._meter.bank_energy(gpu)
             gpu.locked_sm_clock_mhz = None
             txn.dirty = True
             return True
@@ -269,7 +271,7 @@ class EmulatedBackend(GpuBackend):
                 reasons |= CLOCK_EVENT_REASONS["gpu_idle"]
             if gpu.locked_sm_clock_mhz is not None:
                 reasons |= CLOCK_EVENT_REASONS["user_defined_clocks"]
-            if self._current_clock_mhz(gpu) < self._requested_clock_mhz(gpu):
+            if self._meter.current_clock_mhz(gpu) < self._meter.requested_clock_mhz(gpu):
                 reasons |= CLOCK_EVENT_REASONS["sw_power_cap"]
             return reasons
 
@@ -296,7 +298,7 @@ class EmulatedBackend(GpuBackend):
             new = None if limit_w == self._power_limits.default_w else float(limit_w)
             if gpu.power_limit_w == new:
                 return False
-            self._bank_energy(gpu)  # the clock may change with the limit
+            self._meter.bank_energy(gpu)  # the clock may change with the limit
             gpu.power_limit_w = new
             txn.dirty = True
             return True
@@ -340,7 +342,7 @@ class EmulatedBackend(GpuBackend):
             gpu = self._gpu(txn, index, check_fault=False)
             if gpu.activity == activity:
                 return False
-            self._bank_energy(gpu)
+            self._meter.bank_energy(gpu)
             gpu.activity = activity
             txn.dirty = True
             return True
@@ -348,7 +350,7 @@ class EmulatedBackend(GpuBackend):
     def metered_energy_j(self, index: int) -> float:
         """The energy counter of :meth:`energy_j`, as a test harness reads it: no fault applies."""
         with self._transaction(write=False) as txn:
-            return self._energy_j(self._gpu(txn, index, check_fault=False))
+            return self._meter.energy_j(self._gpu(txn, index, check_fault=False))
 
     def busy_s(self, index: int) -> float:
         """Seconds the GPU has run computations since its state began (emulated telemetry)."""
@@ -371,7 +373,7 @@ class EmulatedBackend(GpuBackend):
         assert activity is not None
         with self._transaction(write=False) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
-            return self._model.time_s(activity, self._current_clock_mhz(gpu)) * gpu.slowdown
+            return self._model.time_s(activity, self._meter.current_clock_mhz(gpu)) * gpu.slowdown
 
     def instruction_rate(self, index: int, stage: int, instruction: str) -> tuple[float, float]:
         """:meth:`instruction_time_s`, and how many seconds ago the GPU's clock or activity
@@ -381,7 +383,7 @@ class EmulatedBackend(GpuBackend):
         assert activity is not None
         with self._transaction(write=False) as txn:
             gpu = self._gpu(txn, index, check_fault=False)
-            time_s = self._model.time_s(activity, self._current_clock_mhz(gpu)) * gpu.slowdown
+            time_s = self._model.time_s(activity, self._meter.current_clock_mhz(gpu)) * gpu.slowdown
             return time_s, max(0.0, self._clock() - gpu.last_change_s)
 
     def set_slowdown(self, index: int, factor: float) -> bool:
@@ -447,35 +449,6 @@ class EmulatedBackend(GpuBackend):
         if check_fault and gpu.fault is not None:
             raise gpu.fault.with_traceback(None)
         return gpu
-
-    def _requested_clock_mhz(self, gpu: GpuState) -> int:
-        return self._max_clock_mhz if gpu.locked_sm_clock_mhz is None else gpu.locked_sm_clock_mhz
-
-    def _current_clock_mhz(self, gpu: GpuState) -> int:
-        """The clock the GPU runs at: the requested one, lowered under a power limit for the
-        computation it runs (idle, it draws the blocking power whatever the clock)."""
-        requested = self._requested_clock_mhz(gpu)
-        if gpu.power_limit_w is None or gpu.activity is None:
-            return requested
-        return self._model.capped_clock_mhz(gpu.activity, requested, gpu.power_limit_w)
-
-    def _power_w(self, gpu: GpuState) -> float:
-        if gpu.activity is None:
-            return self._blocking_power_w
-        return self._model.power_w(gpu.activity, self._current_clock_mhz(gpu))
-
-    def _energy_j(self, gpu: GpuState) -> float:
-        elapsed_s = max(0.0, self._clock() - gpu.last_change_s)
-        return gpu.energy_j + self._power_w(gpu) * elapsed_s
-
-    def _bank_energy(self, gpu: GpuState) -> None:
-        """Add the energy since the last change at the current power; call before a change."""
-        now = self._clock()
-        if now > gpu.last_change_s:
-            gpu.energy_j += self._power_w(gpu) * (now - gpu.last_change_s)
-            if gpu.activity is not None:
-                gpu.busy_s += now - gpu.last_change_s
-            gpu.last_change_s = now
 
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[Transaction]:

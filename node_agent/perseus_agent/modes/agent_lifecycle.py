@@ -21,9 +21,10 @@ from typing import Protocol
 from perseus_agent.clocks.clock_owners import ClockOwnerGuard, ForeignClockPolicy
 from perseus_agent.clocks.reset_state import ResetState, StateDirBusyError, StateDirLock
 from perseus_agent.errors import AgentError, GpuError
-from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, ManagedGpu, MetricsServer
+from perseus_agent.exporter import AgentMetrics, GpuCollector, ManagedGpu
 from perseus_agent.gpu.base import GpuBackend, GpuInfo
 from perseus_agent.gpu.releasable import ReleasableBackend
+from perseus_agent.metrics_server import Health, MetricsServer
 from perseus_agent.modes.agent_config import (
     EXIT_FAILURE,
     EXIT_OK,

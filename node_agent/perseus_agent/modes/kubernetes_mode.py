@@ -23,7 +23,7 @@ from typing import Any, Final
 from perseus_agent.clocks.clock_owners import ClockOwnerGuard
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.errors import AgentError
-from perseus_agent.exporter import AgentMetrics, Health
+from perseus_agent.exporter import AgentMetrics
 from perseus_agent.gpu.releasable import ReleasableBackend
 from perseus_agent.kube import (
     KubeConfigError,
@@ -37,6 +37,7 @@ from perseus_agent.kube.plan_source import NodePlanSource
 from perseus_agent.kube.pod_watch import NodePodWatch
 from perseus_agent.kube.report_cadence import ReportCadence
 from perseus_agent.kube.report_writer import ReportWriter
+from perseus_agent.metrics_server import Health
 from perseus_agent.modes.agent_config import Config, StartupError
 from perseus_agent.modes.agent_lifecycle import Server
 from perseus_agent.modes.driver_release import DriverUpgradeGate

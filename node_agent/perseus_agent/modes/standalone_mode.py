@@ -29,8 +29,8 @@ from perseus_agent.clocks.clock_owners import ClockOwnerGuard
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import PlanError
-from perseus_agent.exporter import Health
 from perseus_agent.gpu.releasable import ReleasableBackend
+from perseus_agent.metrics_server import Health
 from perseus_agent.modes.agent_config import PLAN_POLL_S, Config
 from perseus_agent.modes.agent_lifecycle import Server
 from perseus_agent.profiling.profiler import profile_csv

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -112,7 +112,6 @@ class BudgetDecision:
     retargets: tuple[Retarget, ...]
     memo: BudgetMemo
     resolved: str | None = None  # why the allocation was solved again (None: it stood)
-    events: tuple[tuple[str, str, str], ...] = field(default=())  # (type, reason, message)
 
 
 def resolve_reason(
@@ -165,7 +164,6 @@ def decide_budget(
     band_w = spec.rebalance_band_ratio * spec.budget_watts
     reason = resolve_reason(memo, generation, jobs, unmanaged_w, band_w)
     retargets: list[Retarget] = []
-    events: list[tuple[str, str, str]] = []
     if reason is None:
         assert memo is not None
         new_memo = memo
@@ -194,12 +192,9 @@ def decide_budget(
             assigned,
             result.missing_w,
         )
-        events.append(
-            ("Normal", "Allocated", f"{reason}: {len(retargets)} of {len(jobs)} job(s) re-targeted")
-        )
     status = _status(spec, generation, jobs, new_memo, unmanaged_w, measured_w, nodes, previous,
                      sorted(set(overlapping_nodes)))  # fmt: skip
-    return BudgetDecision(status, tuple(retargets), new_memo, reason, tuple(events))
+    return BudgetDecision(status, tuple(retargets), new_memo, reason)
 
 
 def _with_hysteresis(

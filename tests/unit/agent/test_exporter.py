@@ -14,7 +14,8 @@ from prometheus_client.samples import Sample
 from perseus_agent.clocks.reset_state import ResetState
 from perseus_agent.control.applier import PlanApplier
 from perseus_agent.errors import GpuLostError
-from perseus_agent.exporter import AgentMetrics, GpuCollector, Health, ManagedGpu, MetricsServer
+from perseus_agent.exporter import AgentMetrics, GpuCollector, ManagedGpu
+from perseus_agent.metrics_server import Health, MetricsServer
 from perseus_api.node_plan import NodePlan
 from support.factories import pipeline_plan_fields
 from support.fake_gpu import FakeBackend
