@@ -23,6 +23,7 @@ import kopf
 from perseus_api import resources
 from perseus_api.conventions import parse_rfc3339
 from perseus_api.job import JOB_PLURAL
+from perseus_api.job_status import PerseusJobStatus
 from perseus_api.policy import POLICY_PLURAL
 from perseus_api.power_budget import BUDGET_PLURAL
 from perseus_operator.cluster.cluster_index import (
@@ -78,6 +79,8 @@ class _Job:
     written: dict[str, Any] | None = None
     """The status this process last decided for the job (uid ``written_uid``)."""
     written_uid: str = ""
+    written_from: PerseusJobStatus | None = None
+    """The status ``written`` was dumped from."""
     node_plan_writes: PlanWrites = field(default_factory=PlanWrites)
     """Its node plan writes the index has not shown yet."""
 
@@ -341,8 +344,12 @@ async def _reconcile(
             outcome = await reconcile(
                 current, io, state.planner, job.memo, default_policy=DEFAULT_POLICY
             )
-        # Dumped once: what is kept for the next tick is what the patch is made of.
-        written = job.written = outcome.status.model_dump(mode="json", by_alias=True)
+        # Dumped once, and not again for the status object a quiet step hands back (decisions
+        # edit a copy, never a status they were given): the patch is made of what is kept.
+        if outcome.status is not job.written_from or job.written is None:
+            job.written = outcome.status.model_dump(mode="json", by_alias=True)
+            job.written_from = outcome.status
+        written = job.written
         job.written_uid = str(raw["metadata"].get("uid") or "")
     # Against what the API showed: a status patch kopf could not apply is written again.
     _patch(raw, patch, outcome, written)
