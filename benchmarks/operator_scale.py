@@ -104,7 +104,7 @@ if importlib.util.find_spec("perseus_agent") is None:
 from perseus_agent.kube.report_cadence import ReportCadence, write_due  # noqa: E402
 from perseus_api import resources  # noqa: E402
 from perseus_api.job import WorkloadKind  # noqa: E402
-from perseus_api.job_status import Phase  # noqa: E402
+from perseus_api.job_status import PerseusJobStatus, Phase  # noqa: E402
 from perseus_operator.cluster.cluster_index import (  # noqa: E402
     IndexedJobIO,
     IndexedObject,
@@ -496,6 +496,8 @@ class SimJob:
     injection: Injection | None = None
     plan_writes: PlanWrites = field(default_factory=PlanWrites)
     last_outcome: Outcome | None = None
+    written: dict[str, Any] | None = None
+    written_from: PerseusJobStatus | None = None
     """Its last step's outcome (for :func:`adapter_cpu_s`)."""
 
     def slow_dp(self, now: float) -> int | None:
@@ -760,7 +762,10 @@ class Simulation:
     def patch(job: SimJob, outcome: Outcome) -> tuple[bool, bool]:
         """The status and annotation patch of the handler, applied to the stored body; says
         whether each was not empty (kopf would send it to the API)."""
-        new = outcome.status.model_dump(mode="json", by_alias=True)
+        if outcome.status is not job.written_from or job.written is None:  # as the handler
+            job.written = outcome.status.model_dump(mode="json", by_alias=True)
+            job.written_from = outcome.status
+        new = job.written
         status = job.body.setdefault("status", {})
         status_patched = False
         for key, value in new.items():
