@@ -121,6 +121,9 @@ class _StageModel:
         self.times: list[npt.NDArray[np.float64]] = []
         self.energies: list[npt.NDArray[np.float64]] = []
         self.nodes: list[IntArray] = []
+        self.busy_j: list[list[float]] = []  # per stage, per clock: its computations' energy
+        self.busy_s: list[list[float]] = []  # and time
+        self._evaluated: dict[tuple[int, ...], tuple[int, float, float]] = {}
         for stage, order in enumerate(dag.stage_order):
             # Every model stage and instruction this GPU runs (several with virtual stages or
             # a split backward) must be profiled at the clock it is locked to.
@@ -146,19 +149,30 @@ class _StageModel:
             self.times.append(t)
             self.energies.append(e)
             self.quant.append(np.floor_divide(t, unit).astype(np.int64))
+            # Each clock's sums, once: evaluate() runs thousands of times per plan (the
+            # coordinate descent), and these sums were most of its time. Summed row by row
+            # as evaluate() did, so every float is the same.
+            self.busy_j.append([float(row.sum()) for row in e])
+            self.busy_s.append([float(row.sum()) for row in t])
 
     def evaluate(self, picks: list[int], until_quant: int = 0) -> tuple[int, float]:
         """Quantized makespan and energy (blocking included, until the makespan or
         ``until_quant``, whichever is later) for clock index per stage."""
         p = self.problem
-        dur = np.empty(p.dag.num_nodes, dtype=np.int64)
-        busy_j = 0.0
-        busy_s = 0.0
-        for s, k in enumerate(picks):
-            dur[self.nodes[s]] = self.quant[s][k]
-            busy_j += float(self.energies[s][k].sum())
-            busy_s += float(self.times[s][k].sum())
-        makespan = p.makespan(dur)
+        key = tuple(picks)
+        known = self._evaluated.get(key)
+        if known is None:
+            # The descents try the same picks again and again (each pass, each start, each
+            # guide): the critical path of each is computed once.
+            dur = np.empty(p.dag.num_nodes, dtype=np.int64)
+            busy_j = 0.0
+            busy_s = 0.0
+            for s, k in enumerate(picks):
+                dur[self.nodes[s]] = self.quant[s][k]
+                busy_j += self.busy_j[s][k]
+                busy_s += self.busy_s[s][k]
+            known = self._evaluated[key] = (p.makespan(dur), busy_j, busy_s)
+        makespan, busy_j, busy_s = known
         time_s = max(makespan, until_quant) * p.unit_time_s
         return makespan, busy_j + p.blocking_power_w * (p.num_stages * time_s - busy_s)
 
