@@ -446,9 +446,7 @@ def test_an_old_operators_node_plan_survives_the_upgrade(cluster: Cluster, names
     )
     # What an old operator wrote: the snake_case spec of its day, without the fields added
     # since (an assignment's power limit), which the old CRD would prune.
-    old_spec = plan.model_dump(
-        mode="json", exclude={"assignments": {"__all__": {"power_limit_w"}}}
-    )
+    old_spec = plan.model_dump(mode="json", exclude={"assignments": {"__all__": {"power_limit_w"}}})
     old = {**resources.node_plan_object(plan), "spec": old_spec}
     where = node_plan_where(namespace, plan.job, plan.node)
     _install_node_plan_crd(cluster, old_crd, camel_case_valid=False)
