@@ -33,6 +33,8 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.metrics import MetricWrapperBase  # noqa: E402
 from prometheus_client.registry import Collector  # noqa: E402
 
+from perseus_api.crd_reference import write_page  # noqa: E402
+
 DEFAULT_OUT: Final = Path("docs/reference/metrics.md")
 
 UNITS: Final = {
@@ -241,16 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / DEFAULT_OUT)
     parser.add_argument("--check", action="store_true", help="fail if the page is stale")
     args = parser.parse_args(argv)
-    text = page()
-    if args.check:
-        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-        if current != text:
-            print(f"{args.out} is stale: run python scripts/metrics_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
-    return 0
+    return write_page(
+        args.out, page(), check=args.check, regenerate="python scripts/metrics_reference.py"
+    )
 
 
 if __name__ == "__main__":

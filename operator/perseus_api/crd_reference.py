@@ -129,18 +129,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"file ({DEFAULT_OUT})")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
     args = parser.parse_args(argv)
-    text = page()
-    if args.check:
-        current = args.out.read_text(encoding="utf-8") if args.out.is_file() else ""
+    return write_page(
+        args.out, page(), check=args.check, regenerate="python -m perseus_api.crd_reference"
+    )
+
+
+def write_page(out: Path, text: str, *, check: bool, regenerate: str) -> int:
+    """Write a generated reference page, or with ``check`` exit status 1 (naming the command
+    ``regenerate`` that rewrites it) when the committed page differs; returns the exit status."""
+    if check:
+        current = out.read_text(encoding="utf-8") if out.is_file() else ""
         if current != text:
-            print(
-                f"{args.out} is stale; regenerate it: python -m perseus_api.crd_reference",
-                file=sys.stderr,
-            )
+            print(f"{out} is stale; regenerate it: {regenerate}", file=sys.stderr)
             return 1
         return 0
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}")
     return 0
 
 

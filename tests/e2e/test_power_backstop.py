@@ -20,10 +20,8 @@ plans from a stored profile (no training process is needed for Stage clocks). Th
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,23 +96,10 @@ def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cluster.plane.apply(
         [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}]
     )
-    agents = []
+    agents = cluster.node_agents(stack, workdir, NODES, GPUS, socket_prefix="perseus-")
     for node in NODES:
-        cluster.node(node, GPUS)
         labels = {NODE_GPU_PRODUCT_LABEL: PRODUCT, RACK_LABEL: "r1"}
         cluster.core.patch_node(node, {"metadata": {"labels": labels}})
-        (workdir / node).mkdir()
-        socket_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="perseus-")))
-        agents.append(
-            Agent(
-                workdir / node,
-                socket_dir,
-                num_gpus=GPUS,
-                kubeconfig=cluster.agent_kubeconfig(node),
-                node=node,
-                log_level="info",
-            )
-        )
     operator = OperatorProcess(
         cluster.operator_kubeconfig, extra_env={"PERSEUS_OPERATOR_BUDGET_INTERVAL_S": "1"}
     )

@@ -2,8 +2,8 @@
 training, measured by a real Prometheus.
 
 Set-up: one power domain (the nodes labelled ``topology.example.com/rack=e2e``) of three nodes:
-``gpu-node-0`` and ``gpu-node-1`` with four emulated GPUs each (the bundled GPT-3 / A100
-profile's first four stages) and ``gpu-node-idle`` with two GPUs no job uses (they idle at
+``budget-node-0`` and ``budget-node-1`` with four emulated GPUs each (the bundled GPT-3 / A100
+profile's first four stages) and ``budget-node-idle`` with two GPUs no job uses (they idle at
 blocking power: the unmanaged draw). A node agent process on each, in Kubernetes mode, asks a
 kubelet stand-in which GPUs a pod owns. Two trainings (``perseus_emulation.job``, one pipeline
 of four stages each, with the client hooks), one per node, and two PerseusJobs of them planned
@@ -58,8 +58,8 @@ except ImportError:  # pragma: no cover - the test extra installs both
 
 NAMESPACE = "power"
 RACK = {"topology.example.com/rack": "e2e"}
-JOBS = {"job-a": "gpu-node-0", "job-b": "gpu-node-1"}  # one pipeline per node
-IDLE_NODE, IDLE_GPUS = "gpu-node-idle", 2  # in the domain, no job: the unmanaged draw
+JOBS = {"job-a": "budget-node-0", "job-b": "budget-node-1"}  # one pipeline per node
+IDLE_NODE, IDLE_GPUS = "budget-node-idle", 2  # in the domain, no job: the unmanaged draw
 MICROBATCHES = 4  # an iteration of ~1.0 s: more iterations per minute than the 8 of the others
 BUDGET = "rack-e2e"
 WINDOW_S = 10  # the budget's averaging window (the CRD's least)
