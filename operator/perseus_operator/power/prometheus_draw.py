@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from http.client import HTTPResponse
 from typing import Any, Final
 
 __all__ = [
@@ -120,14 +122,17 @@ class PrometheusDraw:
         """
         query = urllib.parse.urlencode({"query": draw_query(window_s)})
         url = f"{self.url}/api/v1/query?{query}"
+        deadline = time.monotonic() + self._timeout_s
         try:
             with self._opener.open(url, timeout=self._timeout_s) as response:
-                body = response.read(self._max_bytes + 1)
+                body = _read_until(response, self._max_bytes + 1, deadline)
         except urllib.error.HTTPError as exc:
             detail = exc.read(2000).decode(errors="replace")
             raise PrometheusDrawError(f"HTTP {exc.code} from {self.url}: {detail}") from None
         except (OSError, ValueError) as exc:  # URLError, timeouts and resets are OSErrors
             raise PrometheusDrawError(f"cannot query {self.url}: {exc}") from None
+        if body is None:
+            raise PrometheusDrawError(f"{self.url} took over {self._timeout_s:g} s to answer")
         if len(body) > self._max_bytes:
             raise PrometheusDrawError(f"the answer of {self.url} is over {self._max_bytes} bytes")
         try:
@@ -137,3 +142,22 @@ class PrometheusDraw:
         if not isinstance(payload, Mapping):
             raise PrometheusDrawError(f"the answer of {self.url} is not a JSON object")
         return parse_draw(payload)
+
+
+_CHUNK_BYTES: Final = 64 * 1024
+
+
+def _read_until(response: HTTPResponse, max_bytes: int, deadline: float) -> bytes | None:
+    """Up to ``max_bytes`` of ``response``, or None past ``deadline``: the socket timeout bounds
+    each read, not the answer, which a server sending a byte at a time could stretch."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < max_bytes:
+        if time.monotonic() > deadline:
+            return None
+        chunk = response.read1(min(_CHUNK_BYTES, max_bytes - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

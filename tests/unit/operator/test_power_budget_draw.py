@@ -207,6 +207,30 @@ def test_a_server_that_does_not_answer_times_out() -> None:
     assert time.monotonic() - started < 5  # bounded by the timeout, not the server
 
 
+def test_a_server_that_drips_its_answer_is_cut_at_the_timeout() -> None:
+    """Each byte comes within the socket timeout; the whole answer would take 30 s."""
+    release = threading.Event()
+
+    def respond(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "300")
+        handler.end_headers()
+        for _ in range(300):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            if release.wait(0.1):
+                return
+
+    with _server(respond) as url:
+        started = time.monotonic()
+        try:
+            with pytest.raises(PrometheusDrawError, match=r"took over 0\.5 s"):
+                PrometheusDraw(url, timeout_s=0.5).draw(30)
+        finally:
+            release.set()
+    assert time.monotonic() - started < 5  # bounded by the timeout, not the server
+
+
 def test_a_url_that_is_not_http_is_refused() -> None:
     with pytest.raises(ValueError, match="not an http"):
         PrometheusDraw("prometheus:9090")
