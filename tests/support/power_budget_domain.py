@@ -110,19 +110,24 @@ class Domain:
         )
 
     def events(self) -> list[Any]:
-        """The Events on the budget, oldest first (in any namespace, as kubectl describe
-        finds them)."""
+        """The Events on this budget object, oldest first (in any namespace, as kubectl
+        describe finds them). Selected by uid: Events outlive their object by an hour, and
+        another test's budget of the same name would otherwise speak here."""
+        uid = self.budget()["metadata"]["uid"]
         items = self.cluster.core.list_event_for_all_namespaces(
             field_selector=(
-                f"involvedObject.name={self.budget_name},involvedObject.kind=PerseusPowerBudget"
+                f"involvedObject.name={self.budget_name},involvedObject.kind=PerseusPowerBudget,"
+                f"involvedObject.uid={uid}"
             )
         ).items
         return sorted(items, key=lambda e: e.metadata.creation_timestamp)
 
     def has_budget(self) -> bool:
+        """Whether this domain's budget exists (other tests' budgets may share the cluster)."""
         items = self.cluster.custom.list_cluster_custom_object(
-            resources.GROUP, resources.VERSION, BUDGET_PLURAL
-        )["items"]
+            resources.GROUP, resources.VERSION, BUDGET_PLURAL,
+            field_selector=f"metadata.name={self.budget_name}",
+        )["items"]  # fmt: skip
         return bool(items)
 
     # -- writing --
