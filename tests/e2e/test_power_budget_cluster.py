@@ -37,16 +37,11 @@ from perseus_api import resources
 from perseus_api.power_budget import BUDGET_PLURAL
 from perseus_operator.jobs.profile_source import PROFILE_KEY
 from perseus_operator.workloads.objects import PYTORCH_CONTAINER
-from perseus_operator.workloads.pods import (
-    GPU_RESOURCE,
-    PYTORCH_JOB_NAME,
-    PYTORCH_REPLICA_INDEX,
-    PYTORCH_REPLICA_TYPE,
-)
 from support.agent_process import Agent
 from support.cluster_harness import Cluster, require
 from support.dashboard_queries import scrape_jobs
 from support.emulated_training import BLOCKING_W, GPUS, STAGES, Training
+from support.emulated_training_objects import pytorch_job, training_pod
 from support.operator_harness import OperatorProcess, cut_profile
 from support.power_budget_domain import Domain
 from support.prometheus_server import PROMETHEUS, free_port, running_prometheus
@@ -74,34 +69,6 @@ MARGIN = 0.05  # the budget's default safety margin
 # than at 85 %. 3 points keeps a point above the worst of those, and well below what it checks
 # (planned slowdowns of 3-14 %, steps of 5 % and more).
 SLOWDOWN_TOLERANCE = 0.03
-
-
-def _pytorch_job(name: str) -> dict[str, Any]:
-    replica = {
-        "replicas": 1,
-        "template": {"spec": {"containers": [{"name": PYTORCH_CONTAINER, "image": "trainer"}]}},
-    }
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"pytorchReplicaSpecs": {"Master": replica}},
-    }
-
-
-def _pod(job: str, node: str) -> dict[str, Any]:
-    labels = {PYTORCH_JOB_NAME: job, PYTORCH_REPLICA_TYPE: "master", PYTORCH_REPLICA_INDEX: "0"}
-    container = {
-        "name": PYTORCH_CONTAINER,
-        "image": "trainer",
-        "resources": {"limits": {GPU_RESOURCE: str(GPUS)}},
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"{job}-master-0", "namespace": NAMESPACE, "labels": labels},
-        "spec": {"nodeName": node, "containers": [container]},
-    }
 
 
 def _perseus_job(name: str) -> dict[str, Any]:
@@ -229,9 +196,12 @@ def test_the_jobs_run_at_t_min_under_no_budget(domain: Domain) -> None:
     custom, core = d.cluster.custom, d.cluster.core
     for job, node in JOBS.items():
         custom.create_namespaced_custom_object(
-            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", _pytorch_job(job)
+            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs",
+            pytorch_job(job, namespace=NAMESPACE, replica_types=("Master",)),
+        )  # fmt: skip
+        pod = core.create_namespaced_pod(
+            NAMESPACE, training_pod(job, "master", node, namespace=NAMESPACE)
         )
-        pod = core.create_namespaced_pod(NAMESPACE, _pod(job, node))
         core.patch_namespaced_pod_status(
             pod.metadata.name, NAMESPACE, {"status": {"phase": "Running"}}
         )

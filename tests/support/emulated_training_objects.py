@@ -18,7 +18,9 @@ from support.emulated_training import BLOCKING_W, GPUS, MICROBATCHES, REPLICAS, 
 NAMESPACE = "ml"
 
 
-def pytorch_job(name: str) -> dict[str, Any]:
+def pytorch_job(
+    name: str, *, namespace: str = NAMESPACE, replica_types: tuple[str, ...] = ("Master", "Worker")
+) -> dict[str, Any]:
     replica = {
         "replicas": 1,
         "template": {"spec": {"containers": [{"name": PYTORCH_CONTAINER, "image": "trainer"}]}},
@@ -26,19 +28,21 @@ def pytorch_job(name: str) -> dict[str, Any]:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"pytorchReplicaSpecs": {"Master": replica, "Worker": replica}},
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"pytorchReplicaSpecs": dict.fromkeys(replica_types, replica)},
     }
 
 
-def training_pod(job: str, replica_type: str, node: str) -> dict[str, Any]:
+def training_pod(
+    job: str, replica_type: str, node: str, *, namespace: str = NAMESPACE
+) -> dict[str, Any]:
     """A pod as the training operator makes it, bound to ``node`` as the scheduler would."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": f"{job}-{replica_type}-0",
-            "namespace": NAMESPACE,
+            "namespace": namespace,
             "labels": {
                 PYTORCH_JOB_NAME: job,
                 PYTORCH_REPLICA_TYPE: replica_type,
