@@ -192,6 +192,15 @@ def test_the_chart_wants_kubernetes_1_30_as_the_readme_says() -> None:
     assert not new["messages"], new
 
 
+def test_artifact_hub_lists_every_crd_the_chart_ships() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    listed = yaml.safe_load(chart["annotations"]["artifacthub.io/crds"])
+    shipped = [yaml.safe_load(p.read_text()) for p in sorted((CHART / "crds").glob("*.yaml"))]
+    assert sorted(c["kind"] for c in listed) == sorted(c["spec"]["names"]["kind"] for c in shipped)
+    for crd in listed:
+        assert crd["version"] == "v1alpha1" and crd["description"], crd
+
+
 def test_helm_refuses_a_cluster_older_than_1_30() -> None:
     helm = os.environ.get("PERSEUS_HELM_BIN") or shutil.which("helm")
     if not helm:
