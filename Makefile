@@ -8,14 +8,18 @@ OUT    ?= out/plan
 
 .PHONY: demo test docs reference lint typecheck unit torch frameworks check-chart images bench bench-large bench-agent bench-operator bench-apiserver bench-schedules reproduce clean
 
-$(STAMP): pyproject.toml
+# The dependencies the images ship are installed at the images' pins (scripts/image_constraints.py
+# writes them): the tests run what ships, and a new upstream release cannot make a fresh
+# machine's environment differ from the pins (`make images` checks them). To move a pin:
+# `pip install -U NAME` in the venv, then run scripts/image_constraints.py.
+$(STAMP): pyproject.toml scripts/image-constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# `make demo` makes its venv without pip when the host's can install into it.
 	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip --default-pip
 	# setuptools >= 77 reads the SPDX license field; the packaging test builds the client with
 	# the venv's own (no build isolation), and a fresh venv comes with 65.5.
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c scripts/image-constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 # torch for the adapter's real-training tests (the `torch` extra), kept out of `dev`: with its
