@@ -45,7 +45,8 @@ from support.operator_harness import OperatorProcess, cut_profile
 
 NAMESPACE = "ml"  # the chart's RBAC and the training's pods are set up for it
 JOB = "observed"
-MODEL = "gpt3-175b"
+MODEL = "gpt3-175b-observe"  # its own: the cluster is shared, and a stored profile of
+# another test's model in this namespace would end step 1 (ProfileRequired) before it starts
 PRODUCT = "NVIDIA-A100-SXM4-80GB"
 NODES = [f"observe-node-{i}" for i in range(REPLICAS)]
 TIMEOUT_S = 120.0

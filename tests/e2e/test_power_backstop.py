@@ -50,7 +50,7 @@ from support.operator_harness import OperatorProcess, cut_profile
 NAMESPACE = "ml"  # the chart's RBAC is set up for it
 JOB = "backstopped"
 BUDGET = "rack-backstop"
-MODEL = "gpt3-175b"
+MODEL = "gpt3-175b-backstop"  # its own: the profile it stores stays in the shared namespace
 PRODUCT = "NVIDIA-A100-SXM4-80GB"
 RACK_LABEL = "topology.example.com/rack"
 NODES = [f"backstop-node-{i}" for i in range(REPLICAS)]
