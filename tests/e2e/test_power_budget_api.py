@@ -27,8 +27,12 @@ from support.cluster_harness import Cluster
 from support.factories import pipeline_plan_fields
 from support.operator_harness import perseus_job
 
+# Its own namespace, node, rack and budget: the e2e cluster is shared, and the budget e2e
+# (test_power_budget_cluster.py) has a domain of budget-node-* nodes of rack e2e.
 NAMESPACE = "budget-api"
-NODE = "budget-node-0"
+NODE = "budget-api-node"
+RACK = {"topology.example.com/rack": "budget-api"}
+BUDGET = "rack-budget-api"
 STAGES = 8
 GROUP, VERSION = resources.GROUP, resources.VERSION
 START_S = 1_800_000_000.0
@@ -54,7 +58,7 @@ def test_the_controller_writes_an_infeasible_status_and_retargets_as_the_operato
     cluster.plane.apply([{"apiVersion": "v1", "kind": "Namespace",
                           "metadata": {"name": NAMESPACE}}])  # fmt: skip
     cluster.node(NODE, STAGES)
-    cluster.core.patch_node(NODE, {"metadata": {"labels": {"topology.example.com/rack": "e2e"}}})
+    cluster.core.patch_node(NODE, {"metadata": {"labels": RACK}})
     custom = cluster.custom
     custom.create_namespaced_custom_object(
         GROUP, VERSION, NAMESPACE, "perseusjobs",
@@ -103,10 +107,10 @@ def test_the_controller_writes_an_infeasible_status_and_retargets_as_the_operato
             {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": "PerseusPowerBudget",
-                "metadata": {"name": "rack-e2e"},
+                "metadata": {"name": BUDGET},
                 "spec": {
                     "budgetWatts": budget_w,
-                    "nodeSelector": {"matchLabels": {"topology.example.com/rack": "e2e"}},
+                    "nodeSelector": {"matchLabels": RACK},
                 },
             },
         )  # fmt: skip
@@ -115,7 +119,7 @@ def test_the_controller_writes_an_infeasible_status_and_retargets_as_the_operato
         report(least_w * 30.0)
         asyncio.run(controller.sync())
 
-        stored = custom.get_cluster_custom_object(GROUP, VERSION, BUDGET_PLURAL, "rack-e2e")
+        stored = custom.get_cluster_custom_object(GROUP, VERSION, BUDGET_PLURAL, BUDGET)
         status = stored["status"]
         conditions = {c["type"]: c for c in status["conditions"]}
         assert conditions["Infeasible"]["status"] == "True"
@@ -127,7 +131,7 @@ def test_the_controller_writes_an_infeasible_status_and_retargets_as_the_operato
         assert (job["namespace"], job["name"], job["gpus"]) == (NAMESPACE, "gpt3", STAGES)
         assert float(annotation() or 0) > frontier.times_s.min()
 
-        custom.delete_cluster_custom_object(GROUP, VERSION, BUDGET_PLURAL, "rack-e2e")
+        custom.delete_cluster_custom_object(GROUP, VERSION, BUDGET_PLURAL, BUDGET)
         asyncio.run(controller.sync())
         assert annotation() is None
     finally:
